@@ -1,0 +1,58 @@
+# Two commands on a fresh machine: `make run` and `make test`. Everything else is optional.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.oelm-installed
+TORCH_PIN ?= torch==2.13.0
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# pip warns about every missing local mirror folder; keep the real errors visible
+PIPFILTER := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+RUN_OUT ?= runs/qk-freeze
+
+.PHONY: all setup run test test-fast sync-check nbtest pytest docs lab clean
+
+all: test
+
+# torch first (the pinned CPU/CUDA wheel), then the package with its dev extras, so the
+# package's torch range is already satisfied and pip never pulls another torch build.
+$(STAMP): settings.ini setup.py
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "[setup] installing $(TORCH_PIN) into $(VENV)"
+	@set -o pipefail; $(PIP) install "$(TORCH_PIN)" $(PIPFILTER)
+	@echo "[setup] installing oelm_nb[dev] (editable)"
+	@set -o pipefail; $(PIP) install -e ".[dev]" $(PIPFILTER)
+	@$(BIN)/python -c "import torch, oelm_nb, nbdev, papermill; print('[setup] ok: torch', torch.__version__, '| oelm_nb', oelm_nb.__version__)"
+	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (oelm_nb)" >/dev/null
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job: the Q/K freeze study on the embedded corpus, ending in a report.
+run: $(STAMP)
+	$(BIN)/oelm run qk-freeze --preset tiny --out $(RUN_OUT)
+
+# Notebooks clean and exported in sync, then the notebooks' own checks, then pytest.
+test: $(STAMP) sync-check nbtest pytest
+	@echo "[test] all checks passed"
+
+sync-check: $(STAMP)
+	@PATH="$(abspath $(BIN)):$$PATH" bash tools/check_sync.sh
+
+nbtest: $(STAMP)
+	@echo "[test] nbdev_test (cells flagged slow/cuda are skipped)"
+	@cd nbs && ../$(BIN)/nbdev_test --n_workers 2 --timing
+
+pytest: $(STAMP)
+	@echo "[test] pytest"
+	@$(BIN)/python -m pytest -n 2 -q tests
+
+docs: $(STAMP)
+	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py
+
+lab: $(STAMP)
+	$(BIN)/jupyter trust nbs/*.ipynb nbs/experiments/*.ipynb nbs/reports/*.ipynb >/dev/null 2>&1 || true
+	$(BIN)/jupyter lab --notebook-dir=nbs
+
+clean:
+	rm -rf _docs _proc _mkdocs build dist *.egg-info .pytest_cache
