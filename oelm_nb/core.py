@@ -34,6 +34,18 @@ class ConfigBase:
     "Shared behaviour of the configuration dataclasses: dict/JSON round trip and validated `replace`."
     def to_dict(self) -> dict: return asdict(self)
 
+    def check_types(self):
+        "Check each field against its annotation (int, float, bool, str, tuple, optionally `| None`), before range checks."
+        for f in fields(self):
+            v, ann = getattr(self, f.name), str(f.type)
+            if v is None and 'None' in ann: continue
+            kind = ann.split('|')[0].strip()
+            if kind == 'tuple' and isinstance(v, list): v = tuple(v); setattr(self, f.name, v)
+            if kind == 'float' and isinstance(v, int) and not isinstance(v, bool): v = float(v); setattr(self, f.name, v)
+            ok = {'int': isinstance(v, int) and not isinstance(v, bool), 'float': isinstance(v, float), 'bool': isinstance(v, bool),
+                  'str': isinstance(v, str), 'tuple': isinstance(v, tuple)}.get(kind, True)
+            if not ok: raise ConfigError(f"{type(self).__name__}.{f.name}={v!r} is invalid: must be of type {ann}, got {type(v).__name__}")
+
     @classmethod
     def field_names(cls) -> list[str]: return [f.name for f in fields(cls)]
 
@@ -83,6 +95,7 @@ class ModelConfig(ConfigBase):
 
     def __post_init__(self):
         c = 'ModelConfig'
+        self.check_types()
         for name in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd'):
             v = getattr(self, name)
             check(isinstance(v, int) and v > 0, c, name, v, 'must be a positive integer')
@@ -155,6 +168,7 @@ class TrainConfig(ConfigBase):
 
     def __post_init__(self):
         c = 'TrainConfig'
+        self.check_types()
         for name in ('max_steps', 'batch_size', 'grad_accum', 'eval_batches', 'log_every'):
             v = getattr(self, name)
             check(isinstance(v, int) and v > 0, c, name, v, 'must be a positive integer')
@@ -194,6 +208,7 @@ class DataConfig(ConfigBase):
 
     def __post_init__(self):
         c = 'DataConfig'
+        self.check_types()
         check(isinstance(self.source, str) and self.source != '', c, 'source', self.source, "give 'synthetic', 'tinystories' or a path")
         check(isinstance(self.vocab_size, int) and 256 < self.vocab_size, c, 'vocab_size', self.vocab_size,
               'must be an integer above 256 (byte-level BPE starts from 256 byte tokens)')

@@ -99,6 +99,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         if init_seed is None: init_seed = int(torch.randint(0, 2**62, ()).item())
+        if not 0 <= init_seed < 2**62: raise ConfigError(f'init_seed={init_seed} must be in [0, 2**62)')
         self.transformer = nn.ModuleDict(dict(
             tok=TokenEmbedding(cfg),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
@@ -149,7 +150,7 @@ class GPT(nn.Module):
         for block in self.transformer.h: x = block(x)
         x = self.transformer.tok.to_table_space(self.transformer.ln_f(x))  # (B, T, k)
         logits = self.lm_head(x)  # (B, T, V)
-        loss = None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @classmethod

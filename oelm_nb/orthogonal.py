@@ -23,7 +23,8 @@ def init_orthogonal_(tensor: torch.Tensor, # 2-D weight to fill in place, shape 
     "Fill `tensor` with a (semi-)orthogonal matrix: QR of a Gaussian with the sign fix q *= sign(diag(r))."
     if tensor.ndim != 2: raise ValueError(f"init_orthogonal_ needs a 2-D tensor, got shape {tuple(tensor.shape)}")
     rows, cols = tensor.shape
-    flat = torch.randn(rows, cols, generator=generator, dtype=torch.float32)
+    work = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32  # QR needs fp32/fp64
+    flat = torch.randn(rows, cols, generator=generator, dtype=work)
     if rows < cols: flat = flat.T  # QR wants a tall matrix
     q, r = torch.linalg.qr(flat)   # q: (max, min) with orthonormal columns
     q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)

@@ -64,7 +64,7 @@ def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, st
                   out_dir=str(job.run_dir.resolve()), data_dir=str(Path(data_dir).resolve()), overrides=json.dumps(overrides or {}),
                   nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(study).notebook)
-    cmd = [sys.executable, '-m', 'papermill', str(nb_in), str(job.run_dir / 'train_lm.ipynb'), '-k', 'python3',
+    cmd = [sys.executable, '-m', 'papermill', str(nb_in), str(job.run_dir / 'train_lm.ipynb'), '-k', 'python3', '--language', 'python',
            '--cwd', str(job.run_dir), '--no-progress-bar', '-y', json.dumps(params)]
     env = dict(os.environ)
     if gpu_set: env['CUDA_VISIBLE_DEVICES'] = ','.join(gpu_set)
@@ -141,7 +141,7 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
     batch = read_json(run_dir / 'batch.json') or {}
     st = get_study(study or batch.get('study', 'qk-freeze'))
     nb_out = run_dir / 'report.ipynb'
-    cmd = [sys.executable, '-m', 'papermill', str(notebook_path(st.report)), str(nb_out), '-k', 'python3',
+    cmd = [sys.executable, '-m', 'papermill', str(notebook_path(st.report)), str(nb_out), '-k', 'python3', '--language', 'python',
            '--cwd', str(run_dir), '--no-progress-bar', '-p', 'run_dir', str(run_dir)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
