@@ -145,13 +145,16 @@ def read_json(path) -> dict | None:
     except (FileNotFoundError, json.JSONDecodeError): return None
 
 def generate_samples(model: GPT, tokenizer, prompts: list[str], max_new_tokens: int = 40, seed: int = 0) -> list[str]:
-    "Greedy-ish samples (temperature 0.7, top-k 20) from `prompts`, decoded."
+    "Samples (temperature 0.7, top-k 20) continuing `prompts`, cut at the end of the story, decoded."
     dev = next(model.parameters()).device
     g = torch.Generator(device=dev).manual_seed(seed)
     out = []
     for p in prompts:
         ids = torch.tensor([tokenizer.encode(p)], device=dev)
-        out.append(tokenizer.decode(model.generate(ids, max_new_tokens, temperature=0.7, top_k=20, generator=g)[0].tolist()))
+        ids = model.generate(ids, max_new_tokens, temperature=0.7, top_k=20, generator=g)[0].tolist()
+        eot = getattr(tokenizer, 'eot_id', None)
+        if eot in ids: ids = ids[:ids.index(eot)]  # one story: stop at the end-of-text token
+        out.append(tokenizer.decode(ids))
     return out
 
 SAMPLE_PROMPTS = ['Once upon a time, there was a', 'One day,']

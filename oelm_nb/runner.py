@@ -146,7 +146,7 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"the report notebook failed; see {nb_out}:\n{(_error_from_notebook(nb_out) or res.stderr[-2000:])}")
-    res = subprocess.run([sys.executable, '-m', 'nbconvert', '--to', 'html', '--no-input', '--output', 'report.html', str(nb_out)],
+    res = subprocess.run([sys.executable, '-m', 'nbconvert', '--to', 'html', '--no-input', '--TemplateExporter.exclude_raw=True', '--output', 'report.html', str(nb_out)],
                          capture_output=True, text=True)
     if res.returncode != 0: raise RuntimeError(f"converting {nb_out} to HTML failed:\n{res.stderr[-2000:]}")
     log(f'[oelm run] report: {run_dir / "report.html"}')
