@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 PIPFILTER := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 RUN_OUT ?= runs/qk-freeze
 
-.PHONY: all setup run test test-fast sync-check nbtest pytest docs lab clean
+.PHONY: all setup run test test-fast sync-check readme-check nbtest pytest docs readme lab clean
 
 all: test
 
@@ -30,10 +30,10 @@ setup: $(STAMP)
 
 # The main job: the Q/K freeze study on the embedded corpus, ending in a report.
 run: $(STAMP)
-	$(BIN)/oelm run qk-freeze --preset tiny --out $(RUN_OUT)
+	$(BIN)/oelm run qk-freeze --preset tiny --seeds 0 1 --jobs 2 --out $(RUN_OUT)
 
 # Notebooks clean and exported in sync, then the notebooks' own checks, then pytest.
-test: $(STAMP) sync-check nbtest pytest
+test: $(STAMP) sync-check readme-check nbtest pytest
 	@echo "[test] all checks passed"
 
 sync-check: $(STAMP)
@@ -47,6 +47,15 @@ pytest: $(STAMP)
 	@echo "[test] pytest"
 	@$(BIN)/python -m pytest -n 2 -q tests
 
+# README.md is generated from nbs/index.ipynb (executed, as nbdev_readme would render it with Quarto).
+readme-check: $(STAMP)
+	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_readme.py --check
+
+readme: $(STAMP)
+	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_readme.py
+
+# The docs site, without Quarto: executed notebooks -> mkdocs-material + mkdocs-jupyter -> _docs/
+# (tools/build_docs.py --help for options; nbdev_docs still works where Quarto is installed).
 docs: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py
 

@@ -17,7 +17,7 @@ __all__ = ['PRESETS', 'model_config', 'CausalSelfAttention', 'MLP', 'Block', 'To
 
 # %% ../nbs/03_model.ipynb #d7bc3dab
 PRESETS = {
-    'tiny': dict(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0),
+    'tiny': dict(vocab_size=2048, block_size=128, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
     'medium512': dict(vocab_size=50257, block_size=512, n_layer=6, n_head=8, n_embd=512, d_ff=2048, dropout=0.1),
     'gpt2-124m': dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, attn_bias=True),
 }

@@ -104,7 +104,8 @@ def ks_critical(n: int, m: int, alpha: float) -> float:
 
 
 def tiny(**kw) -> ModelConfig:
-    return model_config('tiny', block_size=32, **kw)
+    "A small CPU model with 4 layers (the tiny preset's own size may change; these tests need >= 4 layers)."
+    return model_config('tiny', **{'block_size': 32, 'n_layer': 4, 'n_head': 4, 'n_embd': 128, **kw})
 
 
 @pytest.fixture(scope='module')
@@ -230,7 +231,7 @@ def test_orthogonal_linear_freeze_roundtrip():
 
 @pytest.mark.parametrize('preset', ['tiny', 'medium512'])
 def test_qk_orthonormal_only_for_oelm_variants(preset, medium512):
-    build = medium512 if preset == 'medium512' else (lambda v: GPT.from_preset('tiny', variant=v, init_seed=0))
+    build = medium512 if preset == 'medium512' else (lambda v: GPT(tiny(variant=v), init_seed=0))
     for variant in ('oelm', 'oelm-freeze', 'oelm-learnable'):
         for i, (q, k) in enumerate(qk(build(variant))):
             assert orth_err(q) < 1e-5 and orth_err(k) < 1e-5, (variant, i)
@@ -242,8 +243,7 @@ def test_qk_orthonormal_only_for_oelm_variants(preset, medium512):
 
 def test_qk_entries_distributed_like_torch_orthogonal():
     d, n_layer = 128, 4
-    model = GPT.from_preset('tiny', variant='oelm', init_seed=0)
-    assert model.cfg.n_embd == d
+    model = GPT(model_config('tiny', n_layer=n_layer, n_head=4, n_embd=d, variant='oelm'), init_seed=0)
     ws = [w for pair in qk(model) for w in pair]
     ours = torch.stack(ws).numpy().ravel()
     g = torch.Generator().manual_seed(12345)
@@ -257,7 +257,7 @@ def test_qk_entries_distributed_like_torch_orthogonal():
     for w in ws:  # every row has norm 1
         torch.testing.assert_close(w.norm(dim=1), torch.ones(d), rtol=0, atol=1e-5)
     # negative controls: the gpt init, and a signed permutation (orthogonal, right variance, wrong shape)
-    gpt_qk = torch.stack([w for pair in qk(GPT.from_preset('tiny', variant='gpt', init_seed=0)) for w in pair]).numpy()
+    gpt_qk = torch.stack([w for pair in qk(GPT(model_config('tiny', n_layer=n_layer, n_head=4, n_embd=d), init_seed=0)) for w in pair]).numpy()
     assert ks_statistic(gpt_qk, ref) > 10 * crit
     perm = torch.eye(d)[torch.randperm(d)] * torch.sign(torch.randn(d, 1))
     assert orth_err(perm) < 1e-6 and ks_statistic(perm.numpy(), ref) > 10 * crit
