@@ -11,8 +11,8 @@ from pathlib import Path
 from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
-__all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'cmd_run', 'cmd_report',
-           'cmd_bench', 'build_parser', 'main']
+__all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
+           'cmd_run', 'cmd_report', 'cmd_bench', 'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -77,10 +77,25 @@ def _overrides(pairs) -> dict:
         except json.JSONDecodeError: out[k] = v
     return out
 
+def print_batch_summary(batch_dir):
+    "Per-variant results and hypothesis verdicts of a batch, as plain text."
+    import pandas as pd
+    from oelm_nb.report import load_runs, variant_table, hypotheses
+    runs = load_runs(batch_dir)
+    if runs.empty: return
+    vt = variant_table(runs)
+    cols = [c for c in ('completed', 'val_ppl_mean', 'val_ppl_std', 'recall_acc_mean', 'tokens_per_s_mean', 'params_trainable') if c in vt]
+    with pd.option_context('display.width', 160, 'display.max_colwidth', 120, 'display.float_format', '{:.4g}'.format):
+        print('\n' + vt[cols].to_string() + '\n')
+        h = hypotheses(runs)
+        for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
+    print()
+
 def cmd_run(args) -> int:
     from oelm_nb.runner import run_study
     res = run_study(args.study, args.preset, args.data, args.variants.split(',') if args.variants else None, args.seeds, args.steps,
                     args.out or f'runs/{args.study}', args.gpus, args.parallel, args.jobs, _overrides(args.set), report=not args.no_report)
+    print_batch_summary(res.out_dir)
     n_ok = sum(s == 'completed' for s in res.statuses.values())
     print(f'[oelm run] {n_ok}/{len(res.statuses)} runs completed in {res.out_dir}' + (f'; report: {res.report}' if res.report else ''))
     if res.failed:

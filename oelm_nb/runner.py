@@ -13,7 +13,8 @@ from .experiment import get_study, resolve_spec, write_json, read_json
 from .data import prepare_data
 
 # %% auto #0
-__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'execute_run', 'BatchResult', 'run_study', 'render_report']
+__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'execute_run', 'run_digest', 'BatchResult', 'run_study',
+           'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -79,8 +80,18 @@ def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, st
                                                  'log': str(job.run_dir / 'papermill.log'), 'wall_time_s': time.time() - t0})
         log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}')
         return 'failed'
-    log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s')
+    log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
     return 'completed'
+
+def run_digest(run_dir: Path) -> str:
+    "One line on how a run went: train loss first -> last, best val PPL, recall accuracy."
+    from oelm_nb.train import read_metrics
+    recs, s = read_metrics(run_dir), read_json(Path(run_dir) / 'summary.json') or {}
+    parts = []
+    if recs: parts.append(f"train loss {recs[0]['train_loss']:.3f} -> {recs[-1]['train_loss']:.3f}")
+    if s.get('best_val_ppl') is not None: parts.append(f"best val PPL {s['best_val_ppl']:.3f}")
+    if s.get('recall_acc') is not None: parts.append(f"recall acc {s['recall_acc']:.3f}")
+    return ', '.join(parts)
 
 # %% ../nbs/07_runner.ipynb #5d56c1d1
 @dataclass

@@ -135,14 +135,15 @@ def _optimizer_from_flat(tensors: dict, meta: dict) -> dict:
         idx, k = key.split('.', 1); state.setdefault(int(idx), {})[k] = v
     return {'state': state, 'param_groups': meta['param_groups']}
 
-def _rng_state() -> dict:
+def _rng_state(per_rank: list | None = None) -> dict:
     st = {'torch_cpu': torch.get_rng_state()}
+    for r, s in enumerate(per_rank or []): st[f'torch_cpu_rank{r}'] = s
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()): st[f'cuda_{i}'] = s
     return st
 
-def _set_rng_state(st: dict):
-    torch.set_rng_state(st['torch_cpu'])
+def _set_rng_state(st: dict, rank: int = 0):
+    torch.set_rng_state(st.get(f'torch_cpu_rank{rank}', st['torch_cpu']))
     cuda = [st[k] for k in sorted((k for k in st if k.startswith('cuda_')), key=lambda k: int(k[5:]))]
     if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
@@ -163,7 +164,7 @@ def _point(link: Path, target: str):
     os.symlink(target, tmp); os.replace(tmp, link)
 
 def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], opt: torch.optim.Optimizer | None,
-                    meta: dict) -> Path:
+                    meta: dict, rank_rng: list | None = None) -> Path:
     "Write checkpoint `step` under `ckpt_root` atomically; returns its directory."
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f'step_{step:07d}'
@@ -174,13 +175,16 @@ def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], o
     if opt is not None:
         tensors, ometa = _optimizer_to_flat(opt)
         save_file(tensors, str(tmp / 'optimizer.safetensors')); meta = {**meta, 'optimizer': ometa}
-    save_file(_rng_state(), str(tmp / 'rng.safetensors'))
+    save_file(_rng_state(rank_rng), str(tmp / 'rng.safetensors'))
     _write_atomic(tmp / 'meta.json', json.dumps({**meta, 'step': step}, indent=1, default=str))
     for f in tmp.iterdir():
         with open(f, 'rb') as fh: os.fsync(fh.fileno())
     _fsync_dir(tmp)
-    if final.exists(): shutil.rmtree(final)
+    old = None
+    if final.exists():  # move the complete old copy aside first: never a half-deleted step_* directory
+        old = ckpt_root / f'.tmp-old-{name}-{os.getpid()}'; os.replace(final, old)
     os.replace(tmp, final); _fsync_dir(ckpt_root)
+    if old is not None: shutil.rmtree(old, ignore_errors=True)
     return final
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -315,6 +319,7 @@ class Trainer:
         self.step, self.tokens, self.best = 0, 0, {'val_loss': float('inf'), 'step': None}
         self.ckpt_root = self.out_dir / 'checkpoints' if self.out_dir else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp == torch.float16 else None
+        self._saved_step = None
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def _wrap(self):
@@ -347,11 +352,20 @@ class Trainer:
         return {'tokens': self.tokens, 'best': self.best, 'train_config': self.cfg.to_dict(), 'run_config': self.run_config}
 
     def save(self, tag: str | None = None) -> Path | None:
-        "Checkpoint now; `tag` ('best' or 'final') also points that link at it."
-        if not (self.ckpt_root and self.dist.is_main): return None
-        path = save_checkpoint(self.ckpt_root, self.step, self._checkpoint_modules(), self.opt, self._meta())
+        "Checkpoint now (every rank calls this); `tag` ('best' or 'final') also points that link at it."
+        if not self.ckpt_root: return None
+        rank_rng = None
+        if self.dist.enabled:  # each rank's dropout RNG, so a resumed DDP run continues exactly
+            rank_rng = [None] * self.dist.world_size
+            dist.all_gather_object(rank_rng, torch.get_rng_state())
+        if not self.dist.is_main: return None
+        path = self.ckpt_root / f'step_{self.step:07d}'
+        if self._saved_step != self.step or not path.exists():  # a step is written once, even if it is also 'best'
+            path = save_checkpoint(self.ckpt_root, self.step, self._checkpoint_modules(), self.opt, self._meta(), rank_rng)
+            self._saved_step = self.step
         _point(self.ckpt_root / 'latest', path.name)
         if tag: _point(self.ckpt_root / tag, path.name)
+        if tag == 'final' and self.best['step'] == self.step: _point(self.ckpt_root / 'best', path.name)
         prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
         return path
 
@@ -393,8 +407,10 @@ class Trainer:
         return {'train_loss': total, 'grad_norm': gnorm, 'lr': lr_at(self.step - 1, cfg), **extras}
 
     def _evaluate(self) -> dict:
+        "Evaluate on the fixed sample: eval_batches global batches (batch_size x world_size windows each)."
         if self.val_data is None: return {}
-        return evaluate(self.raw, self.val_data, self.block_size, self.cfg.batch_size, self.cfg.eval_batches, self.device, self.amp)
+        return evaluate(self.raw, self.val_data, self.block_size, self.cfg.batch_size, self.cfg.eval_batches * self.dist.world_size,
+                        self.device, self.amp)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def fit(self, resume: bool = True, # continue from the latest checkpoint in out_dir, if any
@@ -408,12 +424,12 @@ class Trainer:
         self.opt = build_optimizer(self.raw, cfg, self.schedule, self.extra_modules)
         if resumed:
             if self._resumed_opt is not None: self.opt.load_state_dict(_optimizer_from_flat(*self._resumed_opt))
-            _set_rng_state(self._resumed_rng)
+            _set_rng_state(self._resumed_rng, self.dist.rank)
         self._wrap()
         self.raw.train()
         if self.out_dir and self.dist.is_main: self.out_dir.mkdir(parents=True, exist_ok=True)
         log = MetricsLog(self.out_dir if self.dist.is_main else None, cfg.loggers, self.run_name, self.run_config)
-        if resumed: log.truncate_after(self.step)
+        log.truncate_after(self.step)  # a restart (with or without a checkpoint) never duplicates records
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (cfg.progress and self.dist.is_main), desc=self.run_name, dynamic_ncols=True)
         t_start, t_mark, tok_mark, train_time, speeds = time.time(), time.time(), self.tokens, 0.0, []
         try:
@@ -437,8 +453,7 @@ class Trainer:
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and not last: self.save()
             if self.step < cfg.max_steps:  # stopped early on request
                 self.save(); return self.summary(log.records, speeds, time.time() - t_start) | {'status': 'interrupted'}
-            final_path = self.save('final')
-            if final_path is not None and self.best['step'] == self.step: _point(self.ckpt_root / 'best', final_path.name)
+            self.save('final')
         finally:
             bar.close(); log.close()
         return self.summary(log.records, speeds, time.time() - t_start)
