@@ -148,7 +148,7 @@ def hypotheses(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 
     rows.append(('H2', 'Freeze vs NoFreeze val PPL gap < 5%', _threshold_verdict(c2, 0.05), str(c2) if c2 else f'needs {freeze} and {nofreeze} runs'))
     c3 = compare(runs, freeze, nofreeze, 'tokens_per_s')
     rows.append(('H3', 'Freeze trains at least as fast (tokens/s) as NoFreeze', _threshold_verdict(c3, 0.0, below=False),
-                 (str(c3) + ' (runs measured separately; see `oelm bench` for an interleaved measurement)') if c3 else 'no data'))
+                 (str(c3) + ' (runs timed separately, possibly concurrently; oelm bench measures it interleaved in one process)') if c3 else 'no data'))
     c4 = compare(runs, freeze, base)
     rows.append(('H4', 'Freeze vs GPT val PPL gap < 10%', _threshold_verdict(c4, 0.10), str(c4) if c4 else f'needs {freeze} and {base} runs'))
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
