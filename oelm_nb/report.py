@@ -182,12 +182,11 @@ class RunExplorer:
         self.metric = widgets.Dropdown(description='metric', options=self.METRICS, value='val_ppl')
         self.xaxis = widgets.ToggleButtons(options=['step', 'tokens'], value='step', description='x')
         self.reload_button = widgets.Button(description='reload runs', icon='refresh')
-        self.table = widgets.HTML(); self.out = widgets.Output()
+        self.table = widgets.HTML(); self.out = widgets.Output(); self.fig = None
         self.reload_button.on_click(lambda _: self.reload())
         for w in (self.variants, self.seeds, self.metric, self.xaxis): w.observe(lambda _: self.redraw(), names='value')
         self.widget = widgets.VBox([widgets.HBox([self.variants, self.seeds, widgets.VBox([self.metric, self.xaxis, self.reload_button])]),
                                     self.out, self.table])
-        self.fig = None
         self.reload()
 
     def reload(self):
@@ -209,6 +208,7 @@ class RunExplorer:
         if getattr(self, '_quiet', False): return
         self.out.clear_output(wait=True)
         with self.out:
+            if self.fig is not None: plt.close(self.fig)
             self.fig, ax = plt.subplots(figsize=(7, 3.5))
             plot_curves(self.curves, self.metric.value, x=self.xaxis.value, ax=ax, variants=list(self.variants.value), seeds=list(self.seeds.value))
             plt.show()

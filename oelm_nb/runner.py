@@ -13,8 +13,8 @@ from .experiment import get_study, resolve_spec, write_json, read_json
 from .data import prepare_data
 
 # %% auto #0
-__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'execute_run', 'run_digest', 'BatchResult', 'run_study',
-           'render_report']
+__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'execute_run', 'run_digest', 'BatchResult',
+           'run_study', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -43,10 +43,19 @@ def parse_gpu_sets(gpus: str | None) -> list[list[str]]:
     return sets
 
 def run_status(run_dir: Path) -> str:
-    "'completed', 'failed', 'partial' (started, not finished) or 'missing'."
+    "'completed' (trained and its notebook fully executed), 'failed', 'partial' (started, not finished) or 'missing'."
     s = read_json(Path(run_dir) / 'summary.json')
+    if s and s.get('status') == 'failed': return 'failed'
+    if (Path(run_dir) / '.running').exists(): return 'partial'  # interrupted while its notebook ran
     if s: return s.get('status', 'failed')
     return 'partial' if Path(run_dir).exists() else 'missing'
+
+def set_aside(run_dir: Path) -> Path:
+    "Rename a failed run directory to `<name>.failed-N` (kept for inspection) so the run can start afresh."
+    n = 1
+    while (aside := run_dir.with_name(f'{run_dir.name}.failed-{n}')).exists(): n += 1
+    os.replace(run_dir, aside)
+    return aside
 
 # %% ../nbs/07_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
@@ -61,6 +70,7 @@ def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, st
                 gpu_set: list[str] | None = None, threads: int | None = None, log=print) -> str:
     "Execute the experiment notebook for `job` in a child process; returns the run's final status."
     job.run_dir.mkdir(parents=True, exist_ok=True)
+    (job.run_dir / '.running').write_text(str(os.getpid()))  # the notebook's summary is not final until papermill is done
     params = dict(study=study, variant=job.variant, preset=preset, data=data, seed=job.seed, steps=steps or 0,
                   out_dir=str(job.run_dir.resolve()), data_dir=str(Path(data_dir).resolve()), overrides=json.dumps(overrides or {}),
                   nproc=max(1, len(gpu_set or [])), progress=False)
@@ -73,13 +83,14 @@ def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, st
     t0 = time.time()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (job.run_dir / 'papermill.log').write_text(res.stdout + res.stderr)
-    status = run_status(job.run_dir)
-    if res.returncode != 0 or status != 'completed':
+    s = read_json(job.run_dir / 'summary.json') or {}
+    if res.returncode != 0 or s.get('status') != 'completed':
         err = _error_from_notebook(job.run_dir / 'train_lm.ipynb') or (res.stderr.strip().splitlines() or ['unknown error'])[-1]
         write_json(job.run_dir / 'summary.json', {'status': 'failed', 'variant': job.variant, 'seed': job.seed, 'error': err,
                                                  'log': str(job.run_dir / 'papermill.log'), 'wall_time_s': time.time() - t0})
         log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}')
         return 'failed'
+    (job.run_dir / '.running').unlink(missing_ok=True)
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
     return 'completed'
 
@@ -114,6 +125,9 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     if unknown: raise ConfigError(f"study {study!r} has no variant(s) {unknown}; choose from {list(st.variants)}")
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     data_dir = out / 'data'
+    for v in variants:  # every variant's spec must resolve before anything trains
+        try: spec0 = resolve_spec(study, v, preset, 0, steps, str(out), data, str(data_dir), overrides)
+        except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
     spec0 = resolve_spec(study, variants[0], preset, 0, steps, str(out), data, str(data_dir), overrides)
     log(f'[oelm run] preparing data ({spec0.data.source}) in {data_dir}')
     data_dir = prepare_data(spec0.data, data_dir, progress=False)  # a prepared source directory is used in place
@@ -123,8 +137,8 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     todo = [j for j in all_jobs if run_status(j.run_dir) != 'completed']
     for j in all_jobs:
         if j not in todo: log(f'[oelm run] {j.name}: already completed, skipped')
-    for j in todo:  # a failed run is tried again from scratch; a partial one resumes from its checkpoint
-        if run_status(j.run_dir) == 'failed': (j.run_dir / 'summary.json').unlink()
+    for j in todo:  # a failed run starts afresh (its directory is kept aside); a partial one resumes from its checkpoint
+        if run_status(j.run_dir) == 'failed': log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
     sets = parse_gpu_sets(gpus)
     workers = (sets if parallel else sets[:1]) if sets else [None] * max(1, jobs if parallel or jobs > 1 else 1)
     threads = None if sets else max(1, (os.cpu_count() or 1) // len(workers))

@@ -290,6 +290,11 @@ def all_mean(x: float, info: DistInfo, device) -> float:
     dist.all_reduce(t); return t.item() / info.world_size
 
 # %% ../nbs/05_train.ipynb #f2b330cf
+def _median_speed(records: list[dict]) -> float | None:
+    "Median tokens/s over the logged intervals, leaving out the first (it includes start-up)."
+    tps = [r['tokens_per_s'] for r in records if r.get('tokens_per_s') is not None and math.isfinite(r['tokens_per_s'])]
+    return statistics.median(tps[1:] or tps) if tps else None
+
 class TrainingDiverged(RuntimeError):
     "The loss or gradient norm became NaN/inf."
 
@@ -459,6 +464,7 @@ class Trainer:
         return self.summary(log.records, speeds, time.time() - t_start)
 
     def summary(self, records: list[dict], speeds: list[float], wall: float) -> dict:
+        "The run's summary: losses, recall, throughput, parameter accounting (computed from records and the model)." 
         evals = [r for r in records if 'val_loss' in r]
         last = evals[-1] if evals else {}
         rep = param_report(self.raw)
@@ -467,7 +473,7 @@ class Trainer:
                 'best_val_loss': self.best['val_loss'] if self.best['step'] is not None else None,
                 'best_val_ppl': self.best.get('val_ppl'), 'best_step': self.best['step'],
                 'recall_acc': last.get('recall_acc'), 'final_train_loss': records[-1]['train_loss'] if records else None,
-                'tokens_per_s': statistics.median(speeds[1:] or speeds) if speeds else None,
+                'tokens_per_s': _median_speed(records),
                 'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}}
 
 # %% ../nbs/05_train.ipynb #a1a4434e

@@ -1,0 +1,156 @@
+"""The `oelm` command line from outside: `params`, `bench`, `data prepare` and every `--help`.
+
+Each check runs the installed console script in a subprocess. Expected numbers come from arithmetic on the
+architecture, never from the library: parameter counts from the config fields, the FLOPs that frozen Q/K save
+from the matmul shapes, the optimizer bytes from AdamW's two fp32 moments. Independent commands are started
+together (torch's import dominates their cost) and checked one by one.
+"""
+from __future__ import annotations
+import json, subprocess, sys
+from pathlib import Path
+
+import numpy as np
+
+OELM = Path(sys.executable).with_name('oelm')
+TIMEOUT = 300
+
+
+def oelm(*args: str) -> list[str]:
+    "The command line of the installed `oelm` console script (or the module where the script is missing)."
+    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
+
+
+def run_all(*commands: tuple[str, ...], cwd=None) -> list[subprocess.CompletedProcess]:
+    "Run several `oelm` commands concurrently; their results in order."
+    procs = [subprocess.Popen(oelm(*c), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd) for c in commands]
+    out = []
+    for c, p in zip(commands, procs):
+        try: so, se = p.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for q in procs: q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(oelm(*c), p.returncode, so, se))
+    return out
+
+
+def ok_json(res: subprocess.CompletedProcess):
+    assert res.returncode == 0, f'{res.args}: exit {res.returncode}\n{res.stderr}'
+    return json.loads(res.stdout)
+
+
+def usage_error(res: subprocess.CompletedProcess, command: str) -> str:
+    "The stderr of a command that must exit 2 with a one-line `oelm <command>: error: ...` message, no traceback."
+    assert res.returncode == 2, f'{res.args}: expected exit 2, got {res.returncode}\n{res.stdout}\n{res.stderr}'
+    assert 'Traceback' not in res.stderr, res.stderr
+    assert f'oelm {command}: error:' in res.stderr, res.stderr
+    return res.stderr
+
+
+def gpt_params(V, T, L, d, ff, k=None, bias=True, attn_bias=False) -> int:
+    "Parameters of a GPT of this package: tied token table [V, k] (+ k<->d projections), positions, blocks, final LN."
+    k, b, ab = k or d, int(bias), int(attn_bias)
+    emb = V * k + ((k * d + b * d) + (d * k + b * k) if k < d else 0)
+    ln = d + b * d
+    return emb + T * d + L * (2 * ln + 4 * (d * d + ab * d) + (d * ff + b * ff) + (ff * d + b * d)) + ln
+
+
+# medium512: V=50257, T=512, 6 layers, d=512, d_ff=2048
+MEDIUM = dict(V=50257, T=512, L=6, d=512, ff=2048)
+MEDIUM_TOTAL = gpt_params(**MEDIUM)
+MEDIUM_QK = MEDIUM['L'] * 2 * MEDIUM['d'] ** 2  # Q and K weights of every layer
+
+
+# ====================================================================== oelm params
+def test_params_medium512_accounting_and_overrides():
+    assert MEDIUM_TOTAL == 44_896_768 and MEDIUM_QK == 3_145_728  # the documented counts, from arithmetic alone
+    p = '--preset', 'medium512', '--json'
+    gpt, frz, vocab, wte, bad = run_all(('params', *p, '--variant', 'gpt'), ('params', *p, '--variant', 'oelm-freeze'),
+                                        ('params', *p, '--variant', 'gpt', '--vocab-size', '10000'),
+                                        ('params', *p, '--variant', 'oelm-freeze', '--n-embd-wte', '128'),
+                                        ('params', *p, '--variant', 'gpt', '--n-head', '7'))
+    gpt, frz, vocab, wte = map(ok_json, (gpt, frz, vocab, wte))
+    assert (gpt['total'], gpt['trainable'], gpt['frozen']) == (44_896_768, 44_896_768, 0)
+    assert (frz['total'], frz['trainable'], frz['frozen']) == (44_896_768, 41_751_040, 3_145_728)
+    assert gpt['variant'] == 'gpt' and frz['variant'] == 'oelm-freeze' and frz['config']['variant'] == 'oelm-freeze'
+    assert sum(c['total'] for c in frz['components'].values()) == frz['total']
+    assert frz['components']['attention.qk'] == {'total': MEDIUM_QK, 'trainable': 0, 'frozen': MEDIUM_QK}
+
+    # --vocab-size 10000: only the tied table shrinks, by (50257 - 10000) rows of 512
+    assert vocab['config']['vocab_size'] == 10_000
+    assert vocab['total'] == gpt['total'] - (50257 - 10_000) * 512 == gpt_params(**{**MEDIUM, 'V': 10_000})
+    assert vocab['frozen'] == 0 and vocab['trainable'] == vocab['total']
+    # --n-embd-wte 128: table [V, 128] instead of [V, 512], plus scale_up (128->512) and scale_down (512->128) with biases
+    assert wte['config']['n_embd_wte'] == 128
+    assert wte['total'] == frz['total'] - 50257 * (512 - 128) + (128 * 512 + 512) + (512 * 128 + 128) == gpt_params(**MEDIUM, k=128)
+    assert wte['frozen'] == MEDIUM_QK and wte['trainable'] == wte['total'] - MEDIUM_QK
+
+    err = usage_error(bad, 'params')
+    assert 'ModelConfig.n_head=7' in err and 'n_embd=512' in err
+    assert bad.stdout == ''
+
+
+# ====================================================================== oelm bench
+def test_bench_counts_flops_and_optimizer_state_exactly():
+    good, few = run_all(('bench', '--preset', 'tiny', '--variants', 'oelm,oelm-freeze', '--steps', '10', '--warmup', '1',
+                         '--block-size', '32', '--json'),
+                        ('bench', '--preset', 'tiny', '--variants', 'oelm,oelm-freeze', '--steps', '5', '--block-size', '32', '--json'))
+    rows = {r['variant']: r for r in ok_json(good)}
+    assert list(rows) == ['oelm', 'oelm-freeze']
+    from oelm_nb.model import PRESETS  # the tiny preset's shape (the bench code is what is under test)
+    n_layer, d = PRESETS['tiny']['n_layer'], PRESETS['tiny']['n_embd']
+    tokens = 1 * 32  # default --batch-size 1 x --block-size 32
+    frozen = n_layer * 2 * d * d
+    a, b = rows['oelm'], rows['oelm-freeze']
+    assert a['tokens_per_step'] == b['tokens_per_step'] == tokens
+    # frozen Q/K skip their two weight-gradient matmuls: 2 x (2 x tokens x d x d) FLOPs per layer
+    assert a['flops_per_step'] - b['flops_per_step'] == n_layer * 4 * tokens * d * d
+    assert b['flops_saved_vs_first'] == n_layer * 4 * tokens * d * d and a['flops_saved_vs_first'] == 0
+    # AdamW keeps exp_avg and exp_avg_sq (fp32) per trainable weight
+    assert a['optimizer_state_bytes'] - b['optimizer_state_bytes'] == 2 * 4 * frozen == b['optimizer_bytes_saved_vs_first']
+    assert a['trainable_params'] - b['trainable_params'] == frozen
+    assert a['optimizer_state_bytes'] == 2 * 4 * a['trainable_params']
+    for r in (a, b):  # timings: only that they were measured
+        for k in ('step_time_median_s', 'tokens_per_s'):
+            assert isinstance(r[k], (int, float)) and np.isfinite(r[k]) and r[k] > 0, (r['variant'], k, r[k])
+        assert r['step_time_iqr_s'] >= 0
+
+    err = usage_error(few, 'bench')
+    assert 'steps=5' in err and 'too few' in err
+    assert few.stdout == ''
+
+
+# ====================================================================== oelm data prepare
+def test_data_prepare_writes_a_dataset_and_rejects_a_missing_source(tmp_path):
+    out, missing = tmp_path / 'ds', tmp_path / 'no-such-corpus.txt'
+    good, bad = run_all(('data', 'prepare', '--source', 'synthetic', '--out', str(out), '--vocab-size', '300',
+                         '--n-train-stories', '100', '--n-val-stories', '20', '--quiet'),
+                        ('data', 'prepare', '--source', str(missing), '--out', str(tmp_path / 'never')))
+    assert good.returncode == 0, good.stderr
+    for f in ('train.bin', 'val.bin', 'tokenizer.json', 'meta.json'): assert (out / f).is_file(), f
+    meta = json.loads((out / 'meta.json').read_text())
+    assert meta['n_docs'] == {'train': 100, 'val': 20}
+    assert meta['vocab_size'] <= 300 and meta['requested_vocab_size'] == 300
+    size = np.dtype(meta['dtype']).itemsize
+    for split in ('train', 'val'):
+        tok = np.fromfile(out / f'{split}.bin', dtype=meta['dtype'])
+        assert (out / f'{split}.bin').stat().st_size == meta['n_tokens'][split] * size and len(tok) > 0
+        assert int(tok.max()) < meta['vocab_size']
+        assert (tok == meta['eot_id']).sum() == meta['n_docs'][split]  # one end-of-text per story
+    json.loads((out / 'tokenizer.json').read_text())
+
+    err = usage_error(bad, 'data')
+    assert str(missing) in err
+    assert not (tmp_path / 'never' / 'meta.json').exists()
+
+
+# ====================================================================== --help
+HELP = [(), ('params',), ('data',), ('data', 'prepare'), ('train',), ('run',), ('report',), ('bench',)]
+
+
+def test_every_help_exits_0():
+    results = run_all(*[(*c, '--help') for c in HELP])
+    for c, res in zip(HELP, results):
+        assert res.returncode == 0, f'oelm {" ".join(c)} --help: exit {res.returncode}\n{res.stderr}'
+        assert res.stdout.startswith('usage: oelm' + ''.join(' ' + w for w in c)), res.stdout[:200]
+    top = results[0].stdout
+    for sub in ('params', 'data', 'train', 'run', 'report', 'bench'): assert sub in top

@@ -1,0 +1,335 @@
+"""The papermill batch runner and the report, from outside: `oelm run`, `oelm report`, `RunExplorer`.
+
+Every batch here is tiny (4 optimizer steps on a 300-story corpus with a 300-token vocabulary) because each
+papermill execution costs seconds of kernel start-up. One batch (2 variants x 2 seeds) is built once per
+pytest session (shared between xdist workers through a file lock) and only read by the tests that use it;
+tests that change a batch work on a copy.
+
+Checks compare against independent sources: parameter counts from arithmetic on the config fields, perplexity
+as exp(loss), the run's own metrics log, the parameters the runner was given.
+"""
+from __future__ import annotations
+import fcntl, html, json, math, os, re, shutil, signal, subprocess, sys, time
+from pathlib import Path
+
+import pytest
+
+OELM = Path(sys.executable).with_name('oelm')
+TINY = ['--steps', '4', '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40', '--set', 'data.vocab_size=300',
+        '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+OVERRIDES = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
+             'train.eval_batches': 2}
+VARIANTS, SEEDS = ('gpt', 'oelm-freeze'), (0, 1)
+TIMEOUT = 420  # seconds for one `oelm run` on a loaded 2-core machine
+
+
+def oelm(*args: str) -> list[str]:
+    "The command line of the installed `oelm` console script (or the module where the script is missing)."
+    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
+
+
+def run_oelm(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(oelm(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def read_json(p: Path):
+    return json.loads(Path(p).read_text())
+
+
+def html_text(path: Path) -> str:
+    "The visible text of an HTML page, whitespace collapsed."
+    t = Path(path).read_text(encoding='utf-8', errors='replace')
+    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
+    t = re.sub(r'<img[^>]*>', ' ', t)
+    t = html.unescape(re.sub(r'<[^>]+>', ' ', t))
+    return re.sub(r'\s+', ' ', t)
+
+
+def expected_total(V: int, T: int, L: int, d: int, ff: int | None = None, bias: bool = True, attn_bias: bool = False) -> int:
+    "Parameters of this package's GPT from its config fields (tied embeddings counted once, no factorization)."
+    ff, b, ab = ff or 4 * d, int(bias), int(attn_bias)
+    ln = d + b * d
+    return V * d + T * d + L * (2 * ln + 4 * (d * d + ab * d) + (d * ff + b * ff) + (ff * d + b * d)) + ln
+
+
+def total_from_config(m: dict) -> int:
+    "`expected_total` of a ModelConfig dict (config.json's `model`)."
+    assert m.get('n_embd_wte') in (None, m['n_embd'])
+    return expected_total(m['vocab_size'], m['block_size'], m['n_layer'], m['n_embd'], m['d_ff'], m['bias'], m['attn_bias'])
+
+
+def copy_batch(src: Path, dst: Path) -> Path:
+    "A copy of a batch directory without the checkpoints (nothing here reads them)."
+    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns('checkpoints'))
+    return dst
+
+
+# ====================================================================== the shared batch
+@pytest.fixture(scope='module')
+def batch(tmp_path_factory):
+    "`oelm run qk-freeze --variants gpt,oelm-freeze --seeds 0 1` on tiny data: (batch dir, exit code, stdout, stderr)."
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get('PYTEST_XDIST_WORKER'): root = root.parent  # shared by the workers of this session
+    out, done = root / 'oelm-runner-batch', root / 'oelm-runner-batch.result.json'
+    with open(root / 'oelm-runner-batch.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            res = run_oelm('run', 'qk-freeze', '--variants', ','.join(VARIANTS), '--seeds', *map(str, SEEDS), '--out', str(out), *TINY)
+            done.write_text(json.dumps({'rc': res.returncode, 'stdout': res.stdout, 'stderr': res.stderr}))
+        r = read_json(done)
+    return out, r['rc'], r['stdout'], r['stderr']
+
+
+def test_batch_completes_with_complete_run_directories(batch):
+    out, rc, stdout, stderr = batch
+    assert rc == 0, f'oelm run failed ({rc}):\n{stdout}\n{stderr}'
+    assert f'4/4 runs completed in {out}' in stdout
+    totals = set()
+    for v in VARIANTS:
+        for s in SEEDS:
+            d = out / f'{v}-s{s}'
+            for name in ('train_lm.ipynb', 'config.json', 'metrics.jsonl', 'summary.json'): assert (d / name).is_file(), f'{d}/{name}'
+            assert (d / 'checkpoints').is_dir()
+
+            # the executed notebook: every code cell ran, no errors, and the injected parameters are this run's
+            nb = read_json(d / 'train_lm.ipynb')
+            code = [c for c in nb['cells'] if c['cell_type'] == 'code']
+            assert all(isinstance(c.get('execution_count'), int) for c in code), f'{d}: not every code cell was executed'
+            assert not [o for c in code for o in c.get('outputs', []) if o.get('output_type') == 'error']
+            tags = [c['metadata'].get('tags', []) for c in nb['cells']]
+            i_par = next(i for i, t in enumerate(tags) if 'parameters' in t)
+            assert 'injected-parameters' in tags[i_par + 1], 'the injected parameters must follow the parameters cell'
+            ns: dict = {}
+            exec(''.join(nb['cells'][i_par + 1]['source']), ns)
+            assert (ns['study'], ns['variant'], ns['preset'], ns['seed'], ns['steps']) == ('qk-freeze', v, 'tiny', s, 4)
+            assert Path(ns['out_dir']) == d.resolve() and Path(ns['data_dir']) == (out / 'data').resolve()
+            assert json.loads(ns['overrides']) == OVERRIDES and ns['nproc'] == 1
+            assert nb['metadata']['papermill']['parameters']['variant'] == v
+
+            # config.json: the resolved spec of this run with the overrides applied
+            cfg = read_json(d / 'config.json')
+            n_layer, n_embd = cfg['model']['n_layer'], cfg['model']['n_embd']
+            assert cfg['model']['variant'] == v and cfg['model']['vocab_size'] == 300
+            assert (cfg['train']['seed'], cfg['train']['max_steps'], cfg['train']['eval_batches']) == (s, 4, 2)
+            assert (cfg['data']['vocab_size'], cfg['data']['n_train_stories'], cfg['data']['n_val_stories']) == (300, 300, 40)
+
+            recs = [json.loads(l) for l in (d / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+            assert [r['step'] for r in recs] == [1, 2, 3, 4]
+            evals = [r for r in recs if 'val_loss' in r]
+            final_ckpt = (d / 'checkpoints' / 'final').resolve()
+            assert final_ckpt.name == 'step_0000004' and (final_ckpt / 'model.safetensors').is_file()
+
+            sm = read_json(d / 'summary.json')
+            assert sm['status'] == 'completed' and (sm['variant'], sm['seed'], sm['steps']) == (v, s, 4)
+            assert sm['final_val_loss'] == pytest.approx(evals[-1]['val_loss'])
+            assert sm['best_val_loss'] == pytest.approx(min(r['val_loss'] for r in evals))
+            assert sm['best_val_ppl'] == pytest.approx(math.exp(sm['best_val_loss']), rel=1e-6)
+            assert sm['final_val_ppl'] == pytest.approx(math.exp(sm['final_val_loss']), rel=1e-6)
+            assert isinstance(sm['recall_acc'], (int, float)) and 0.0 <= sm['recall_acc'] <= 1.0
+            assert sm['tokens_per_s'] > 0 and sm['wall_time_s'] > 0
+            p = sm['params']
+            assert p['total'] == p['trainable'] + p['frozen']
+            assert p['total'] == total_from_config(cfg['model'])
+            assert p['frozen'] == (n_layer * 2 * n_embd ** 2 if v == 'oelm-freeze' else 0)
+            totals.add(p['total'])
+    assert len(totals) == 1
+
+    report = out / 'report.html'
+    assert report.is_file()
+    raw = report.read_text(encoding='utf-8', errors='replace')
+    for h in ('H1', 'H2', 'H3', 'H4'): assert f'>{h}<' in raw, f'hypothesis row {h} missing from the report'
+    text = html_text(report)
+    for v in VARIANTS:
+        for s in SEEDS: assert re.search(rf'(^| ){re.escape(v)} {s} completed ', text), f'run {v}-s{s} missing from the runs table'
+
+
+def test_report_preset_accounting_matches_the_models(batch):
+    "The report's second parameter table is the tiny preset's own configuration, counted by building the models."
+    from oelm_nb.experiment import resolve_spec
+    from oelm_nb.freeze import param_report
+    from oelm_nb.model import GPT
+    out, rc, stdout, stderr = batch
+    assert rc == 0, stderr
+    text = html_text(out / 'report.html')
+    for v in VARIANTS:
+        spec = resolve_spec('qk-freeze', v, 'tiny', 0, 4, str(out), 'synthetic')
+        rep = param_report(GPT(spec.model, init_seed=0))
+        assert spec.model.vocab_size != 300  # the preset's own vocabulary, not the batch's override
+        assert rep.total == total_from_config(spec.model.to_dict())
+        assert rep.frozen == (spec.model.n_layer * 2 * spec.model.n_embd ** 2 if v == 'oelm-freeze' else 0)
+        assert f'{v} {rep.total:,} {rep.trainable:,} {rep.frozen:,} {rep.frozen_fraction:.2%}' in text
+
+
+# ====================================================================== medium512 accounting, as the report does it
+def test_medium512_preset_accounting_as_the_report_computes_it(tmp_path):
+    from oelm_nb.experiment import resolve_spec
+    from oelm_nb.freeze import param_report
+    from oelm_nb.model import GPT
+    total = expected_total(50257, 512, 6, 512, 2048)
+    assert total == 44_896_768
+    want = {'gpt': (total, total, 0), 'oelm-freeze': (total, 41_751_040, 3_145_728)}
+    for v, (tot, tr, fr) in want.items():
+        spec = resolve_spec('qk-freeze', v, 'medium512', 0, None, str(tmp_path), 'synthetic')  # the report notebook's call
+        rep = param_report(GPT(spec.model, init_seed=0))
+        assert (rep.total, rep.trainable, rep.frozen) == (tot, tr, fr), v
+    assert fr == 6 * 2 * 512 * 512  # Q and K of every layer
+
+
+# ====================================================================== kill and resume a batch
+def _procs_in(d: Path) -> list[int]:
+    "Processes whose working directory is inside `d` (papermill and kernels run in the run directories)."
+    d, pids = str(d.resolve()), []
+    for p in Path('/proc').iterdir():
+        if not p.name.isdigit(): continue
+        try: cwd = os.readlink(p / 'cwd')
+        except OSError: continue
+        if cwd == d or cwd.startswith(d + os.sep): pids.append(int(p.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path('/proc/self/cwd').exists(), reason='needs /proc to find orphaned kernels')
+def test_killed_batch_resumes_and_skips_completed_runs(tmp_path):
+    out = tmp_path / 'killed'
+    args = ('run', 'qk-freeze', '--variants', 'oelm-freeze', '--seeds', '0', '1', '--no-report', '--out', str(out), *TINY)
+    first, second = out / 'oelm-freeze-s0', out / 'oelm-freeze-s1'
+    with open(tmp_path / 'first.log', 'w') as log:
+        proc = subprocess.Popen(oelm(*args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + TIMEOUT
+            while True:
+                try: st = read_json(first / 'summary.json').get('status')
+                except (FileNotFoundError, json.JSONDecodeError): st = None
+                if st == 'completed': break
+                assert proc.poll() is None, f'oelm run ended before its first run completed:\n{(tmp_path / "first.log").read_text()}'
+                assert time.time() < deadline, 'the first run did not complete in time'
+                time.sleep(0.2)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # the kernels run in sessions of their own; they must notice their parent is gone and stop (ipykernel's parent poller)
+    deadline = time.time() + 30
+    while _procs_in(out) and time.time() < deadline: time.sleep(0.5)
+    assert not _procs_in(out), f'processes still running in {out} after the batch was killed: {_procs_in(out)}'
+    s0 = first / 'summary.json'
+    mtime, content = s0.stat().st_mtime_ns, s0.read_text()
+    assert not (second / 'summary.json').exists(), 'the batch was not killed mid-way (the second run already finished)'
+
+    res = run_oelm(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '[oelm run] oelm-freeze-s0: already completed, skipped' in res.stdout
+    assert 'oelm-freeze-s0: started' not in res.stdout
+    assert 'oelm-freeze-s1: started' in res.stdout and 'oelm-freeze-s1: already completed' not in res.stdout
+    assert '2/2 runs completed' in res.stdout
+    assert s0.stat().st_mtime_ns == mtime and s0.read_text() == content
+    for d in (first, second):
+        sm = read_json(d / 'summary.json')
+        assert sm['status'] == 'completed' and sm['steps'] == 4
+        steps = [json.loads(l)['step'] for l in (d / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+        assert steps == [1, 2, 3, 4], f'{d.name}: metrics after resume: {steps}'
+
+
+# ====================================================================== one failing run
+def test_one_failed_run_is_recorded_and_reported(tmp_path):
+    "gpt-s0 holds a corrupt checkpoint, so its resume fails; oelm-freeze-s0, which runs after it, still completes."
+    out = tmp_path / 'fail'
+    bad = out / 'gpt-s0' / 'checkpoints' / 'step_0000001'
+    bad.mkdir(parents=True)
+    (bad / 'meta.json').write_text('{"step": 1, "tokens": ')  # cut off mid-write
+    res = run_oelm('run', 'qk-freeze', '--variants', ','.join(VARIANTS), '--seeds', '0', '--out', str(out), *TINY)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert 'Traceback' not in res.stderr
+    assert re.search(r'FAILED runs: gpt-s0\b', res.stderr), res.stderr
+    assert 'oelm-freeze-s0' not in res.stderr
+    sm = read_json(out / 'gpt-s0' / 'summary.json')
+    assert sm['status'] == 'failed' and (sm['variant'], sm['seed']) == ('gpt', 0)
+    assert 'CheckpointError' in sm['error'] and 'step_0000001' in sm['error']
+    ok = read_json(out / 'oelm-freeze-s0' / 'summary.json')
+    assert ok['status'] == 'completed' and ok['steps'] == 4
+    assert '1/2 runs completed' in res.stdout
+    text = html_text(out / 'report.html')
+    assert re.search(r'(^| )gpt 0 failed ', text), 'the failed run must stay in the runs table'
+    assert re.search(r'(^| )oelm-freeze 0 completed ', text)
+    assert '1 run(s) did not complete' in text and 'gpt-s0 (failed: CheckpointError' in text
+
+
+def test_failed_run_is_retried_from_scratch(batch, tmp_path):
+    out, rc, stdout, stderr = batch
+    assert rc == 0, stderr
+    d = copy_batch(out, tmp_path / 'copy')  # every run completed; now gpt-s1 is left as a failed resume leaves it
+    bad = d / 'gpt-s1' / 'checkpoints' / 'step_0000099'
+    bad.mkdir(parents=True)
+    (bad / 'meta.json').write_text('{"step": 99, "tokens": ')
+    (d / 'gpt-s1' / 'summary.json').write_text(json.dumps(
+        {'status': 'failed', 'variant': 'gpt', 'seed': 1, 'error': f'CheckpointError: {bad}/meta.json is corrupt'}))
+    res = run_oelm('run', 'qk-freeze', '--variants', ','.join(VARIANTS), '--seeds', *map(str, SEEDS), '--out', str(d),
+                   '--no-report', *TINY)
+    assert 'gpt-s1: started' in res.stdout and res.stdout.count('already completed, skipped') == 3, res.stdout
+    sm = read_json(d / 'gpt-s1' / 'summary.json')
+    assert res.returncode == 0 and sm['status'] == 'completed', sm.get('error')
+    assert [json.loads(l)['step'] for l in (d / 'gpt-s1' / 'metrics.jsonl').read_text().splitlines() if l.strip()] == [1, 2, 3, 4]
+    aside = d / 'gpt-s1.failed-1'  # the failed attempt is kept for inspection, not deleted
+    assert (aside / 'checkpoints' / 'step_0000099' / 'meta.json').exists()
+    assert read_json(aside / 'summary.json')['status'] == 'failed'
+
+
+# ====================================================================== oelm report
+def test_oelm_report_rerenders_from_the_run_directories(batch, tmp_path):
+    out, rc, stdout, stderr = batch
+    assert rc == 0, stderr
+    d = copy_batch(out, tmp_path / 'copy')
+    sm = read_json(d / 'gpt-s1' / 'summary.json')
+    sm['best_val_ppl'] = 777.125  # a value no run produces: the new report must read the directory again
+    (d / 'gpt-s1' / 'summary.json').write_text(json.dumps(sm))
+    (d / 'report.html').write_text('stale')
+    res = run_oelm('report', str(d))
+    assert res.returncode == 0, res.stdout + res.stderr
+    text = html_text(d / 'report.html')
+    assert 'stale' != text.strip() and '777.125' in text
+    assert all(f'>{h}<' in (d / 'report.html').read_text(encoding='utf-8', errors='replace') for h in ('H1', 'H2', 'H3', 'H4'))
+
+
+def test_oelm_report_on_a_non_batch_directory_exits_2(tmp_path):
+    (tmp_path / 'not-a-batch').mkdir()
+    res = run_oelm('report', str(tmp_path / 'not-a-batch'))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert 'Traceback' not in res.stderr
+    assert 'not a batch directory' in res.stderr and 'batch.json' in res.stderr and 'not-a-batch' in res.stderr
+    assert not (tmp_path / 'not-a-batch' / 'report.html').exists()
+
+
+# ====================================================================== RunExplorer
+def test_run_explorer_follows_its_widgets(batch, tmp_path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from oelm_nb.report import RunExplorer
+    out, rc, stdout, stderr = batch
+    assert rc == 0, stderr
+    d = copy_batch(out, tmp_path / 'copy')
+    try:
+        ex = RunExplorer(d)
+        ax = lambda: ex.fig.axes[0]
+        assert ex.plotted_variants() == list(VARIANTS)
+        assert (ax().get_xlabel(), ax().get_ylabel(), ax().get_yscale()) == ('step', 'val_ppl', 'log')
+
+        ex.variants.value = ('oelm-freeze',)
+        assert ex.plotted_variants() == ['oelm-freeze']
+        ex.metric.value = 'val_loss'
+        assert (ax().get_ylabel(), ax().get_yscale()) == ('val_loss', 'linear')
+        assert max(max(l.get_xdata()) for l in ax().lines if len(l.get_xdata())) == 4  # steps
+        ex.xaxis.value = 'tokens'
+        assert ax().get_xlabel() == 'tokens' and ex.plotted_variants() == ['oelm-freeze']
+        cfg = read_json(d / 'oelm-freeze-s0' / 'config.json')
+        tokens = 4 * cfg['train']['batch_size'] * cfg['model']['block_size']
+        assert max(max(l.get_xdata()) for l in ax().lines if len(l.get_xdata())) == tokens
+
+        # a run appears in the directory; reload picks it up and selects every variant again
+        shutil.copytree(d / 'gpt-s0', d / 'oelm-s0')
+        assert 'oelm' not in ex.variants.options
+        ex.reload_button.click()
+        assert list(ex.variants.options) == ['gpt', 'oelm-freeze', 'oelm']
+        assert ex.plotted_variants() == ['gpt', 'oelm-freeze', 'oelm']
+        assert (ax().get_xlabel(), ax().get_ylabel()) == ('tokens', 'val_loss')  # the other choices are kept
+        assert '>oelm<' in ex.table.value
+    finally:
+        plt.close('all')
