@@ -20,8 +20,8 @@ $(STAMP): settings.ini setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "[setup] installing $(TORCH_PIN) into $(VENV)"
 	@set -o pipefail; $(PIP) install "$(TORCH_PIN)" $(PIPFILTER)
-	@echo "[setup] installing oelm_nb[dev] (editable)"
-	@set -o pipefail; $(PIP) install -e ".[dev]" $(PIPFILTER)
+	@echo "[setup] installing oelm_nb[dev,hf] (editable)"
+	@set -o pipefail; $(PIP) install -e ".[dev,hf]" $(PIPFILTER)
 	@$(BIN)/python -c "import torch, oelm_nb, nbdev, papermill; print('[setup] ok: torch', torch.__version__, '| oelm_nb', oelm_nb.__version__)"
 	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (oelm_nb)" >/dev/null
 	@touch $(STAMP)

@@ -1,5 +1,6 @@
 """The data chapter from outside: story corpus, splits, recall alignment, token files, sources and caching."""
 from __future__ import annotations
+import importlib.util
 import json, os, re, shutil, time
 from pathlib import Path
 
@@ -202,6 +203,7 @@ def test_prepared_directory_is_used_as_is(stories_dir, tmp_path):
     assert not (tmp_path / 'unused').exists()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="HF datasets not installed (the hf extra)")
 def test_tinystories_offline_fails_fast(monkeypatch, tmp_path):
     monkeypatch.setenv('HF_DATASETS_OFFLINE', '1'); monkeypatch.setenv('HF_HUB_OFFLINE', '1')
     monkeypatch.setenv('HF_HOME', str(tmp_path / 'hf'))  # an empty cache
@@ -213,6 +215,7 @@ def test_tinystories_offline_fails_fast(monkeypatch, tmp_path):
     assert 'TinyStories' in msg and '.txt' in msg and '.jsonl' in msg and 'source=' in msg
 
 
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="HF datasets not installed (the hf extra)")
 def test_tinystories_unreachable_hub_fails_fast(monkeypatch, tmp_path):
     "Without offline variables, an unreachable Hub is detected by a short probe instead of datasets' retries."
     import oelm_nb.data as D
