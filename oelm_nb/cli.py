@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument('--preset', default='tiny', choices=list(PRESETS))
     r.add_argument('--data', default='synthetic', help='synthetic | tinystories | DIR or file')
     r.add_argument('--variants', default=None, help='comma-separated (default: gpt,oelm,oelm-freeze)')
-    r.add_argument('--seeds', type=int, nargs='+', default=[0, 1])
+    r.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
     r.add_argument('--steps', type=int, default=None, help="optimizer steps per run (default: the study's for the preset)")
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun)")
     r.add_argument('--parallel', action='store_true', help='run GPU sets (or CPU jobs) concurrently')
