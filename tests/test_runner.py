@@ -333,3 +333,19 @@ def test_run_explorer_follows_its_widgets(batch, tmp_path):
         assert '>oelm<' in ex.table.value
     finally:
         plt.close('all')
+
+
+def test_run_interrupted_after_training_is_reexecuted_not_skipped(batch, tmp_path):
+    "A run whose notebook was cut off after summary.json was written (the .running marker remains) is executed again."
+    out, rc, stdout, stderr = batch
+    assert rc == 0, stderr
+    d = copy_batch(out, tmp_path / 'copy')
+    (d / 'oelm-freeze-s0' / '.running').write_text('12345')
+    res = run_oelm('run', 'qk-freeze', '--variants', ','.join(VARIANTS), '--seeds', *map(str, SEEDS), '--out', str(d),
+                   '--no-report', *TINY)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert 'oelm-freeze-s0: started' in res.stdout and res.stdout.count('already completed, skipped') == 3, res.stdout
+    assert not (d / 'oelm-freeze-s0' / '.running').exists()
+    steps = [json.loads(l)['step'] for l in (d / 'oelm-freeze-s0' / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+    assert steps == sorted(set(steps)) and steps[-1] == 4  # resumed from the final checkpoint: nothing trained twice
+    assert read_json(d / 'oelm-freeze-s0' / 'summary.json')['tokens_per_s'] > 0
