@@ -349,3 +349,16 @@ def test_run_interrupted_after_training_is_reexecuted_not_skipped(batch, tmp_pat
     steps = [json.loads(l)['step'] for l in (d / 'oelm-freeze-s0' / 'metrics.jsonl').read_text().splitlines() if l.strip()]
     assert steps == sorted(set(steps)) and steps[-1] == 4  # resumed from the final checkpoint: nothing trained twice
     assert read_json(d / 'oelm-freeze-s0' / 'summary.json')['tokens_per_s'] > 0
+
+
+def test_gpu_set_of_two_trains_through_torchrun(tmp_path):
+    "A GPU set with two devices launches torchrun with two processes; on a CPU-only machine they use gloo."
+    out = tmp_path / 'set'
+    res = run_oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--gpus', '0,1', '--out', str(out), '--no-report', *TINY)
+    assert res.returncode == 0, res.stdout + res.stderr
+    s = read_json(out / 'gpt-s0' / 'summary.json')
+    assert s['status'] == 'completed' and s['world_size'] == 2
+    assert (out / 'gpt-s0' / 'torchrun.log').exists()
+    cfg = read_json(out / 'gpt-s0' / 'config.json')
+    # two processes of batch_size each: twice the tokens of one process per step
+    assert s['tokens'] == 2 * s['steps'] * cfg['train']['batch_size'] * cfg['train']['grad_accum'] * cfg['model']['block_size']
