@@ -1,0 +1,224 @@
+"""CVFP (seed 002): losses, effective rank, carry-over, determinism, power law, Phase 2 cache, config errors."""
+from __future__ import annotations
+import json, math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oelm_nb.core import ConfigError
+from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, alpha_progression, build_context_cache,
+                          combined_loss, convergence_verdict, cvfp_config, cvfp_loss, effective_rank, fit_power_law, identity_check,
+                          logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, phase2_batch_size, train_phase1, train_phase2)
+
+SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)
+
+
+# ---------------------------------------------------------------- diversity losses
+X = np.array([[1.0, 2.0, 0.5], [3.0, -1.0, 2.0], [0.0, 0.0, 1.0], [2.0, 4.0, -3.0], [1.5, 1.0, 0.0]])
+
+
+def test_mcdl_matches_formula():
+    n = X.shape[0]
+    expected = -math.sqrt(sum((X[i, j] - X[:, j].mean()) ** 2 for i in range(n) for j in range(X.shape[1]))) / n
+    assert mcdl_loss(torch.tensor(X)).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_odcm_matches_formula():
+    n, d = X.shape
+    cov = np.cov(X, rowvar=False)  # unbiased (n - 1), like odcm_loss
+    expected = sum(cov[i, j] ** 2 for i in range(d) for j in range(d) if i != j) / d
+    assert odcm_loss(torch.tensor(X)).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_registry_and_combined():
+    assert set(DIVERSITY_LOSSES) == set(DIVERSITY_DESCRIPTIONS) == {'MCDL', 'ODCM'}
+    assert combined_loss(torch.tensor(2.0), torch.tensor(-1.0), 0.9).item() == pytest.approx(0.1 * 2.0 - 0.9)
+    assert combined_loss(torch.tensor(2.0), torch.tensor(-1.0), 0.0).item() == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- effective rank
+@pytest.mark.parametrize('k', [1, 2, 5, 7])
+def test_effective_rank_k_equal_singular_values(k):
+    g = torch.Generator().manual_seed(k)
+    u, _ = torch.linalg.qr(torch.randn(50, k, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(12, k, generator=g, dtype=torch.float64))
+    er = effective_rank(3.0 * u @ v.T)
+    assert er.value == pytest.approx(k, abs=1e-9)
+    assert er.dim == 12 and er.percent == pytest.approx(100 * k / 12, abs=1e-7)
+
+
+def test_effective_rank_rank_one():
+    x = torch.outer(torch.linspace(-2, 5, 30), torch.randn(9))
+    assert effective_rank(x).value == pytest.approx(1.0, abs=1e-6)
+
+
+def test_effective_rank_unequal_between_1_and_k():
+    x = torch.diag(torch.tensor([10.0, 1.0, 0.1]))
+    assert 1.0 < effective_rank(x).value < 3.0
+
+
+# ---------------------------------------------------------------- CVFP loss
+def test_cvfp_loss_is_plain_mse_not_normalized():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(20, 6, generator=g) * 3, torch.randn(20, 6, generator=g)
+    assert torch.equal(cvfp_loss(a, b), F.mse_loss(a, b))
+    normalized = F.mse_loss(F.normalize(a, dim=1), F.normalize(b, dim=1))
+    cosine = (1 - F.cosine_similarity(a, b, dim=1)).mean()
+    assert abs(cvfp_loss(a, b).item() - normalized.item()) > 1e-3
+    assert abs(cvfp_loss(a, b).item() - cosine.item()) > 1e-3
+    # same direction, different norm: a normalized loss sees no difference, the CVFP loss does
+    assert cvfp_loss(2 * b, b).item() > 0 and F.mse_loss(F.normalize(2 * b, dim=1), F.normalize(b, dim=1)).item() < 1e-12
+
+
+# ---------------------------------------------------------------- Phase 1: carry-over, detach, determinism
+class Recorder:
+    "Forward hook on the ContextBlock: first context row in, last final-layer context row out, per call."
+    def __init__(self, block):
+        self.ins, self.outs = [], []
+        self.h = block.register_forward_hook(self)
+
+    def __call__(self, mod, inputs, output):
+        self.ins.append(inputs[0][0].detach().clone()); self.outs.append(output[-1][-1].detach().clone())
+
+
+@pytest.mark.parametrize('parallel', [False, True])
+def test_context_carried_over_between_iterations(parallel):
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=4, phase1_max_iterations=4)
+    ids = markov_tokens(12, cfg.vocab_size)
+    model = CVFPModel(cfg)
+    rec = Recorder(model.context_block)
+    res = train_phase1(model, ids, parallel=parallel, track_rank=False)
+    n = len(ids)
+    assert res.iterations == 4
+    # call indices where each iteration starts: sequential = one call per token; parallel = iteration 0 per token, then one call
+    starts = [k * n for k in range(4)] if not parallel else [0, n, n + 1, n + 2]
+    assert torch.equal(rec.ins[0], torch.zeros(cfg.context_dim))  # only the very first iteration starts from zero
+    for k in range(1, 4):
+        start_in, prev_end_out = rec.ins[starts[k]], rec.outs[starts[k] - 1]
+        assert torch.equal(start_in, prev_end_out), f'iteration {k} does not start from iteration {k - 1} last context'
+        assert start_in.abs().sum() > 0
+    # the final (cache) pass starts from the last training iteration's last context too
+    final = len(rec.ins) - (1 if parallel else n)
+    assert torch.equal(res.final_start[0], rec.ins[final]) and torch.equal(rec.ins[final], rec.outs[final - 1])
+
+
+def test_sequential_detaches_between_tokens():
+    cfg = CVFPConfig(**SMALL, phase1_max_iterations=2, phase1_min_iterations=2)
+    model = CVFPModel(cfg)
+    seen = []
+    h = model.context_block.register_forward_hook(lambda m, inp, out: seen.append(inp[0].requires_grad))
+    train_phase1(model, markov_tokens(6, cfg.vocab_size), parallel=False, track_rank=False)
+    h.remove()
+    assert len(seen) == 18 and not any(seen)  # the context entering each token carries no graph
+
+
+def test_phase1_deterministic_same_seed():
+    cfg = CVFPConfig(**SMALL, phase1_max_iterations=4, seed=3)
+    ids = markov_tokens(150, cfg.vocab_size)
+    ers = []
+    for _ in range(2):
+        r = train_phase1(CVFPModel(cfg), ids)
+        ers.append((effective_rank(r.contexts).value, [h.get('effective_rank') for h in r.history], r.converged_tokens))
+    assert ers[0] == ers[1]
+    r_other = train_phase1(CVFPModel(cfg.replace(seed=4)), ids)
+    assert effective_rank(r_other.contexts).value != ers[0][0]
+
+
+def test_phase1_reports_counts_and_per_layer_outputs():
+    cfg = CVFPConfig(**SMALL, phase1_max_iterations=3)
+    r = train_phase1(CVFPModel(cfg), markov_tokens(40, cfg.vocab_size))
+    assert len(r.layer_outputs) == cfg.num_layers and all(o.shape == (40, cfg.context_dim) for o in r.layer_outputs)
+    assert 0 <= r.converged_tokens <= r.n_tokens == 40
+    assert r.convergence_rate == r.converged_tokens / 40
+    assert all('converged' in h and 'rate' in h for h in r.history[1:])
+
+
+# ---------------------------------------------------------------- checks
+def test_identity_check_and_verdicts():
+    e = torch.randn(10, 4)
+    assert not identity_check(e, e, e).passed
+    assert identity_check(e + 1, e, -e).passed
+    assert convergence_verdict([0.3, 0.2, 0.1]).verdict == 'CONVERGING'
+    assert convergence_verdict([1e-4, 1e-4, 1e-4]).verdict == 'CONVERGED'
+    assert convergence_verdict([0.1, 0.2, 0.4]).verdict == 'DIVERGING'
+    assert convergence_verdict([0.0, 0.5, 0.0, 0.5, 0.0]).verdict == 'UNSTABLE'
+
+
+# ---------------------------------------------------------------- alpha scaling
+def test_power_law_recovers_alpha():
+    tokens = [1e4, 2e4, 4e4, 8e4, 1.6e5]
+    ppl = [2.5e3 * t ** -0.423 for t in tokens]
+    fit = fit_power_law(tokens, ppl)
+    assert fit.alpha == pytest.approx(-0.423, abs=1e-10)
+    assert fit.A == pytest.approx(2.5e3, rel=1e-8)
+    assert fit.r2 == pytest.approx(1.0, abs=1e-12)
+    noisy = fit_power_law(tokens, [p * f for p, f in zip(ppl, [1.1, 0.9, 1.05, 0.95, 1.0])])
+    assert noisy.r2 < 1.0
+
+
+def test_alpha_progression_windows(tmp_path):
+    sizes = [50, 100, 200, 400, 800]
+    ppl = [1e3 * s ** -0.4 for s in sizes[:3]] + [1e3 * 200 ** -0.4 * (s / 200) ** -0.6 for s in sizes[3:]]
+    prog = alpha_progression(sizes, ppl, window=4)
+    assert [w['samples'] for w in prog.windows] == [[50, 400], [100, 800]]
+    assert prog.alpha_change < 0 and prog.trend.startswith('IMPROVING')
+    d = json.loads(prog.to_json(tmp_path / 'alpha_progression.json'))
+    assert d == json.loads((tmp_path / 'alpha_progression.json').read_text()) and len(d['windows']) == 2
+    with pytest.raises(ValueError, match='window'): alpha_progression(sizes, ppl, window=6)
+
+
+# ---------------------------------------------------------------- Phase 2
+def test_phase2_cache_gives_same_logits_as_recompute():
+    cfg = CVFPConfig(**SMALL, phase1_max_iterations=3, phase2_epochs=2, phase2_batch_size=16)
+    ids = markov_tokens(60, cfg.vocab_size)
+    model = CVFPModel(cfg)
+    r = train_phase1(model, ids, parallel=False)
+    p2 = train_phase2(model, ids, cache=r.layer_outputs)
+    assert p2.steps == 2 * math.ceil(59 / 16)
+    assert not any(p.requires_grad for p in model.context_block.parameters())
+    # Phase 1's cache equals a fresh pass from the same starting context, so the logits agree
+    fresh = build_context_cache(model, ids, r.final_start)
+    torch.testing.assert_close(logits_from_cache(model, ids, r.layer_outputs), logits_from_cache(model, ids, fresh))
+    torch.testing.assert_close(logits_from_cache(model, ids, fresh), model(ids, r.final_start))
+
+
+def test_phase2_trains_token_block_only():
+    cfg = CVFPConfig(**SMALL, phase2_epochs=3, phase2_batch_size=32, phase2_lr=3e-3)
+    model = CVFPModel(cfg)
+    ctx_before = {k: v.clone() for k, v in model.context_block.state_dict().items()}
+    emb_before = model.embedding.weight.clone()
+    tok_before = [p.clone() for p in model.token_block.parameters()]
+    p2 = train_phase2(model, markov_tokens(200, cfg.vocab_size), val_ids=markov_tokens(50, cfg.vocab_size, seed=1))
+    assert all(torch.equal(v, model.context_block.state_dict()[k]) for k, v in ctx_before.items())
+    assert torch.equal(emb_before, model.embedding.weight) and model.head.weight is model.embedding.weight
+    assert any(not torch.equal(a, b) for a, b in zip(tok_before, model.token_block.parameters()))
+    assert p2.val_ppl is not None and math.isfinite(p2.val_ppl)
+
+
+def test_batch_size_from_cpu_budget():
+    cfg = CVFPConfig(vocab_size=1000)
+    s = phase2_batch_size(cfg, 'cpu', cpu_budget_bytes=100 * 2**20)
+    assert s.source == 'cpu budget' and s.batch_size == int(100 * 2**20 * 0.5) // s.per_token_bytes
+    assert phase2_batch_size(cfg, 'cpu', cpu_budget_bytes=10).batch_size == cfg.phase2_min_batch_size
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize('kw,field', [
+    (dict(context_dim=0), 'context_dim'), (dict(dist_reg_weight=-0.1), 'dist_reg_weight'), (dict(diversity='VICReg'), 'diversity'),
+    (dict(phase1_min_iterations=9, phase1_max_iterations=4), 'phase1_min_iterations'), (dict(memory_safety=0.0), 'memory_safety'),
+    (dict(convergence_target=1.5), 'convergence_target'), (dict(phase2_batch_size=0), 'phase2_batch_size'), (dict(num_layers='2'), 'num_layers'),
+])
+def test_config_errors_name_field(kw, field):
+    with pytest.raises(ConfigError, match=f'CVFPConfig.{field}'): CVFPConfig(**kw)
+
+
+def test_config_presets_and_embedding_shape():
+    seed = cvfp_config('seed')
+    assert (seed.context_dim, seed.embed_dim, seed.hidden_dim) == (768, 768, 1536)
+    with pytest.raises(ConfigError, match='unknown CVFP preset'): cvfp_config('nope')
+    with pytest.raises(ConfigError, match='vocab_size/embed_dim'): CVFPModel(CVFPConfig(**SMALL), torch.randn(5, 8))
+    w = torch.randn(40, 12)
+    m = CVFPModel.from_embedding(w, context_dim=6)
+    assert (m.cfg.vocab_size, m.cfg.embed_dim) == (40, 12) and torch.equal(m.embedding.weight, w)

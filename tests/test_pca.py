@@ -1,0 +1,207 @@
+"""PCA factorization, npy/npz files, GPT-2 import, LoRA and parameter arithmetic (oelm_nb.pca)."""
+from __future__ import annotations
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from oelm_nb.core import ConfigError
+from oelm_nb.freeze import param_report
+from oelm_nb.model import GPT, MLP
+from oelm_nb.pca import (LORA_TARGETS, LoRAEmbedding, LoRALinear, apply_lora, embedding_pca, from_hf_gpt2, load_pca_mats,
+                         lora_modules, merge_lora, pca_factorize, save_pca_mats, unmerge_lora)
+
+SMALL = dict(vocab_size=300, n_embd=64, n_layer=2, n_head=2, block_size=32)
+
+
+@pytest.fixture(scope='module')
+def base():
+    return GPT.from_preset('tiny', init_seed=0, **SMALL).eval()
+
+
+@pytest.fixture(scope='module')
+def idx():
+    return torch.randint(0, SMALL['vocab_size'], (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+# ---------------------------------------------------------------- PCA
+@pytest.mark.parametrize('bias', [True, False])
+def test_full_rank_pca_reproduces_softmax(idx, bias):
+    m = GPT.from_preset('tiny', init_seed=3, bias=bias, **SMALL).eval()
+    f = pca_factorize(m, SMALL['n_embd']).eval()
+    torch.testing.assert_close(f(idx)[0].softmax(-1), m(idx)[0].softmax(-1), atol=1e-5, rtol=0)
+
+
+def test_factorized_weights_follow_the_recipe(base):
+    k = 8
+    f, p = pca_factorize(base, k), embedding_pca(base.transformer.tok.wte.weight)
+    tok, E = f.transformer.tok, base.transformer.tok.wte.weight.double()
+    assert tok.wte.weight.shape == (SMALL['vocab_size'], k) and f.cfg.n_embd_wte == k
+    assert f.lm_head.weight is tok.wte.weight
+    torch.testing.assert_close(tok.wte.weight.double(), (E - E.mean(0)) @ p.V[:, :k], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tok.scale_up.bias.double(), E.mean(0), atol=1e-7, rtol=0)
+    assert torch.all(tok.scale_down.bias == 0)
+    torch.testing.assert_close(tok.scale_up.weight, tok.scale_down.weight.T)
+    torch.testing.assert_close(f.transformer.h[1].mlp.mlp_up.weight, base.transformer.h[1].mlp.mlp_up.weight)
+
+
+@pytest.mark.parametrize('k', [1, 8, 32, 63])
+def test_reconstruction_error_equals_discarded_variance(base, k):
+    E = base.transformer.tok.wte.weight.detach()
+    p = embedding_pca(E)
+    f = pca_factorize(base, k, pca=p)
+    tok = f.transformer.tok
+    with torch.no_grad(): recon = tok.scale_up(tok.wte.weight).double()  # wte @ scale_up reconstructs E (projected)
+    err = ((E.double() - recon) ** 2).sum()
+    assert err.item() == pytest.approx((p.S[k:] ** 2).sum().item(), rel=1e-4)
+    assert float(p.explained_variance_ratio[:k].sum()) == pytest.approx(1 - float(err / ((E.double() - E.double().mean(0)) ** 2).sum()), rel=1e-4)
+
+
+def test_pca_rejects_bad_input(base):
+    with pytest.raises(ConfigError, match='already has n_embd_wte'): pca_factorize(pca_factorize(base, 8), 4)
+    with pytest.raises(ConfigError, match='1..n_embd=64'): pca_factorize(base, 0)
+
+
+def test_npy_npz_round_trip(base, idx, tmp_path):
+    f = pca_factorize(base, 16).eval()
+    wte_path, mats_path = save_pca_mats(f, tmp_path)
+    assert (wte_path.name, mats_path.name) == ('wte_pca_k16.npy', 'scale_mats_pca_k16.npz')
+    wte = np.load(wte_path, allow_pickle=False)
+    with np.load(mats_path, allow_pickle=False) as z:
+        assert sorted(z.files) == ['scale_down_bias', 'scale_down_weight', 'scale_up_bias', 'scale_up_weight']
+        assert z['scale_up_weight'].shape == (64, 16) and z['scale_down_weight'].shape == (16, 64)
+    np.testing.assert_array_equal(wte, f.transformer.tok.wte.weight.detach().numpy())
+    g = GPT.from_preset('tiny', init_seed=9, n_embd_wte=16, **SMALL).eval()
+    g.load_state_dict({n: t for n, t in f.state_dict().items() if not n.startswith('transformer.tok.')}, strict=False)
+    load_pca_mats(g, tmp_path)
+    for n, t in f.state_dict().items(): torch.testing.assert_close(g.state_dict()[n], t, atol=0, rtol=0)
+    torch.testing.assert_close(g(idx)[0], f(idx)[0], atol=0, rtol=0)
+    with pytest.raises(FileNotFoundError, match='wte_pca_k8.npy'): load_pca_mats(g, tmp_path, k=8)
+
+
+# ---------------------------------------------------------------- GPT-2 import
+def test_gpt2_import_matches_hf_logits(tmp_path):
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=100, n_positions=32)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    x = torch.randint(0, 100, (3, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(): want = hf(x).logits
+    ours = from_hf_gpt2(hf).eval()
+    assert (ours.cfg.n_layer, ours.cfg.n_embd, ours.cfg.block_size, ours.cfg.attn_bias) == (2, 64, 32, True)
+    with torch.no_grad(): torch.testing.assert_close(ours(x)[0], want, atol=1e-4, rtol=0)
+    hf.save_pretrained(tmp_path)  # and from a local directory
+    with torch.no_grad(): torch.testing.assert_close(from_hf_gpt2(tmp_path).eval()(x)[0], want, atol=1e-4, rtol=0)
+
+
+def test_gpt2_import_uses_tanh_gelu():
+    "At init the MLP is too small to tell the GELUs apart (both within 1e-4); with a louder MLP only tanh GELU matches to 1e-5."
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=100, n_positions=32)).eval()
+    with torch.no_grad():
+        for b in hf.transformer.h: b.mlp.c_fc.weight.mul_(5); b.mlp.c_proj.weight.mul_(50)
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    ours = from_hf_gpt2(hf).eval()
+    with torch.no_grad():
+        want = hf(x).logits
+        torch.testing.assert_close(ours(x)[0], want, atol=1e-5, rtol=0)
+        for b in ours.transformer.h: b.mlp.__class__ = MLP  # exact GELU
+        assert (ours(x)[0] - want).abs().max() > 5e-5
+
+
+# ---------------------------------------------------------------- LoRA
+def test_lora_count_768():
+    lin = LoRALinear(nn.Linear(768, 768), rank=32, alpha=64, dropout=0.1)
+    assert lin.lora_A.numel() + lin.lora_B.numel() == 49_152
+    assert lin.scaling == 2.0 and torch.all(lin.lora_B == 0) and lin.lora_A.abs().max() > 0
+
+
+def test_apply_lora_freezes_base_and_counts(idx):
+    m = GPT.from_preset('tiny', init_seed=0, n_embd_wte=16, **SMALL).eval()
+    ref = m(idx)[0]
+    names = apply_lora(m)  # seed 004: rank 32, alpha 64, dropout 0.1, all nine targets
+    assert len(names) == 3 + 6 * SMALL['n_layer'] and {n.rpartition('.')[2] for n in names} == set(LORA_TARGETS)
+    torch.testing.assert_close(m(idx)[0], ref, atol=1e-6, rtol=0)  # fresh adapters change nothing
+    d, k, V, L, r = 64, 16, SMALL['vocab_size'], SMALL['n_layer'], 32
+    want = r * (V + k) + 2 * r * (k + d) + L * (4 * r * (d + d) + r * (d + 4 * d) + r * (4 * d + d))
+    rep = param_report(m)
+    assert rep.components.loc['lora', 'total'] == want == rep.trainable
+    assert all(p.requires_grad == ('lora_' in n) for n, p in m.named_parameters())
+    assert m.lm_head.weight is m.transformer.tok.wte.weight
+    assert set(m.state_dict()) >= set(GPT.from_preset('tiny', init_seed=0, n_embd_wte=16, **SMALL).state_dict())
+
+
+def test_merge_unmerge_round_trip(idx):
+    m = GPT.from_preset('tiny', init_seed=0, n_embd_wte=16, **SMALL).eval()
+    before = copy.deepcopy(m.state_dict())
+    apply_lora(m, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for mod in lora_modules(m): mod.lora_A.normal_(0, 0.1, generator=g); mod.lora_B.normal_(0, 0.1, generator=g)
+    y = m(idx)[0]
+    assert (y - GPT.from_preset('tiny', init_seed=0, n_embd_wte=16, **SMALL).eval()(idx)[0]).abs().max() > 1e-2
+    torch.testing.assert_close(merge_lora(m)(idx)[0], y, atol=1e-5, rtol=0)
+    assert all(mod.merged for mod in lora_modules(m))
+    assert not torch.allclose(m.transformer.h[0].attn.q_proj.weight, before['transformer.h.0.attn.q_proj.weight'])
+    torch.testing.assert_close(unmerge_lora(m)(idx)[0], y, atol=1e-5, rtol=0)
+    for n, t in before.items(): torch.testing.assert_close(m.state_dict()[n], t, atol=1e-6, rtol=0)
+
+
+def test_lora_rejects_unsupported():
+    m = GPT.from_preset('tiny', init_seed=0, variant='oelm-freeze', **SMALL)
+    with pytest.raises(ConfigError, match='OrthogonalLinear'): apply_lora(m, targets=('q_proj',))
+    with pytest.raises(ConfigError, match='no module named'): apply_lora(nn.Sequential(nn.Linear(2, 2)))
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.q_proj, self.mlp_up = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 32)
+    def forward(self, idx): return self.mlp_up(torch.tanh(self.q_proj(self.wte(idx))))
+
+
+def test_matches_peft():
+    peft = pytest.importorskip('peft')
+    torch.manual_seed(0)
+    toy = Toy().eval()
+    ours = copy.deepcopy(toy)
+    theirs = peft.get_peft_model(toy, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=['wte', 'q_proj', 'mlp_up'])).eval()
+    apply_lora(ours, targets=('wte', 'q_proj', 'mlp_up'), rank=4, alpha=8, dropout=0.0)
+    pm = theirs.base_model.model
+    # same init conventions and shapes: Linear B zero; Embedding A zero, B nonzero
+    assert ours.q_proj.lora_A.shape == pm.q_proj.lora_A['default'].weight.shape and torch.all(pm.q_proj.lora_B['default'].weight == 0)
+    assert ours.wte.lora_A.shape == pm.wte.lora_embedding_A['default'].shape and torch.all(pm.wte.lora_embedding_A['default'] == 0)
+    assert torch.all(ours.wte.lora_A == 0) and ours.wte.lora_B.abs().max() > 0
+    assert ours.q_proj.scaling == pm.q_proj.scaling['default'] == 2.0
+    n_trainable = lambda mod: sum(p.numel() for p in mod.parameters() if p.requires_grad)
+    assert n_trainable(ours) == n_trainable(theirs)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name in ('q_proj', 'mlp_up'):
+            a, b = getattr(pm, name).lora_A['default'].weight, getattr(pm, name).lora_B['default'].weight
+            a.normal_(generator=g); b.normal_(generator=g)
+            getattr(ours, name).lora_A.copy_(a); getattr(ours, name).lora_B.copy_(b)
+        a, b = pm.wte.lora_embedding_A['default'], pm.wte.lora_embedding_B['default']
+        a.normal_(generator=g); b.normal_(generator=g)
+        ours.wte.lora_A.copy_(a); ours.wte.lora_B.copy_(b)
+        x = torch.randint(0, 50, (4, 7), generator=g)
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.wte.delta_weight(), pm.wte.get_delta_weight('default'))
+        torch.testing.assert_close(ours.mlp_up.delta_weight(), pm.mlp_up.get_delta_weight('default'))
+
+
+# ---------------------------------------------------------------- parameter arithmetic
+@pytest.mark.parametrize('K', [64, 128, 256, 512])
+def test_gpt2_124m_factorized_param_counts(K):
+    V, d, L, T, ff = 50257, 768, 12, 1024, 3072
+    want = {'embedding': V * K + (K * d + d) + (d * K + K) + T * d,  # wte (tied head counted once), scale_up, scale_down, wpe
+            'attention.qk': L * 2 * (d * d + d),
+            'attention.vo': L * 2 * (d * d + d),
+            'mlp': L * (d * ff + ff + ff * d + d),
+            'norm': L * 2 * 2 * d + 2 * d}
+    rep = param_report(GPT.from_preset('gpt2-124m', n_embd_wte=K, init_seed=0))
+    assert rep.components['total'].to_dict() == want
+    assert rep.total == rep.trainable == sum(want.values())
