@@ -13,7 +13,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .core import ConfigBase, ConfigError, check, set_seed
+from .core import ConfigBase, ConfigError, check, set_seed, TrainConfig
+from .train import Trainer
 
 # %% auto #0
 __all__ = ['DIVERSITY_LOSSES', 'DIVERSITY_DESCRIPTIONS', 'CVFP_PRESETS', 'cvfp_loss', 'mcdl_loss', 'odcm_loss', 'combined_loss',
@@ -463,30 +464,39 @@ def train_phase2(model: CVFPModel,
                  val_ids: torch.Tensor | None = None, # validation tokens
                  cpu_budget_bytes: int = 256 * 2**20, # memory budget on CPU
                 ) -> Phase2Result:
-    "Train the TokenBlock on next-token cross-entropy from cached (frozen) ContextBlock outputs."
+    "Train the TokenBlock on next-token cross-entropy from cached (frozen) ContextBlock outputs, with the shared Trainer."
     cfg = model.cfg
     freeze_context_block(model)
     if cache is None: cache = build_context_cache(model, ids)
     dev = model.embedding.weight.device
     sizing = phase2_batch_size(cfg, dev, cpu_budget_bytes)
-    params = [p for p in model.token_block.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.phase2_lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(cfg.seed)
-    n, losses, t0 = len(ids) - 1, [], time.perf_counter()
-    model.token_block.train()
-    for _ in range(cfg.phase2_epochs):
-        perm = torch.randperm(n, generator=g).to(dev)
-        for i in range(0, n, sizing.batch_size):
-            pos = perm[i:i + sizing.batch_size]
-            logits = logits_from_cache(model, ids[pos], [c[pos] for c in cache])
-            loss = F.cross_entropy(logits, ids[pos + 1])
-            opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
-            losses.append(loss.item())
-    model.token_block.eval()
-    res = Phase2Result(losses, sizing, len(losses), time.perf_counter() - t0)
+    n, bs = len(ids) - 1, sizing.batch_size
+    per_epoch = math.ceil(n / bs)
+
+    def batch_fn(step, micro):  # positions of this step: a fresh permutation per epoch, stateless (resumable)
+        epoch, i = divmod(step, per_epoch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        return (perm[i * bs:(i + 1) * bs],)
+
+    def loss_fn(m, batch):
+        (pos,) = batch
+        logits = logits_from_cache(m, ids[pos], [c[pos] for c in cache])
+        return F.cross_entropy(logits, ids[pos + 1]), {}
+
+    eval_fn = None
     if val_ids is not None:
-        ev = evaluate_cached(model, val_ids, build_context_cache(model, val_ids))
-        res.val_loss, res.val_ppl, res.val_acc = ev['val_loss'], ev['val_ppl'], ev['val_acc']
+        val_cache = build_context_cache(model, val_ids)
+        eval_fn = lambda m: evaluate_cached(m, val_ids, val_cache)
+    tcfg = TrainConfig(max_steps=cfg.phase2_epochs * per_epoch, batch_size=bs, lr=cfg.phase2_lr, min_lr=cfg.phase2_lr,
+                       warmup_steps=0, weight_decay=0.0, grad_clip=0.0, eval_every=0, log_every=1, seed=cfg.seed,
+                       device=str(dev), progress=False)
+    trainer = Trainer(model, tcfg, None, loss_fn=loss_fn, batch_fn=batch_fn, eval_fn=eval_fn, tokens_per_batch=bs)
+    summary = trainer.fit(resume=False)
+    model.eval()
+    recs = trainer.records
+    res = Phase2Result([r['train_loss'] for r in recs], sizing, summary['steps'], summary['wall_time_s'])
+    if recs and 'val_loss' in recs[-1]:
+        res.val_loss, res.val_ppl, res.val_acc = recs[-1]['val_loss'], recs[-1]['val_ppl'], recs[-1]['val_acc']
     return res
 
 # %% ../nbs/12_cvfp.ipynb #11f27ef2

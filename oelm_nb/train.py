@@ -88,7 +88,7 @@ def lm_loss(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
     "Next-token cross-entropy (the default loss hook)."
     x, y, _ = batch
     logits, _ = model(x)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)), {}
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)), {}
 
 # %% ../nbs/05_train.ipynb #2d4edc37
 @torch.no_grad()
@@ -102,7 +102,7 @@ def evaluate(model: nn.Module, data: TokenData, block_size: int, batch_size: int
         x, y, rec = (t.to(device) for t in make_batch(data, starts[i * batch_size:(i + 1) * batch_size], block_size))
         with autocast(device, amp_dtype): logits, _ = model(x)
         logits = logits.float()
-        tot_loss += F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction='sum').item()
+        tot_loss += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction='sum').item()
         tot_tok += y.numel()
         if rec is not None:
             pos = torch.arange(1, y.size(1) + 1, device=device).expand_as(y)  # window position of each target
@@ -303,11 +303,14 @@ class Trainer:
     "Trains `model` with `cfg` on token data; writes metrics and checkpoints to `out_dir` (if given)."
     model: nn.Module
     cfg: TrainConfig
-    train_data: TokenData
+    train_data: TokenData | None
     val_data: TokenData | None = None
     out_dir: Path | str | None = None
     loss_fn: LossFn = lm_loss # loss hook
     extra_modules: dict = field(default_factory=dict) # name -> (module, lr multiplier): trained and checkpointed too
+    batch_fn: Callable[[int, int], tuple] | None = None # data hook: (step, micro) -> this rank's batch (default: windows of train_data)
+    eval_fn: Callable[[nn.Module], dict] | None = None # evaluation hook: model -> {'val_loss': ..., ...} (default: the fixed sample)
+    tokens_per_batch: int | None = None # tokens in one micro-batch when batch_fn is given (default batch_size x block_size)
     run_config: dict = field(default_factory=dict) # recorded in checkpoints and summary.json
     run_name: str = 'run'
 
@@ -319,7 +322,7 @@ class Trainer:
         self.raw = self.model.to(self.device)
         for mod, _ in self.extra_modules.values(): mod.to(self.device)
         cfg_m = getattr(self.raw, 'cfg', None)
-        self.block_size = cfg_m.block_size if cfg_m is not None else self.run_config.get('block_size')
+        self.block_size = getattr(cfg_m, 'block_size', None) or self.run_config.get('block_size')
         self.schedule = UnfreezeSchedule.from_config(cfg_m) if isinstance(cfg_m, ModelConfig) and cfg_m.unfreeze_at else None
         self.step, self.tokens, self.best = 0, 0, {'val_loss': float('inf'), 'step': None}
         self.ckpt_root = self.out_dir / 'checkpoints' if self.out_dir else None
@@ -376,6 +379,8 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _micro_batch(self, micro: int):
+        if self.batch_fn is not None:
+            return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in self.batch_fn(self.step, micro))
         starts = train_starts(len(self.train_data.tokens), self.block_size, self.cfg.batch_size, self.cfg.seed,
                               self.step, micro, self.dist.rank, self.dist.world_size)
         return tuple(t.to(self.device) if t is not None else None for t in make_batch(self.train_data, starts, self.block_size))
@@ -408,11 +413,12 @@ class Trainer:
         else: opt.step()
         opt.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens += cfg.batch_size * cfg.grad_accum * self.block_size * self.dist.world_size
+        self.tokens += (self.tokens_per_batch or cfg.batch_size * self.block_size) * cfg.grad_accum * self.dist.world_size
         return {'train_loss': total, 'grad_norm': gnorm, 'lr': lr_at(self.step - 1, cfg), **extras}
 
     def _evaluate(self) -> dict:
         "Evaluate on the fixed sample: eval_batches global batches (batch_size x world_size windows each)."
+        if self.eval_fn is not None: return self.eval_fn(self.raw)
         if self.val_data is None: return {}
         return evaluate(self.raw, self.val_data, self.block_size, self.cfg.batch_size, self.cfg.eval_batches * self.dist.world_size,
                         self.device, self.amp)
@@ -461,6 +467,7 @@ class Trainer:
             self.save('final')
         finally:
             bar.close(); log.close()
+            self.records = log.records
         return self.summary(log.records, speeds, time.time() - t_start)
 
     def summary(self, records: list[dict], speeds: list[float], wall: float) -> dict:

@@ -525,3 +525,28 @@ def test_story_corpus_eval_reports_recall(stories, tmp_path):
             out_dir=tmp_path).fit()
     evals = [r for r in read_metrics(tmp_path) if 'val_loss' in r]
     assert evals and all(0.0 <= r['recall_acc'] <= 1.0 and r['recall_n'] > 0 for r in evals)
+
+
+def test_data_and_eval_hooks_replace_token_windows():
+    "A study with its own batches (not windows of train_data) trains through the same loop via batch_fn/eval_fn."
+    import torch.nn.functional as F
+    from oelm_nb.core import ModelConfig, TrainConfig
+    from oelm_nb.model import GPT
+    from oelm_nb.train import Trainer
+    data = torch.randint(0, 32, (64, 9))
+    seen, evals = [], []
+    def batch_fn(step, micro):
+        seen.append((step, micro)); rows = data[(step * 2 + micro) % 60:(step * 2 + micro) % 60 + 4]
+        return rows[:, :-1], rows[:, 1:], None
+    def eval_fn(model):
+        evals.append(1)
+        with torch.no_grad(): logits, _ = model(data[:8, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 32), data[:8, 1:].reshape(-1)).item()
+        return {'val_loss': loss, 'val_ppl': math.exp(loss)}
+    model = GPT(ModelConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.0), init_seed=0)
+    t = Trainer(model, TrainConfig(max_steps=6, batch_size=4, grad_accum=2, eval_every=3, log_every=1, warmup_steps=1, progress=False),
+                None, batch_fn=batch_fn, eval_fn=eval_fn, tokens_per_batch=32)
+    s = t.fit()
+    assert seen == [(st, mi) for st in range(6) for mi in range(2)]
+    assert len(evals) == 2 and s['tokens'] == 6 * 2 * 32 and s['best_val_loss'] is not None
+    assert [r['step'] for r in t.records] == [1, 2, 3, 4, 5, 6]
