@@ -4,11 +4,10 @@
 
 # %% ../nbs/09_bench.ipynb #8370fac8
 from __future__ import annotations
-import statistics, time
+import time
 from dataclasses import dataclass, asdict
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from .core import ConfigError, set_seed, pick_device, autocast_dtype, autocast, TrainConfig

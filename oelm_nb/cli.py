@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_cli.ipynb #3f0e91f4
 from __future__ import annotations
-import argparse, json, sys, typing
+import argparse, json, sys
 from dataclasses import fields
 from pathlib import Path
 

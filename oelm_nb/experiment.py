@@ -4,8 +4,8 @@
 
 # %% ../nbs/06_experiment.ipynb #7de8a642
 from __future__ import annotations
-import json, os, subprocess, sys, time, traceback
-from dataclasses import dataclass, field
+import json, os, subprocess, sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 

@@ -4,11 +4,11 @@
 
 # %% ../nbs/07_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import json, os, queue, shutil, subprocess, sys, threading, time
-from dataclasses import dataclass, field
+import json, os, queue, subprocess, sys, threading, time
+from dataclasses import dataclass
 from pathlib import Path
 
-from .core import ConfigError, DataConfig
+from .core import ConfigError
 from .experiment import get_study, resolve_spec, write_json, read_json
 from .data import prepare_data
 

@@ -4,11 +4,11 @@
 
 # %% ../nbs/05_train.ipynb #103c9165
 from __future__ import annotations
-import json, math, os, shutil, signal, sys, time, statistics
+import json, math, os, shutil, time, statistics
 from contextlib import nullcontext
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Any
+from typing import Callable
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file, load_file, save_model, load_model
 from tqdm.auto import tqdm
 
-from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError, set_seed, pick_device, autocast_dtype, autocast
+from .core import ModelConfig, TrainConfig, ConfigError, set_seed, pick_device, autocast_dtype, autocast
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
 from .data import TokenData, batch as make_batch
