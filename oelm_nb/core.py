@@ -57,6 +57,15 @@ class ConfigBase:
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
         return cls(**kw)
 
+    @classmethod
+    def from_preset(cls, presets: dict, # name -> dict of fields
+                    name: str, # the preset to use
+                    kind: str = '', # word for error messages, e.g. 'CVFP'
+                    **overrides):
+        "Build from the preset `name` of `presets` with some fields overridden; unknown names list the choices."
+        if name not in presets: raise ConfigError(f"unknown {kind + ' ' if kind else ''}preset {name!r}; choose from {list(presets)}")
+        return cls.from_dict({**presets[name], **overrides})
+
     def replace(self, **kw):
         "A copy with some fields changed (validated again)."
         return type(self).from_dict({**self.to_dict(), **kw})

@@ -186,8 +186,7 @@ CVFP_PRESETS = {
 def cvfp_config(preset: str = 'cpu', # a key of CVFP_PRESETS
                 **overrides) -> CVFPConfig:
     "The `CVFPConfig` of a preset with some fields overridden."
-    if preset not in CVFP_PRESETS: raise ConfigError(f"unknown CVFP preset {preset!r}; choose from {list(CVFP_PRESETS)}")
-    return CVFPConfig.from_dict({**CVFP_PRESETS[preset], **overrides})
+    return CVFPConfig.from_preset(CVFP_PRESETS, preset, 'CVFP', **overrides)
 
 # %% ../nbs/12_cvfp.ipynb #21bcb175
 class ContextLayer(nn.Module):

@@ -105,8 +105,7 @@ MERCATOR_PRESETS = {
 def mercator_config(preset: str = 'weak', # a key of MERCATOR_PRESETS
                     **overrides) -> MercatorConfig:
     "The `MercatorConfig` of a preset with some fields overridden."
-    if preset not in MERCATOR_PRESETS: raise ConfigError(f"unknown Mercator preset {preset!r}; choose from {list(MERCATOR_PRESETS)}")
-    return MercatorConfig.from_dict({**MERCATOR_PRESETS[preset], **overrides})
+    return MercatorConfig.from_preset(MERCATOR_PRESETS, preset, 'Mercator', **overrides)
 
 # %% ../nbs/13_mercator.ipynb #7bd9b47a
 class ElasticBottleneck(nn.Module):

@@ -25,8 +25,7 @@ PRESETS = {
 def model_config(preset: str = 'tiny', # a key of PRESETS
                  **overrides) -> ModelConfig:
     "The `ModelConfig` of a preset with some fields overridden."
-    if preset not in PRESETS: raise ConfigError(f"unknown preset {preset!r}; choose from {list(PRESETS)}")
-    return ModelConfig.from_dict({**PRESETS[preset], **overrides})
+    return ModelConfig.from_preset(PRESETS, preset, **overrides)
 
 # %% ../nbs/03_model.ipynb #7b7341e6
 class CausalSelfAttention(nn.Module):
