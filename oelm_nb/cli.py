@@ -12,7 +12,7 @@ from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
 __all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'cmd_run', 'cmd_report', 'cmd_bench', 'build_parser', 'main']
+           'study_plan', 'cmd_run', 'cmd_report', 'cmd_bench', 'add_study_parser', 'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -91,15 +91,26 @@ def print_batch_summary(batch_dir):
         for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
     print()
 
+def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
+    "(variants, overrides, options) of `oelm run <study>`: --variants wins over the variants the study's own flags plan."
+    options = {k: getattr(args, f'opt_{k}') for k in study.options if getattr(args, f'opt_{k}', None) is not None}
+    variants, planned = study.plan(options, args.preset) if study.plan else (None, {})
+    if args.variants: variants = args.variants.split(',')
+    return variants, {**planned, **_overrides(args.set)}, options
+
 def cmd_run(args) -> int:
     from oelm_nb.runner import run_study
-    res = run_study(args.study, args.preset, args.data, args.variants.split(',') if args.variants else None, args.seeds, args.steps,
-                    args.out or f'runs/{args.study}', args.gpus, args.parallel, args.jobs, _overrides(args.set), report=not args.no_report)
+    from oelm_nb.experiment import get_study
+    study = get_study(args.study)
+    variants, overrides, options = study_plan(study, args)
+    res = run_study(args.study, args.preset, args.data, variants, args.seeds or list(study.default_seeds), args.steps,
+                    args.out or f'runs/{args.study}', args.gpus, args.concurrent, args.jobs, overrides,
+                    report=not args.no_report, options=options)
     print_batch_summary(res.out_dir)
     n_ok = sum(s == 'completed' for s in res.statuses.values())
     print(f'[oelm run] {n_ok}/{len(res.statuses)} runs completed in {res.out_dir}' + (f'; report: {res.report}' if res.report else ''))
     if res.failed:
-        print(f"[oelm run] FAILED runs: {', '.join(res.failed)} (see their summary.json and train_lm.ipynb)", file=sys.stderr)
+        print(f"[oelm run] FAILED runs: {', '.join(res.failed)} (see their summary.json and executed notebook)", file=sys.stderr)
         return 1
     return 0
 
@@ -121,9 +132,34 @@ def cmd_bench(args) -> int:
     return 0
 
 # %% ../nbs/10_cli.ipynb #993527e0
+def add_study_parser(sub, study, presets):
+    "`oelm run <study>`: the flags every study shares, then the study's own."
+    r = sub.add_parser(study.name, help=study.description or study.name, description=study.description)
+    r.add_argument('--preset', default='tiny', choices=list(presets))
+    r.add_argument('--data', default='synthetic', help='synthetic | tinystories | DIR or file')
+    r.add_argument('--variants', default=None, help=f"comma-separated (default: {','.join(study.default_variants)}"
+                   + (', or as the flags below plan them)' if study.plan else ')'))
+    r.add_argument('--seeds', type=int, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
+    r.add_argument('--steps', type=int, default=None, help="optimizer steps per run (default: the study's for the preset)")
+    r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun)")
+    conc = ['--concurrent'] if 'parallel' in study.options else ['--parallel', '--concurrent']
+    r.add_argument(*conc, dest='concurrent', action='store_true', help='run GPU sets (or CPU jobs) concurrently')
+    r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given')
+    r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
+    r.add_argument('--set', action='append', metavar='KEY=VALUE', help="override, e.g. --set train.lr=1e-3 --set extra.k=32")
+    r.add_argument('--no-report', action='store_true')
+    if study.options:
+        g = r.add_argument_group(f'{study.name} options')
+        for flag, kw in study.options.items():
+            kw = dict(kw); flags = kw.pop('flags', None) or ['--' + flag.replace('_', '-')]
+            g.add_argument(*flags, dest=f'opt_{flag}', **{'default': None, **kw})
+    r.set_defaults(fn=cmd_run)
+    return r
+
 def build_parser() -> argparse.ArgumentParser:
     from oelm_nb.model import PRESETS
     from oelm_nb.core import VARIANTS
+    from oelm_nb.experiment import all_studies
     p = argparse.ArgumentParser(prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.')
     sub = p.add_subparsers(dest='command', required=True)
 
@@ -142,20 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser('train', help='train one run from a config.json (the entry point torchrun launches)')
     t.add_argument('--config', required=True); t.add_argument('--no-progress', action='store_true'); t.set_defaults(fn=cmd_train)
 
-    r = sub.add_parser('run', help='run a study as a papermill batch and render its report')
-    r.add_argument('study', choices=['qk-freeze'])
-    r.add_argument('--preset', default='tiny', choices=list(PRESETS))
-    r.add_argument('--data', default='synthetic', help='synthetic | tinystories | DIR or file')
-    r.add_argument('--variants', default=None, help='comma-separated (default: gpt,oelm,oelm-freeze)')
-    r.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
-    r.add_argument('--steps', type=int, default=None, help="optimizer steps per run (default: the study's for the preset)")
-    r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun)")
-    r.add_argument('--parallel', action='store_true', help='run GPU sets (or CPU jobs) concurrently')
-    r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given')
-    r.add_argument('--out', default=None, help='batch directory (default: runs/<study>)')
-    r.add_argument('--set', action='append', metavar='KEY=VALUE', help="override, e.g. --set train.lr=1e-3 --set model.dropout=0")
-    r.add_argument('--no-report', action='store_true'); r.set_defaults(fn=cmd_run)
-
+    r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
+                       description='Run a study: one papermill execution of its experiment notebook per (variant, seed), then its report.')
+    rs = r.add_subparsers(dest='study', required=True, metavar='STUDY')
+    for name, st in all_studies().items(): add_study_parser(rs, st, PRESETS)
     rep = sub.add_parser('report', help="(re)render a batch directory's report.html")
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
 

@@ -5,7 +5,8 @@
 # %% ../nbs/06_experiment.ipynb #7de8a642
 from __future__ import annotations
 import json, os, subprocess, sys
-from dataclasses import dataclass
+import importlib, re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -16,8 +17,9 @@ from .train import Trainer, init_distributed
 from .data import prepare_data, load_split, load_tokenizer
 
 # %% auto #0
-__all__ = ['QK_FREEZE', 'STUDIES', 'SAMPLE_PROMPTS', 'RunSpec', 'Study', 'get_study', 'apply_overrides', 'resolve_spec',
-           'write_json', 'read_json', 'generate_samples', 'train_run', 'launch_run']
+__all__ = ['Overrides', 'QK_FREEZE', 'STUDIES', 'STUDY_CHAPTERS', 'SAMPLE_PROMPTS', 'RunSpec', 'Study', 'register_study',
+           'all_studies', 'get_study', 'apply_overrides', 'resolve_spec', 'write_json', 'read_json', 'generate_samples',
+           'train_run', 'launch_run']
 
 # %% ../nbs/06_experiment.ipynb #6412c035
 @dataclass
@@ -31,10 +33,12 @@ class RunSpec(ConfigBase):
     study: str = 'qk-freeze'
     name: str = 'run' # the study's variant name, e.g. 'oelm-freeze-half'
     preset: str = 'tiny'
+    extra: dict = field(default_factory=dict) # study-specific settings (a PCA rank, a CVFP algorithm...), checked by the study's run code
 
     def to_dict(self) -> dict:
         return {'model': self.model.to_dict(), 'train': self.train.to_dict(), 'data': self.data.to_dict(),
-                'out_dir': self.out_dir, 'data_dir': self.data_dir, 'study': self.study, 'name': self.name, 'preset': self.preset}
+                'out_dir': self.out_dir, 'data_dir': self.data_dir, 'study': self.study, 'name': self.name, 'preset': self.preset,
+                'extra': dict(self.extra)}
 
     @classmethod
     def from_dict(cls, d: dict) -> 'RunSpec':
@@ -43,7 +47,7 @@ class RunSpec(ConfigBase):
         missing = [k for k in ('model', 'train', 'data', 'out_dir') if k not in d]
         if missing: raise ConfigError(f"RunSpec is missing {missing}")
         return cls(model=ModelConfig.from_dict(d['model']), train=TrainConfig.from_dict(d['train']), data=DataConfig.from_dict(d['data']),
-                   **{k: d[k] for k in ('out_dir', 'data_dir', 'study', 'name', 'preset') if k in d})
+                   **{k: d[k] for k in ('out_dir', 'data_dir', 'study', 'name', 'preset', 'extra') if k in d})
 
     @property
     def resolved_data_dir(self) -> Path:
@@ -52,31 +56,56 @@ class RunSpec(ConfigBase):
         if src.is_dir() and (src / 'meta.json').exists(): return src
         return Path(self.data_dir) if self.data_dir else Path(self.out_dir) / 'data'
 
+    def upstream_dir(self, variant: str) -> Path:
+        "The run directory of `variant` with this run's seed in the same batch (for runs that start from another run)."
+        return Path(self.out_dir).parent / f'{variant}-s{self.train.seed}'
+
 # %% ../nbs/06_experiment.ipynb #1c1ab625
+Overrides = dict  # dotted key ('model.variant', 'train.lr', 'extra.k') -> value
+
 @dataclass
 class Study:
-    "A named comparison: its variants, default variants and per-preset training and data settings."
+    "A named comparison: its variants, their dependencies, per-preset training and data settings, its notebooks and flags."
     name: str
-    variants: dict[str, Callable[[ModelConfig, int], dict]] # variant name -> f(model cfg, steps) -> ModelConfig overrides
+    variants: dict[str, Callable[[ModelConfig, int], Overrides]] # variant name -> f(preset model cfg, steps) -> overrides
     default_variants: list[str]
     train: dict[str, dict] # preset -> TrainConfig fields
     data: dict[str, dict] # preset -> DataConfig fields
-    notebook: str = 'experiments/train_lm.ipynb' # relative to nbs/
-    report: str | None = None
+    notebook: str = 'experiments/train_lm.ipynb' # experiment notebook, relative to nbs/
+    report: str | None = None # report notebook, relative to nbs/
+    families: dict[str, Callable[[re.Match, ModelConfig, int], Overrides]] = field(default_factory=dict) # regex -> overrides
+    requires: Callable[[str], list[str]] | None = None # variant -> variants whose run (same seed) must complete first
+    options: dict[str, dict] = field(default_factory=dict) # flag name -> argparse keyword arguments, for `oelm run <study>`
+    plan: Callable[[dict, str], tuple[list[str] | None, Overrides]] | None = None # (given flags, preset) -> (variants, overrides)
+    default_seeds: tuple[int, ...] = (0, 1, 2)
+    description: str = ''
 
-def _progressive(cfg: ModelConfig, steps: int) -> dict:
+    def overrides(self, variant: str, cfg: ModelConfig, steps: int) -> Overrides:
+        "The overrides that make `variant` out of the preset's model configuration `cfg`."
+        if variant in self.variants: return self.variants[variant](cfg, steps)
+        for pattern, fn in self.families.items():
+            if m := re.fullmatch(pattern, variant): return fn(m, cfg, steps)
+        fam = f" or a name matching {list(self.families)}" if self.families else ''
+        raise ConfigError(f"study {self.name!r} has no variant {variant!r}; choose from {list(self.variants)}{fam}")
+
+    def upstream(self, variant: str) -> list[str]:
+        "Variants whose runs `variant` starts from."
+        return list(self.requires(variant)) if self.requires else []
+
+def _progressive(cfg: ModelConfig, steps: int) -> Overrides:
     n = cfg.n_layer  # release one layer every steps/(n+1) steps, top layer first
-    return {'variant': 'oelm-freeze', 'unfreeze_at': tuple(steps * (i + 1) // (n + 1) for i in range(n))}
+    return {'model.variant': 'oelm-freeze', 'model.unfreeze_at': tuple(steps * (i + 1) // (n + 1) for i in range(n))}
 
 QK_FREEZE = Study(
     name='qk-freeze',
+    description='Orthogonal and frozen attention Q/K: does freezing Q/K cost accuracy? (seed 000)',
     variants={
-        'gpt': lambda c, s: {'variant': 'gpt'},
-        'oelm': lambda c, s: {'variant': 'oelm'},
-        'oelm-freeze': lambda c, s: {'variant': 'oelm-freeze'},
-        'oelm-freeze-half': lambda c, s: {'variant': 'oelm-freeze', 'freeze_layers': c.n_layer // 2},
+        'gpt': lambda c, s: {'model.variant': 'gpt'},
+        'oelm': lambda c, s: {'model.variant': 'oelm'},
+        'oelm-freeze': lambda c, s: {'model.variant': 'oelm-freeze'},
+        'oelm-freeze-half': lambda c, s: {'model.variant': 'oelm-freeze', 'model.freeze_layers': c.n_layer // 2},
         'oelm-progressive': _progressive,
-        'oelm-learnable': lambda c, s: {'variant': 'oelm-learnable'},
+        'oelm-learnable': lambda c, s: {'model.variant': 'oelm-learnable'},
     },
     default_variants=['gpt', 'oelm', 'oelm-freeze'],
     train={
@@ -94,9 +123,21 @@ QK_FREEZE = Study(
           'gpt2-124m': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000)},
     report='reports/qk_freeze.ipynb')
 
-STUDIES = {'qk-freeze': QK_FREEZE}
+STUDIES: dict[str, Study] = {'qk-freeze': QK_FREEZE}
+STUDY_CHAPTERS = ('oelm_nb.pca', 'oelm_nb.cvfp', 'oelm_nb.mercator')  # modules that register a study when imported
+
+def register_study(study: Study) -> Study:
+    "Make `study` known to `get_study`, the runner and `oelm run`."
+    STUDIES[study.name] = study
+    return study
+
+def all_studies() -> dict[str, Study]:
+    "Every study: the Q/K freeze study and those the chapters in `STUDY_CHAPTERS` register."
+    for mod in STUDY_CHAPTERS: importlib.import_module(mod)
+    return STUDIES
 
 def get_study(name: str) -> Study:
+    if name not in STUDIES: all_studies()
     if name not in STUDIES: raise ConfigError(f"unknown study {name!r}; choose from {list(STUDIES)}")
     return STUDIES[name]
 
@@ -109,8 +150,8 @@ def apply_overrides(spec: dict, overrides: dict) -> dict:
         if not name:
             if section not in out: raise ConfigError(f"override {key!r}: unknown key; use 'model.X', 'train.X', 'data.X' or one of {list(out)}")
             out[section] = val; continue
-        if section not in ('model', 'train', 'data'): raise ConfigError(f"override {key!r}: section must be model, train or data")
-        out[section][name] = val
+        if section not in ('model', 'train', 'data', 'extra'): raise ConfigError(f"override {key!r}: section must be model, train, data or extra")
+        out.setdefault(section, {})[name] = val
     return out
 
 def resolve_spec(study: str = 'qk-freeze', variant: str = 'oelm-freeze', preset: str = 'tiny', seed: int = 0,
@@ -118,7 +159,6 @@ def resolve_spec(study: str = 'qk-freeze', variant: str = 'oelm-freeze', preset:
                  data_dir: str | None = None, overrides: dict | None = None, data_vocab: int | None = None) -> RunSpec:
     "Build the `RunSpec` of (study, variant, preset, seed) with optional step count and dotted overrides."
     st = get_study(study)
-    if variant not in st.variants: raise ConfigError(f"study {study!r} has no variant {variant!r}; choose from {list(st.variants)}")
     if preset not in PRESETS: raise ConfigError(f"unknown preset {preset!r}; choose from {list(PRESETS)}")
     train = {**st.train.get(preset, {}), 'seed': seed, **({'max_steps': steps} if steps else {})}
     if steps:  # keep warmup and eval cadence sensible for short runs
@@ -127,11 +167,11 @@ def resolve_spec(study: str = 'qk-freeze', variant: str = 'oelm-freeze', preset:
         train['log_every'] = min(train.get('log_every', 10), max(1, steps // 30))
     n_steps = train.get('max_steps', TrainConfig().max_steps)
     base = model_config(preset)
-    mdict = {**base.to_dict(), **st.variants[variant](base, n_steps)}
+    mdict = base.to_dict()
     if data_vocab: mdict['vocab_size'] = max(mdict['vocab_size'], data_vocab)
     d = {'model': mdict, 'train': train, 'data': {**st.data.get(preset, {}), 'source': data},
-         'out_dir': str(out_dir), 'data_dir': data_dir, 'study': study, 'name': variant, 'preset': preset}
-    d = apply_overrides(d, overrides or {})
+         'out_dir': str(out_dir), 'data_dir': data_dir, 'study': study, 'name': variant, 'preset': preset, 'extra': {}}
+    d = apply_overrides(d, {**st.overrides(variant, base, n_steps), **(overrides or {})})
     return RunSpec.from_dict(d)
 
 # %% ../nbs/06_experiment.ipynb #6b3c8845

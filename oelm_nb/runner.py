@@ -4,17 +4,19 @@
 
 # %% ../nbs/07_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import json, os, queue, subprocess, sys, threading, time
+import json, os, subprocess, sys, threading, time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .core import ConfigError
 from .experiment import get_study, resolve_spec, write_json, read_json
+from .model import model_config
 from .data import prepare_data
 
 # %% auto #0
-__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'execute_run', 'run_digest', 'BatchResult',
-           'run_study', 'render_report']
+__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'execute_run', 'run_digest', 'schedule',
+           'BatchResult', 'run_study', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -75,7 +77,8 @@ def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, st
                   out_dir=str(job.run_dir.resolve()), data_dir=str(Path(data_dir).resolve()), overrides=json.dumps(overrides or {}),
                   nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(study).notebook)
-    cmd = [sys.executable, '-m', 'papermill', str(nb_in), str(job.run_dir / 'train_lm.ipynb'), '-k', 'python3', '--language', 'python',
+    nb_out = job.run_dir / nb_in.name
+    cmd = [sys.executable, '-m', 'papermill', str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
            '--cwd', str(job.run_dir), '--no-progress-bar', '-y', json.dumps(params)]
     env = dict(os.environ)
     if gpu_set: env['CUDA_VISIBLE_DEVICES'] = ','.join(gpu_set)
@@ -85,7 +88,7 @@ def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, st
     (job.run_dir / 'papermill.log').write_text(res.stdout + res.stderr)
     s = read_json(job.run_dir / 'summary.json') or {}
     if res.returncode != 0 or s.get('status') != 'completed':
-        err = _error_from_notebook(job.run_dir / 'train_lm.ipynb') or (res.stderr.strip().splitlines() or ['unknown error'])[-1]
+        err = _error_from_notebook(nb_out) or (res.stderr.strip().splitlines() or ['unknown error'])[-1]
         write_json(job.run_dir / 'summary.json', {'status': 'failed', 'variant': job.variant, 'seed': job.seed, 'error': err,
                                                  'log': str(job.run_dir / 'papermill.log'), 'wall_time_s': time.time() - t0})
         log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}')
@@ -105,6 +108,42 @@ def run_digest(run_dir: Path) -> str:
     return ', '.join(parts)
 
 # %% ../nbs/07_runner.ipynb #5d56c1d1
+def schedule(jobs: list[Job], # jobs to run, in order of preference
+             upstream: Callable[[Job], list[str]], # job -> names of runs it needs (e.g. 'baseline-s0')
+             statuses: dict[str, str], # run name -> status, for runs done before (upstream runs outside `jobs` too)
+             run_job: Callable[[Job, object], str], # (job, worker) -> final status
+             workers: list, # one entry per concurrent worker (a GPU set or None), passed to run_job
+             on_blocked: Callable[[Job, str], None] = lambda j, why: None):
+    "Run `jobs` on `workers` concurrently, each only after its upstream runs completed; fills `statuses`."
+    cond, pending = threading.Condition(), list(jobs)
+    for j in jobs: statuses[j.name] = 'pending'
+    def take():  # called with cond held: the next ready job, or None when nothing is left to start
+        while True:
+            for j in list(pending):
+                ups = {u: statuses.get(u, 'missing') for u in upstream(j)}
+                bad = [u for u, st in ups.items() if st in ('failed', 'missing')]
+                if bad:
+                    pending.remove(j); statuses[j.name] = 'failed'
+                    on_blocked(j, f"not started: upstream run(s) {', '.join(bad)} did not complete"); cond.notify_all(); continue
+                if all(st == 'completed' for st in ups.values()):
+                    pending.remove(j); statuses[j.name] = 'running'; return j
+            if not pending: return None
+            if 'running' not in statuses.values():  # nothing can make progress (a dependency cycle)
+                for j in pending: statuses[j.name] = 'failed'; on_blocked(j, 'not started: its upstream runs wait on each other')
+                pending.clear(); return None
+            cond.wait()
+    def work(w):
+        while True:
+            with cond: j = take()
+            if j is None: return
+            st = run_job(j, w)
+            with cond: statuses[j.name] = st; cond.notify_all()
+    threads = [threading.Thread(target=work, args=(w,)) for w in workers]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    return statuses
+
+# %% ../nbs/07_runner.ipynb #81a2322b
 @dataclass
 class BatchResult:
     "Statuses of a batch's runs and where its report is."
@@ -114,15 +153,27 @@ class BatchResult:
     @property
     def failed(self) -> list[str]: return [k for k, v in self.statuses.items() if v != 'completed']
 
+def _with_upstream(st, variants: list[str]) -> list[str]:
+    "`variants` preceded by the upstream variants they need that are not in the list."
+    out = []
+    def add(v, seen=()):
+        if v in seen: raise ConfigError(f"study {st.name!r}: variants {list(seen)} require each other")
+        for u in st.upstream(v): add(u, (*seen, v))
+        if v not in out: out.append(v)
+    for v in variants: add(v)
+    return out
+
 def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synthetic',
               variants: list[str] | None = None, seeds: list[int] = (0, 1), steps: int | None = None,
               out_dir: str | Path = 'runs/qk-freeze', gpus: str | None = None, parallel: bool = False,
-              jobs: int = 1, overrides: dict | None = None, report: bool = True, log=print) -> BatchResult:
-    "Run every (variant, seed) of a study through papermill, then render its report."
+              jobs: int = 1, overrides: dict | None = None, report: bool = True, options: dict | None = None,
+              log=print) -> BatchResult:
+    "Run every (variant, seed) of a study through papermill, upstream runs first, then render its report."
     st = get_study(study)
-    variants = list(variants or st.default_variants)
-    unknown = [v for v in variants if v not in st.variants]
-    if unknown: raise ConfigError(f"study {study!r} has no variant(s) {unknown}; choose from {list(st.variants)}")
+    asked = list(variants or st.default_variants)
+    for v in asked: st.overrides(v, model_config('tiny'), 1)  # an unknown variant fails here, before anything runs
+    variants = _with_upstream(st, asked)
+    if variants != asked: log(f"[oelm run] added upstream run(s) {[v for v in variants if v not in asked]}")
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     data_dir = out / 'data'
     for v in variants:  # every variant's spec must resolve before anything trains
@@ -132,7 +183,7 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     log(f'[oelm run] preparing data ({spec0.data.source}) in {data_dir}')
     data_dir = prepare_data(spec0.data, data_dir, progress=False)  # a prepared source directory is used in place
     write_json(out / 'batch.json', {'study': study, 'preset': preset, 'data': data, 'variants': variants, 'seeds': list(seeds),
-                                    'steps': steps, 'overrides': overrides or {}, 'gpus': gpus})
+                                    'steps': steps, 'overrides': overrides or {}, 'gpus': gpus, 'options': options or {}})
     all_jobs = [Job(v, s, out / f'{v}-s{s}') for v in variants for s in seeds]
     todo = [j for j in all_jobs if run_status(j.run_dir) != 'completed']
     for j in all_jobs:
@@ -143,17 +194,14 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     workers = (sets if parallel else sets[:1]) if sets else [None] * max(1, jobs if parallel or jobs > 1 else 1)
     threads = None if sets else max(1, (os.cpu_count() or 1) // len(workers))
     statuses = {j.name: 'completed' for j in all_jobs if j not in todo}
-    q: queue.Queue = queue.Queue()
-    for j in todo: q.put(j)
-    def work(gpu_set):
-        while True:
-            try: j = q.get_nowait()
-            except queue.Empty: return
-            log(f'[oelm run] {j.name}: started' + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
-            statuses[j.name] = execute_run(j, study, preset, data, data_dir, steps, overrides or {}, gpu_set, threads, log)
-    threads_ = [threading.Thread(target=work, args=(w,)) for w in workers]
-    for t in threads_: t.start()
-    for t in threads_: t.join()
+    def run_job(j, gpu_set):
+        log(f'[oelm run] {j.name}: started' + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
+        return execute_run(j, study, preset, data, data_dir, steps, overrides or {}, gpu_set, threads, log)
+    def blocked(j, why):
+        j.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(j.run_dir / 'summary.json', {'status': 'failed', 'variant': j.variant, 'seed': j.seed, 'error': why})
+        log(f'[oelm run] {j.name}: {why}')
+    schedule(todo, lambda j: [f'{u}-s{j.seed}' for u in st.upstream(j.variant)], statuses, run_job, workers, blocked)
     statuses = {j.name: statuses[j.name] for j in all_jobs}
     res = BatchResult(out, statuses)
     if report and st.report: res.report = render_report(out, study)
