@@ -136,7 +136,9 @@ def schedule(jobs: list[Job], # jobs to run, in order of preference
         while True:
             with cond: j = take()
             if j is None: return
-            st = run_job(j, w)
+            try: st = run_job(j, w)
+            except Exception as e:  # a runner bug must not leave the other workers waiting for this job
+                st = 'failed'; on_blocked(j, f'the runner failed: {type(e).__name__}: {e}')
             with cond: statuses[j.name] = st; cond.notify_all()
     threads = [threading.Thread(target=work, args=(w,)) for w in workers]
     for t in threads: t.start()
