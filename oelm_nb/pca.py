@@ -15,9 +15,10 @@ from .core import ConfigError
 from .model import GPT, MLP, model_config
 
 # %% auto #0
-__all__ = ['LORA_TARGETS', 'EmbeddingPCA', 'embedding_pca', 'pca_factorize', 'save_pca_mats', 'load_pca_mats', 'TanhGELUMLP',
-           'use_tanh_gelu_', 'from_hf_gpt2', 'LoRALinear', 'LoRAEmbedding', 'LoRATiedHead', 'apply_lora',
-           'lora_modules', 'merge_lora', 'unmerge_lora']
+__all__ = ['LORA_TARGETS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_STUDY', 'EmbeddingPCA', 'embedding_pca', 'pca_factorize',
+           'save_pca_mats', 'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'from_hf_gpt2', 'LoRALinear',
+           'LoRAEmbedding', 'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora', 'unmerge_lora', 'default_ks',
+           'pca_variants', 'pca_plan', 'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run']
 
 # %% ../nbs/11_pca.ipynb #17be3e1f
 @dataclass
@@ -285,3 +286,177 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
     for m in lora_modules(model):
         if m.merged: m.weight.sub_(m.delta_weight()); m.merged = False
     return model
+
+# %% ../nbs/11_pca.ipynb #eeca1ea6
+from .experiment import RunSpec, Study, register_study, train_run, read_json, write_json
+from .model import PRESETS
+from .core import pick_device, autocast_dtype
+from .train import Trainer, evaluate, load_weights
+from .data import load_split, prepare_data
+from .freeze import param_report
+
+PCA_KS = {'tiny': (8, 16, 32, 48), 'gpt2-124m': (64, 128, 256, 512)}  # other presets: the seed's k/d ratios (default_ks)
+PCA_LORA = {'tiny': dict(rank=4, alpha=8, dropout=0.1), 'gpt2-124m': dict(rank=32, alpha=64, dropout=0.1)}
+PCA_LORA_TRAIN = {  # fine-tuning schedule; steps = half the baseline's, warmup and eval cadence as shares of them
+    'tiny': dict(lr=2.5e-3, min_lr=5e-5, weight_decay=0.01, warmup_share=0.02, eval_share=0.1),
+    'gpt2-124m': dict(lr=5e-5, min_lr=1e-6, weight_decay=0.01, warmup_share=0.02, eval_share=0.04),
+}
+
+def default_ks(preset: str) -> tuple[int, ...]:
+    "The study's ks for `preset`: the table above, else the seed's k/d ratios rounded to multiples of 8."
+    if preset in PCA_KS: return PCA_KS[preset]
+    d = PRESETS[preset]['n_embd']
+    return tuple(sorted({max(8, round(d * f / 8) * 8) for f in (1 / 12, 1 / 6, 1 / 3, 2 / 3)}))
+
+def _preset_of(cfg) -> str:
+    "The preset whose model configuration `cfg` is (the study's variant functions get the preset's config)."
+    return next((p for p in PRESETS if model_config(p) == cfg), 'tiny')
+
+# %% ../nbs/11_pca.ipynb #6037cc4d
+def _lowrank(m, cfg, steps): return {'model.n_embd_wte': int(m[1]), 'extra.method': 'lowrank', 'extra.k': int(m[1])}
+
+def _pca(m, cfg, steps): return {'model.n_embd_wte': int(m[1]), 'model.dropout': 0.0, 'extra.method': 'pca', 'extra.k': int(m[1])}
+
+def _pca_lora(m, cfg, steps):
+    preset = _preset_of(cfg)
+    lora, t = PCA_LORA.get(preset, PCA_LORA['tiny']), PCA_LORA_TRAIN.get(preset, PCA_LORA_TRAIN['tiny'])
+    n = max(1, steps // 2)  # seed 004: 5,000 fine-tuning steps after a 10,000-step baseline
+    return {'model.n_embd_wte': int(m[1]), 'extra.method': 'pca-lora', 'extra.k': int(m[1]),
+            **{f'extra.lora_{a}': v for a, v in lora.items()}, 'extra.lora_targets': list(LORA_TARGETS),
+            'train.max_steps': n, 'train.lr': t['lr'], 'train.min_lr': t['min_lr'], 'train.weight_decay': t['weight_decay'],
+            'train.warmup_steps': max(1, round(n * t['warmup_share'])), 'train.eval_every': max(1, round(n * t['eval_share']))}
+
+def pca_variants(ks) -> list[str]:
+    "The matrix for `ks`: baseline, then lowrank-k, pca-k and pca-lora-k for every k."
+    return ['baseline'] + [f'{m}-k{k}' for m in ('lowrank', 'pca', 'pca-lora') for k in ks]
+
+def pca_plan(options: dict, preset: str) -> tuple[list[str], dict]:
+    "`oelm run pca [--ks ...]` -> (variants, overrides); every k must be in 1..n_embd of the preset."
+    ks = list(dict.fromkeys(options.get('ks') or default_ks(preset)))
+    d = model_config(preset).n_embd
+    bad = [k for k in ks if not (isinstance(k, int) and 0 < k <= d)]
+    if bad: raise ConfigError(f'--ks {" ".join(map(str, bad))}: k must be an integer in 1..n_embd={d} of preset {preset!r} '
+                              f'(the study default for it is {" ".join(map(str, default_ks(preset)))})')
+    return pca_variants(ks), {}
+
+# %% ../nbs/11_pca.ipynb #d9bf3df8
+def token_embedding_params(model: nn.Module) -> int:
+    "Parameters of the token embedding: `wte` (the tied head once), `scale_up`, `scale_down`; adapters excluded."
+    return sum(p.numel() for n, p in model.transformer.tok.named_parameters() if 'lora_' not in n)
+
+def _check_extra(spec: RunSpec) -> tuple[str, int]:
+    x = spec.extra
+    method = x.get('method', 'baseline')
+    if method not in ('baseline', 'lowrank', 'pca', 'pca-lora'):
+        raise ConfigError(f"run {spec.name!r}: extra.method={method!r} must be 'baseline', 'lowrank', 'pca' or 'pca-lora'")
+    k = x.get('k', spec.model.n_embd)
+    if not (isinstance(k, int) and 0 < k <= spec.model.n_embd):
+        raise ConfigError(f"run {spec.name!r}: extra.k={k!r} must be an integer in 1..n_embd={spec.model.n_embd}")
+    if method != 'baseline' and spec.model.wte_dim != k:
+        raise ConfigError(f"run {spec.name!r}: extra.k={k} but model.n_embd_wte={spec.model.n_embd_wte}; they must agree")
+    return method, k
+
+def best_checkpoint(run_dir: Path) -> Path:
+    "`checkpoints/best` of a finished run, else `checkpoints/final`."
+    for tag in ('best', 'final'):
+        if (Path(run_dir) / 'checkpoints' / tag).exists(): return Path(run_dir) / 'checkpoints' / tag
+    raise ConfigError(f'{run_dir} has no checkpoints/best or checkpoints/final; did its run finish?')
+
+def load_baseline(spec: RunSpec) -> tuple[GPT, Path]:
+    "The baseline run (same seed, same batch) as an unfactorized model with `spec`'s dropout, and its checkpoint."
+    up = spec.upstream_dir('baseline')
+    s = read_json(up / 'summary.json') or {}
+    if s.get('status') != 'completed':
+        raise ConfigError(f"run {spec.name!r} starts from the baseline run {up}, whose summary.json says status={s.get('status')!r}; "
+                          f"run the 'baseline' variant with seed {spec.train.seed} in the same batch first")
+    base_model = RunSpec.load_json(up / 'config.json').model
+    arch = lambda c: {n: v for n, v in c.to_dict().items() if n not in ('n_embd_wte', 'dropout')}
+    if arch(base_model) != arch(spec.model):
+        diff = {n: (v, arch(spec.model)[n]) for n, v in arch(base_model).items() if arch(spec.model)[n] != v}
+        raise ConfigError(f'run {spec.name!r}: the baseline in {up} has another architecture (baseline, this run): {diff}')
+    model = GPT(spec.model.replace(n_embd_wte=None), init_seed=0)
+    ckpt = best_checkpoint(up)
+    load_weights(model, ckpt, 'model')
+    return model, ckpt
+
+# %% ../nbs/11_pca.ipynb #a35a7e17
+def _eval(model: GPT, spec: RunSpec, val_d) -> dict:
+    "The shared `evaluate` on the same fixed validation sample the training runs use."
+    dev = pick_device(spec.train.device)
+    return evaluate(model.to(dev), val_d, spec.model.block_size, spec.train.batch_size, spec.train.eval_batches, dev,
+                    autocast_dtype(dev, spec.train.dtype))
+
+def _lora_report(model) -> int:
+    c = param_report(model).components
+    return int(c.loc['lora', 'total']) if 'lora' in c.index else 0
+
+def pca_run(spec: RunSpec, # a run of the 'pca' study (resolve_spec('pca', variant, ...))
+            progress: bool | None = None, # progress bar (None: the spec's)
+           ) -> dict:
+    "Run one variant of the PCA study into `spec.out_dir` and write its `summary.json`; returns the summary."
+    method, k = _check_extra(spec)
+    run_dir = Path(spec.out_dir)
+    if method in ('baseline', 'lowrank'):
+        summary = train_run(spec, progress)
+        model = load_weights(GPT(spec.model, init_seed=0), best_checkpoint(run_dir), 'model')
+        extra = {}
+        if method == 'baseline':  # the spectrum the PCA runs will cut
+            ev = embedding_pca(model.transformer.tok.wte.weight).explained_variance_ratio
+            write_json(run_dir / 'explained_variance.json', {'ratio': ev.tolist(), 'source': str(best_checkpoint(run_dir))})
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        data_dir = prepare_data(spec.data, spec.resolved_data_dir, progress=False)
+        spec.save_json(run_dir / 'config.json')
+        base, ckpt = load_baseline(spec)
+        pca = embedding_pca(base.transformer.tok.wte.weight)
+        model = pca_factorize(base, k, pca)
+        save_pca_mats(model, run_dir)
+        write_json(run_dir / 'explained_variance.json', {'ratio': pca.explained_variance_ratio.tolist(), 'source': str(ckpt)})
+        train_d, val_d = load_split(data_dir, 'train'), load_split(data_dir, 'val')
+        ev0 = _eval(model, spec, val_d)  # the PCA model as is
+        extra = {'baseline_checkpoint': str(ckpt.resolve()), 'explained_variance_k': float(pca.explained_variance_ratio[:k].sum()),
+                 'pca_val_loss': ev0['val_loss'], 'pca_val_ppl': ev0['val_ppl']}
+        if method == 'pca':
+            rep = param_report(model)
+            summary = {'status': 'completed', 'steps': 0, 'tokens': 0, 'final_val_loss': ev0['val_loss'], 'final_val_ppl': ev0['val_ppl'],
+                       'best_val_loss': ev0['val_loss'], 'best_val_ppl': ev0['val_ppl'], 'best_step': 0, 'recall_acc': ev0.get('recall_acc'),
+                       'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}}
+        else:
+            x = spec.extra
+            apply_lora(model, tuple(x.get('lora_targets', LORA_TARGETS)), x.get('lora_rank', 32), x.get('lora_alpha', 64), x.get('lora_dropout', 0.1))
+            tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
+            trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=f'{spec.name}-s{spec.train.seed}')
+            summary = trainer.fit()
+            model = trainer.raw
+            merged = _eval(merge_lora(model), spec, val_d)  # merging must not change the model
+            unmerge_lora(model)
+            extra.update(merged_val_loss=merged['val_loss'], params_lora=_lora_report(model))
+    summary.update(study=spec.study, variant=spec.name, preset=spec.preset, seed=spec.train.seed, method=method, k=k,
+                   val_loss=summary.get('best_val_loss'), params_embedding=token_embedding_params(model), **extra)
+    write_json(run_dir / 'summary.json', summary)
+    return summary
+
+# %% ../nbs/11_pca.ipynb #7da57a40
+PCA_STUDY = register_study(Study(
+    name='pca',
+    description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA (seed 004)',
+    variants={'baseline': lambda c, s: {'extra.method': 'baseline'}},
+    families={r'lowrank-k(\d+)': _lowrank, r'pca-k(\d+)': _pca, r'pca-lora-k(\d+)': _pca_lora},
+    requires=lambda v: ['baseline'] if v.startswith('pca-') else [],
+    default_variants=pca_variants(PCA_KS['tiny']),
+    train={
+        'tiny': dict(max_steps=500, batch_size=16, lr=5e-3, min_lr=5e-4, warmup_steps=50, weight_decay=0.1,
+                     eval_every=50, eval_batches=8, log_every=10),
+        # seed 004, baseline and low-rank runs (the PCA + LoRA schedule is in PCA_LORA_TRAIN)
+        'gpt2-124m': dict(max_steps=10_000, batch_size=4, grad_accum=4, lr=1e-4, min_lr=5e-6, warmup_steps=500, weight_decay=0.1,
+                          beta1=0.9, beta2=0.95, grad_clip=1.0, dtype='float16', eval_every=500, eval_batches=100, log_every=50,
+                          ckpt_every=2000),
+    },
+    data={'tiny': dict(vocab_size=2048, n_train_stories=20_000, n_val_stories=1000),
+          'gpt2-124m': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000)},
+    options={'ks': dict(type=int, nargs='+', metavar='K',
+                        help='embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m)')},
+    plan=pca_plan,
+    default_seeds=(0,),
+    notebook='experiments/pca.ipynb',
+    report='reports/pca.ipynb'))
