@@ -16,10 +16,13 @@ from .core import ConfigBase, ConfigError, check
 from .model import GPT
 
 # %% auto #0
-__all__ = ['LOSSES', 'MERCATOR_PRESETS', 'STAGES', 'STAGE_BOUNDS', 'safe_norm', 'cosine', 'mercator_loss', 'mse_loss',
-           'MercatorConfig', 'mercator_config', 'ElasticBottleneck', 'KVProjector', 'stage_index', 'cosine_stage',
-           'centered_cosine', 'gpt_kv', 'cache_layers', 'hf_kv', 'extract_kv', 'flatten_heads', 'kv_width', 'layer_map',
-           'ModelLoadError', 'load_causal_lm', 'distill_hook', 'kv_projector']
+__all__ = ['LOSSES', 'MERCATOR_PRESETS', 'STAGES', 'STAGE_BOUNDS', 'ROLES', 'TEACHER_DTYPES', 'HF_SETTINGS', 'MERCATOR',
+           'safe_norm', 'cosine', 'mercator_loss', 'mse_loss', 'MercatorConfig', 'mercator_config', 'ElasticBottleneck',
+           'KVProjector', 'stage_index', 'cosine_stage', 'centered_cosine', 'gpt_kv', 'cache_layers', 'hf_kv',
+           'extract_kv', 'flatten_heads', 'kv_width', 'layer_map', 'ModelLoadError', 'load_causal_lm', 'distill_hook',
+           'kv_projector', 'DistillSettings', 'teacher_model', 'resolve_checkpoint', 'resolve_dataset', 'record_text',
+           'load_texts', 'DocBatches', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'mercator_run',
+           'mercator_plan']
 
 # %% ../nbs/13_mercator.ipynb #503f8a3c
 def safe_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -257,6 +260,7 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
                  cfg: MercatorConfig | None = None, # loss kind, alpha, beta
                  weight: float = 1.0, # weight of the KV loss next to the cross-entropy
                  pad_id: int | None = None, # token id of padding: those positions are masked out
+                 train_student: bool = True, # False: the KV loss reaches the projector only (a probe; the student learns from CE alone)
                 ):
     "A `Trainer` loss hook: student cross-entropy + weight x Mercator (or MSE) loss on mapped layers' K and V."
     cfg = cfg or MercatorConfig()
@@ -276,6 +280,7 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
         for i, ti in enumerate(lmap):
             for j, kind in enumerate('kv'):
                 s = flatten_heads(s_kv[i][j]).float()
+                if not train_student: s = s.detach()
                 t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)
                 kv_loss = kv_loss + loss_fn(s, t, cfg.alpha, cfg.beta, mask)
                 with torch.no_grad():
@@ -292,3 +297,443 @@ def kv_projector(teacher: nn.Module, student: nn.Module, cfg: MercatorConfig | N
     cfg = cfg or MercatorConfig()
     (_, d_t), (n_s, d_s) = kv_width(teacher), kv_width(student)
     return KVProjector(d_t, d_s, n_s, cfg.mlp_ratio, cfg.dropout)
+
+# %% ../nbs/13_mercator.ipynb #3eec044f
+import json
+import numpy as np
+from .core import ModelConfig, set_seed, pick_device
+from .experiment import Study, RunSpec, register_study, train_run, write_json, read_json
+
+ROLES = ('teacher', 'student')
+TEACHER_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
+
+@dataclass
+class DistillSettings(ConfigBase):
+    "What one run of the mercator study does: the `extra.*` keys of its `RunSpec`."
+    role: str = 'student' # teacher | student
+    distill: bool = True # False: the KV loss trains the projector only (probe); the student learns from cross-entropy alone
+    loss: str = 'mercator' # mercator | mse
+    alpha: float = 1.0 # weight of the direction term
+    beta: float = 0.01 # weight of the magnitude term
+    kv_weight: float = 1.0 # weight of the KV loss next to the student's cross-entropy
+    lr_projector: float = 1e-2 # projector peak learning rate (the student's is train.lr)
+    mlp_ratio: float = 1.0 # projector hidden width / max(d_in, d_out)
+    dropout: float = 0.1 # projector dropout
+    teacher_run: str | None = None # a finished teacher run directory of this package (default: the batch's `teacher` run)
+    teacher_hf: str | None = None # HF mode: local checkpoint directory of the teacher
+    student_hf: str | None = None # HF mode: local checkpoint directory of the student
+    dataset: str | None = None # HF mode: HF datasets `name[:config]` or a local .jsonl/.txt (None: the story corpus' text)
+    text_field: str | None = None # HF mode: field holding the text (None: text, question+answer, prompt+completion)
+    max_length: int = 512 # HF mode: tokens kept per document
+    teacher_dtype: str = 'auto' # HF mode: teacher weights, auto = bfloat16 on CUDA, float32 elsewhere
+
+    def __post_init__(self):
+        c = 'DistillSettings'
+        self.check_types()
+        check(self.role in ROLES, c, 'role', self.role, f'must be one of {ROLES}')
+        check(self.kv_weight >= 0, c, 'kv_weight', self.kv_weight, 'must be non-negative')
+        check(self.max_length >= 2, c, 'max_length', self.max_length, 'must be at least 2 tokens')
+        check(self.teacher_dtype in TEACHER_DTYPES, c, 'teacher_dtype', self.teacher_dtype, f'must be one of {TEACHER_DTYPES}')
+        check((self.teacher_hf is None) == (self.student_hf is None), c, 'student_hf' if self.teacher_hf else 'teacher_hf', None,
+              'HF mode needs both checkpoints: pass --teacher DIR and --student DIR')
+        check(not (self.teacher_hf and self.teacher_run), c, 'teacher_run', self.teacher_run, 'is for teachers of this package; not with --teacher')
+        check(self.hf or self.dataset is None, c, 'dataset', self.dataset,
+              'is for HF checkpoints (--teacher/--student); for our GPT family pass the text file as --data FILE')
+        self.mercator  # validates alpha, beta, loss, mlp_ratio, dropout, lr_projector
+
+    @property
+    def hf(self) -> bool: return self.teacher_hf is not None
+
+    @property
+    def mercator(self) -> MercatorConfig:
+        return MercatorConfig(alpha=self.alpha, beta=self.beta, mlp_ratio=self.mlp_ratio, dropout=self.dropout, loss=self.loss,
+                              lr_projector=self.lr_projector)
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> 'DistillSettings':
+        "The settings of a run, with the spec's name in the error of an unknown key."
+        try: return cls.from_dict(dict(spec.extra))
+        except ConfigError as e: raise ConfigError(f"run {spec.name!r}, RunSpec.extra: {e}") from None
+
+# %% ../nbs/13_mercator.ipynb #84c7d4b6
+def teacher_model(cfg: ModelConfig) -> dict:
+    "Overrides that scale the preset's model into the teacher: 2x layers, 2x heads, 1.5x width (a multiple of the heads)."
+    n_head = 2 * cfg.n_head
+    n_embd = max(1, round(1.5 * cfg.n_embd / n_head)) * n_head
+    return {'model.n_layer': 2 * cfg.n_layer, 'model.n_head': n_head, 'model.n_embd': n_embd,
+            'model.d_ff': None if cfg.d_ff is None else cfg.d_ff * n_embd // cfg.n_embd}
+
+# %% ../nbs/13_mercator.ipynb #42bb378e
+def _hub_snapshot(name: str, repo_type: str = 'model') -> Path | None:
+    "The local snapshot of hub repository `name` in the HF cache, or None (never touches the network)."
+    try: from huggingface_hub import snapshot_download
+    except ImportError: return None
+    try: return Path(snapshot_download(name, repo_type=repo_type, local_files_only=True))
+    except Exception: return None
+
+def resolve_checkpoint(name: str, # a local checkpoint directory, or a hub name already in the HF cache
+                       flag: str = '--teacher', # the option, for the message
+                      ) -> str:
+    "Absolute path of a local HF checkpoint directory; a clear `ConfigError` for anything that cannot load offline."
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / 'config.json').exists():
+            raise ConfigError(f"{flag} {p}: the directory has no config.json; pass the directory that save_pretrained "
+                              "(or huggingface-cli download --local-dir) wrote")
+        return str(p.resolve())
+    if p.exists(): raise ConfigError(f"{flag} {p} is a file; pass a checkpoint directory (with config.json)")
+    if (snap := _hub_snapshot(name)) is not None and (snap / 'config.json').exists(): return str(snap)
+    raise ConfigError(f"{flag} {name!r} is not a local directory and not in the local Hugging Face cache, and nothing is "
+                      f"downloaded here. On a machine with network run `huggingface-cli download {name} --local-dir DIR`, "
+                      f"copy DIR here and pass {flag} DIR")
+
+def resolve_dataset(name: str, # local .jsonl/.txt/.json file, or `hub_name[:config]` already in the HF cache
+                   ) -> tuple[str, str | None]:
+    "(local file or cached snapshot directory, config name) of `--dataset`; a clear `ConfigError` otherwise."
+    p = Path(name).expanduser()
+    if p.is_file():
+        if p.suffix not in ('.jsonl', '.json', '.txt'): raise ConfigError(f"--dataset {p}: give a .jsonl, .json or .txt file (got {p.suffix!r})")
+        return str(p.resolve()), None
+    if p.is_dir(): return str(p.resolve()), None  # a saved / downloaded dataset directory
+    repo, _, config = name.partition(':')
+    if (snap := _hub_snapshot(repo, 'dataset')) is not None: return str(snap), config or None
+    raise ConfigError(f"--dataset {name!r} is not a local file and the data set {repo!r} is not in the local Hugging Face cache; "
+                      "nothing is downloaded here. On a machine with network run "
+                      f"`huggingface-cli download --repo-type dataset {repo} --local-dir DIR`, copy DIR here and pass --dataset DIR"
+                      f"{':' + config if config else ''} (or export the text as a .jsonl file with one object per line)")
+
+# %% ../nbs/13_mercator.ipynb #dde3b7af
+def record_text(rec: dict, field: str | None = None) -> str:
+    "The text of one data set record."
+    if field:
+        if field not in rec: raise ConfigError(f"DistillSettings.text_field={field!r}: the records have fields {sorted(rec)}")
+        return str(rec[field])
+    for keys in (('text',), ('question', 'answer'), ('prompt', 'completion'), ('prompt', 'response'), ('instruction', 'output')):
+        if all(k in rec for k in keys): return '\n'.join(str(rec[k]) for k in keys)
+    raise ConfigError(f"cannot tell which field holds the text among {sorted(rec)}; set --set extra.text_field=NAME")
+
+def load_texts(dataset: str, # --dataset (see resolve_dataset)
+               field: str | None = None, # text field
+               val_fraction: float = 0.05, # share held out when the data set has no validation/test split
+               seed: int = 0,
+              ) -> tuple[list[str], list[str]]:
+    "(train, val) texts of a local file or a cached HF data set."
+    path, config = resolve_dataset(dataset)
+    p = Path(path)
+    if p.is_file() and p.suffix == '.txt':
+        from oelm_nb.data import read_documents
+        texts, splits = read_documents(p), None
+    elif p.is_file():
+        lines = [l for l in p.read_text(encoding='utf-8').splitlines() if l.strip()]
+        try: recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
+        except json.JSONDecodeError as e: raise ConfigError(f"--dataset {p}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        texts, splits = [record_text(r, field) for r in recs], None
+    else:
+        try: import datasets
+        except ImportError: raise ConfigError("--dataset with a data set directory needs `datasets`: pip install 'oelm_nb[hf]'") from None
+        ds = datasets.load_dataset(path, config)
+        val_name = next((s for s in ('validation', 'test') if s in ds), None)
+        splits = ([record_text(r, field) for r in ds['train']], [record_text(r, field) for r in ds[val_name]]) if val_name else None
+        texts = None if splits else [record_text(r, field) for r in ds['train']]
+    if splits: return splits
+    if len(texts) < 2: raise ConfigError(f"--dataset {dataset}: {len(texts)} record(s); need at least 2 to hold some out for validation")
+    perm = np.random.default_rng(seed).permutation(len(texts))
+    n_val = min(max(1, round(len(texts) * val_fraction)), len(texts) - 1)
+    return [texts[i] for i in sorted(perm[n_val:])], [texts[i] for i in sorted(perm[:n_val])]
+
+class DocBatches:
+    "Tokenized documents served as right-padded (x, y, None) batches; y = -1 where there is no next token."
+    def __init__(self, docs: list[list[int]], # token ids per document (each at least 2 tokens)
+                 batch_size: int, pad_id: int, seed: int = 0):
+        self.docs = [d for d in docs if len(d) >= 2]
+        if not self.docs: raise ConfigError('no document has 2 or more tokens')
+        self.batch_size, self.pad_id, self.seed = batch_size, pad_id, seed
+
+    def make(self, idx) -> tuple[torch.Tensor, torch.Tensor, None]:
+        docs = [self.docs[i] for i in idx]
+        T = max(map(len, docs)) - 1
+        x = torch.full((len(docs), T), self.pad_id, dtype=torch.long); y = torch.full((len(docs), T), -1, dtype=torch.long)
+        for b, d in enumerate(docs):
+            d = torch.tensor(d, dtype=torch.long)
+            x[b, :len(d) - 1], y[b, :len(d) - 1] = d[:-1], d[1:]
+        return x, y, None
+
+    def train(self, step: int, micro: int, rank: int = 0):
+        "The micro-batch of (step, micro): documents drawn at random, deterministic by seed."
+        rng = np.random.default_rng([self.seed, step, micro, rank])
+        return self.make(rng.choice(len(self.docs), size=self.batch_size, replace=len(self.docs) < self.batch_size))
+
+    def fixed(self, n_batches: int) -> list[tuple]:
+        "The fixed evaluation sample: evenly spaced documents."
+        idx = np.linspace(0, len(self.docs) - 1, num=min(len(self.docs), n_batches * self.batch_size)).astype(int)
+        return [self.make(idx[i:i + self.batch_size]) for i in range(0, len(idx), self.batch_size)]
+
+    @property
+    def max_len(self) -> int: return max(map(len, self.docs))
+
+# %% ../nbs/13_mercator.ipynb #9155d196
+@torch.no_grad()
+def distill_eval(student: nn.Module, teacher: nn.Module, projector: KVProjector, lmap: list[int],
+                 batches: list[tuple], # (x, y, _) batches of the fixed validation sample
+                 pad_id: int | None = None, # padding token (masked out)
+                 with_ce: bool = True, # also the student's cross-entropy (val_loss, val_ppl)
+                ) -> dict:
+    "Validation KV agreement (raw and centered cosine, overall and per layer) and optionally the student's loss and PPL."
+    was_s, was_p = student.training, projector.training
+    student.eval(); projector.eval(); teacher.eval()
+    dev = next(student.parameters()).device
+    S, P, M = {}, {}, []  # (layer, kind) -> list of (N, D) student / projected teacher vectors; masks
+    loss_sum, n_tok = 0.0, 0
+    try:
+        for x, y, *_ in batches:
+            x, y = x.to(dev), y.to(dev)
+            mask = None if pad_id is None else (x != pad_id)
+            am = None if mask is None else mask.long()
+            _, t_kv = extract_kv(teacher, x, am)
+            logits, s_kv = extract_kv(student, x, am)
+            if with_ce:
+                loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction='sum').item()
+                n_tok += int((y != -1).sum())
+            keep = torch.ones(x.shape, dtype=torch.bool, device=dev) if mask is None else mask
+            for i, ti in enumerate(lmap):
+                for j, kind in enumerate('kv'):
+                    s = flatten_heads(s_kv[i][j]).float()[keep]
+                    t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)[keep]
+                    S.setdefault((i, kind), []).append(s.cpu()); P.setdefault((i, kind), []).append(t.cpu())
+    finally:
+        student.train(was_s); projector.train(was_p)
+    raw, cen = [], []
+    for i in range(len(lmap)):
+        r = [cosine(torch.cat(S[i, k]), torch.cat(P[i, k])).mean().item() for k in 'kv']
+        c = [centered_cosine(torch.cat(S[i, k]), torch.cat(P[i, k])).item() for k in 'kv']
+        raw.append(sum(r) / 2); cen.append(sum(c) / 2)
+    out = {'val_kv_cos': sum(raw) / len(raw), 'val_kv_cos_centered': sum(cen) / len(cen),
+           'val_kv_cos_layers': raw, 'val_kv_cos_centered_layers': cen}
+    out['val_kv_stage'] = stage_index(out['val_kv_cos'])
+    if with_ce and n_tok:
+        out['val_loss'] = loss_sum / n_tok; out['val_ppl'] = math.exp(min(out['val_loss'], 50.0))
+    return out
+
+# %% ../nbs/13_mercator.ipynb #763f403b
+@torch.no_grad()
+def lm_eval_batches(model: nn.Module, batches: list[tuple]) -> dict:
+    "Cross-entropy and perplexity of a GPT of this package or an HF causal LM over (x, y, ...) batches; y = -1 is ignored."
+    was = model.training; model.eval()
+    dev = next(model.parameters()).device
+    loss_sum, n_tok = 0.0, 0
+    try:
+        for x, y, *_ in batches:
+            x, y = x.to(dev), y.to(dev)
+            m = _unwrap(model)
+            logits = m(x)[0] if isinstance(m, GPT) else m(input_ids=x, attention_mask=(y != -1).long()).logits  # y = -1 exactly at padding
+            loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction='sum').item()
+            n_tok += int((y != -1).sum())
+    finally: model.train(was)
+    loss = loss_sum / max(1, n_tok)
+    return {'val_loss': loss, 'val_ppl': math.exp(min(loss, 50.0))}
+
+# %% ../nbs/13_mercator.ipynb #4f27b795
+def teacher_checkpoint(run_dir: Path) -> Path:
+    "The checkpoint a student distils from: the teacher run's best (lowest val loss), else its final one."
+    for tag in ('best', 'final'):
+        if (Path(run_dir) / 'checkpoints' / tag / 'model.safetensors').exists(): return (Path(run_dir) / 'checkpoints' / tag).resolve()
+    raise ConfigError(f"teacher run {run_dir} has no checkpoints/best or checkpoints/final with model.safetensors; "
+                      "did it complete? (run the `teacher` variant first, or pass --teacher-run DIR of a finished run)")
+
+def _teacher_dir(spec: RunSpec, ds: DistillSettings) -> Path:
+    return Path(ds.teacher_run) if ds.teacher_run else spec.upstream_dir('teacher')
+
+def _load_gpt_teacher(spec: RunSpec, ds: DistillSettings) -> tuple[GPT, Path, dict]:
+    from oelm_nb.train import load_weights
+    tdir = _teacher_dir(spec, ds)
+    tspec = RunSpec.load_json(tdir / 'config.json')
+    if tspec.model.vocab_size != spec.model.vocab_size:
+        raise ConfigError(f"teacher {tdir} has vocab_size {tspec.model.vocab_size}, the student {spec.model.vocab_size}: "
+                          "both must use the same tokenizer (set model.vocab_size alike)")
+    t_tok, s_tok = tspec.resolved_data_dir / 'tokenizer.json', spec.resolved_data_dir / 'tokenizer.json'
+    if t_tok.exists() and s_tok.exists() and t_tok.read_bytes() != s_tok.read_bytes():
+        raise ConfigError(f"teacher {tdir} was trained with another tokenizer ({t_tok}) than this run's data ({s_tok}); "
+                          "distil on the teacher's data (--data of the teacher's batch)")
+    ckpt = teacher_checkpoint(tdir)
+    teacher = load_weights(GPT(tspec.model, init_seed=0), ckpt, 'model')
+    return teacher, ckpt, read_json(tdir / 'summary.json') or {}
+
+def _student_summary(spec, ds, summary, ev, lmap, teacher_info, extra) -> dict:
+    return {**summary, 'study': spec.study, 'variant': spec.name, 'preset': spec.preset, 'seed': spec.train.seed, 'role': 'student',
+            'distill': ds.distill, 'loss': ds.loss, 'alpha': ds.alpha, 'beta': ds.beta, 'kv_weight': ds.kv_weight,
+            'lr_student': spec.train.lr, 'lr_projector': ds.lr_projector, 'layer_map': lmap,
+            'val_loss': summary.get('final_val_loss'),
+            'final_kv_cos': ev['val_kv_cos'], 'final_kv_cos_centered': ev['val_kv_cos_centered'],
+            'kv_cos_layers': ev['val_kv_cos_layers'], 'kv_cos_centered_layers': ev['val_kv_cos_centered_layers'],
+            'kv_stage': cosine_stage(ev['val_kv_cos']), 'kv_stage_centered': cosine_stage(ev['val_kv_cos_centered']),
+            'kv_stage_index': stage_index(ev['val_kv_cos']), 'kv_stage_centered_index': stage_index(ev['val_kv_cos_centered']),
+            **teacher_info, **extra}
+
+def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad_id, eval_extra=None, progress=None):
+    "Build the projector and the hook, train the student through the Trainer; returns (summary, final eval, projector, layer map)."
+    from oelm_nb.train import Trainer
+    (n_t, _), (n_s, _) = kv_width(teacher), kv_width(student)
+    lmap = layer_map(n_t, n_s)
+    mcfg = ds.mercator.replace(lr_student=spec.train.lr)
+    torch.manual_seed(spec.train.seed + 1)  # the projector's init: the same in every variant of this seed
+    proj = kv_projector(teacher, student, mcfg)
+    hook = distill_hook(teacher, proj, lmap, mcfg, weight=ds.kv_weight, pad_id=pad_id, train_student=ds.distill)
+    def eval_fn(model):
+        return {**(eval_extra(model) if eval_extra else {}), **distill_eval(model, teacher, proj, lmap, eval_batches, pad_id, with_ce=eval_extra is None)}
+    tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
+    tr = Trainer(student, tcfg, out_dir=spec.out_dir, loss_fn=hook, extra_modules={'projector': (proj, mcfg.projector_lr_scale)},
+                 eval_fn=eval_fn, run_config=spec.to_dict(), run_name=f'{spec.name}-s{spec.train.seed}', **train_kw)
+    teacher.to(tr.device)
+    summary = tr.fit()
+    ev = next((r for r in reversed(tr.records) if 'val_kv_cos' in r), None) or eval_fn(tr.raw)
+    return summary, ev, proj, lmap
+
+def _gpt_teacher_run(spec: RunSpec, ds: DistillSettings, progress=None) -> dict:
+    run_dir = Path(spec.out_dir)
+    if ds.teacher_run:  # taken from a finished run: check it, do not train
+        run_dir.mkdir(parents=True, exist_ok=True); spec.save_json(run_dir / 'config.json')
+        teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
+        n, d = kv_width(teacher)
+        return {'status': 'completed', 'role': 'teacher', 'study': spec.study, 'variant': spec.name, 'seed': spec.train.seed,
+                'teacher_dir': str(Path(ds.teacher_run).resolve()), 'teacher_checkpoint': str(ckpt), 'kv_layers': n, 'kv_width': d,
+                **{k: ts.get(k) for k in ('best_val_ppl', 'best_val_loss', 'final_val_loss', 'recall_acc')}, 'val_loss': ts.get('final_val_loss')}
+    summary = train_run(spec, progress)
+    n, d = spec.model.n_layer, spec.model.n_embd
+    return {**summary, 'role': 'teacher', 'kv_layers': n, 'kv_width': d, 'val_loss': summary.get('final_val_loss')}
+
+def _gpt_student_run(spec: RunSpec, ds: DistillSettings, progress=None) -> dict:
+    from oelm_nb.data import load_split, prepare_data
+    from oelm_nb.train import evaluate, eval_starts
+    from oelm_nb.data import batch as make_batch
+    run_dir = Path(spec.out_dir); run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_data(spec.data, spec.resolved_data_dir, progress=False)
+    spec.save_json(run_dir / 'config.json')
+    train_d, val_d = load_split(spec.resolved_data_dir, 'train'), load_split(spec.resolved_data_dir, 'val')
+    if spec.model.vocab_size < train_d.vocab_size:
+        raise ConfigError(f"ModelConfig.vocab_size={spec.model.vocab_size} is smaller than the data's vocabulary ({train_d.vocab_size}); set model.vocab_size >= {train_d.vocab_size}")
+    teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
+    student = GPT(spec.model, init_seed=spec.train.seed)  # the same initial student in every variant of this seed
+    T, bs, nb = spec.model.block_size, spec.train.batch_size, spec.train.eval_batches
+    starts = eval_starts(len(val_d.tokens), T, bs * nb)
+    batches = [make_batch(val_d, starts[i * bs:(i + 1) * bs], T) for i in range(nb)]
+    dev = pick_device(spec.train.device)
+    lm_eval = lambda m: evaluate(m, val_d, T, bs, nb, dev)  # loss, PPL and recall on the same windows as the teacher's evaluation
+    summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, dict(train_data=train_d, val_data=val_d), batches, None, lm_eval, progress)
+    (n_t, d_t), (n_s, d_s) = kv_width(teacher), kv_width(student)
+    tinfo = {'teacher_dir': str(_teacher_dir(spec, ds).resolve()), 'teacher_checkpoint': str(ckpt), 'teacher_val_ppl': ts.get('best_val_ppl'),
+             'teacher_recall_acc': ts.get('recall_acc'), 'teacher_kv': [n_t, d_t], 'student_kv': [n_s, d_s]}
+    return _student_summary(spec, ds, summary, ev, lmap, tinfo, {'unigram_ppl': train_d.meta.get('unigram_ppl'),
+                            'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level')})
+
+def _hf_pair(spec: RunSpec, ds: DistillSettings, device) -> tuple:
+    "Teacher and student causal LMs and the student's tokenizer, checked to share a vocabulary."
+    from transformers import AutoTokenizer
+    t_path, s_path = resolve_checkpoint(ds.teacher_hf, '--teacher'), resolve_checkpoint(ds.student_hf, '--student')
+    t_dtype = {'auto': torch.bfloat16 if device.type == 'cuda' else torch.float32}.get(ds.teacher_dtype) or getattr(torch, ds.teacher_dtype)
+    teacher = load_causal_lm(t_path, dtype=t_dtype).to(device)
+    student = load_causal_lm(s_path, dtype=torch.float32).to(device)
+    tok = AutoTokenizer.from_pretrained(s_path)
+    if teacher.get_input_embeddings().num_embeddings < len(tok) or student.get_input_embeddings().num_embeddings < len(tok):
+        raise ConfigError(f"the tokenizer of {s_path} has {len(tok)} tokens, more than the teacher's or the student's embedding; "
+                          "teacher and student must share a tokenizer (e.g. one Qwen2.5 family)")
+    if (Path(t_path) / 'tokenizer_config.json').exists():
+        t_tok = AutoTokenizer.from_pretrained(t_path)
+        probe = 'Natalia sold clips to 48 of her friends in April.'
+        if t_tok(probe)['input_ids'] != tok(probe)['input_ids']:
+            raise ConfigError(f"teacher {t_path} and student {s_path} tokenize text differently; KV distillation needs the same tokens on both sides")
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad_id is None: raise ConfigError(f"the tokenizer of {s_path} has neither a pad nor an eos token; add one (tokenizer.pad_token = ...)")
+    return teacher, student, tok, pad_id, t_path, s_path
+
+def _hf_data(spec: RunSpec, ds: DistillSettings, tok, pad_id: int) -> tuple['DocBatches', 'DocBatches']:
+    if ds.dataset: train_t, val_t = load_texts(ds.dataset, ds.text_field, spec.data.val_fraction, spec.data.seed)
+    else:
+        from oelm_nb.data import synthetic_splits
+        tr, va = synthetic_splits(spec.data.n_train_stories, spec.data.n_val_stories, spec.data.seed)
+        train_t, val_t = [s.text for s in tr], [s.text for s in va]
+    enc = lambda texts: [ids[:ds.max_length] for ids in tok(list(texts), add_special_tokens=False)['input_ids']]
+    return (DocBatches(enc(train_t), spec.train.batch_size, pad_id, spec.train.seed),
+            DocBatches(enc(val_t), spec.train.batch_size, pad_id, spec.train.seed))
+
+def _hf_run(spec: RunSpec, ds: DistillSettings, progress=None) -> dict:
+    run_dir = Path(spec.out_dir); run_dir.mkdir(parents=True, exist_ok=True)
+    spec.save_json(run_dir / 'config.json')
+    set_seed(spec.train.seed)
+    device = pick_device(spec.train.device)
+    teacher, student, tok, pad_id, t_path, s_path = _hf_pair(spec, ds, device)
+    train_b, val_b = _hf_data(spec, ds, tok, pad_id)
+    (n_t, d_t), (n_s, d_s) = kv_width(teacher), kv_width(student)
+    info = {'study': spec.study, 'variant': spec.name, 'preset': spec.preset, 'seed': spec.train.seed, 'teacher_hf': t_path, 'student_hf': s_path,
+            'dataset': ds.dataset or 'story corpus', 'teacher_kv': [n_t, d_t], 'student_kv': [n_s, d_s], 'layer_map': layer_map(n_t, n_s),
+            'n_train_docs': len(train_b.docs), 'n_val_docs': len(val_b.docs)}
+    vb = val_b.fixed(spec.train.eval_batches)
+    if ds.role == 'teacher':  # HF mode: the teacher is given; check both load, and score the teacher on the validation sample
+        ev = lm_eval_batches(_freeze_teacher(teacher), vb)
+        return {'status': 'completed', 'role': 'teacher', **info, 'val_loss': ev['val_loss'], 'best_val_ppl': ev['val_ppl'],
+                'best_val_loss': ev['val_loss'], 'final_val_ppl': ev['val_ppl']}
+    tcfg_kw = dict(train_data=None, batch_fn=lambda step, micro: train_b.train(step, micro), tokens_per_batch=spec.train.batch_size * train_b.max_len)
+    summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, tcfg_kw, vb, pad_id, None, progress)
+    student.save_pretrained(run_dir / 'student'); tok.save_pretrained(run_dir / 'student')
+    ts = read_json(spec.upstream_dir('teacher') / 'summary.json') or {}
+    return _student_summary(spec, ds, summary, ev, lmap, {**info, 'teacher_val_ppl': ts.get('best_val_ppl'),
+                            'student_dir': str(run_dir / 'student')}, {})
+
+def mercator_run(spec: RunSpec, # the run's specification (study 'mercator')
+                 progress: bool | None = None, # progress bar (None: spec.train.progress)
+                ) -> dict:
+    "Do one run of the mercator study (teacher or student, our GPT family or HF checkpoints); writes and returns summary.json."
+    ds = DistillSettings.of(spec)
+    if ds.hf: summary = _hf_run(spec, ds, progress)
+    elif ds.role == 'teacher': summary = _gpt_teacher_run(spec, ds, progress)
+    else: summary = _gpt_student_run(spec, ds, progress)
+    write_json(Path(spec.out_dir) / 'summary.json', summary)
+    return summary
+
+# %% ../nbs/13_mercator.ipynb #2e4f0a7c
+def _student(loss: str = 'mercator', beta: float = 0.01, distill: bool = True):
+    return lambda cfg, steps: {'extra.role': 'student', 'extra.loss': loss, 'extra.beta': beta, 'extra.distill': distill}
+
+HF_SETTINGS = {'train.batch_size': 2, 'train.grad_accum': 16, 'train.lr': 5e-5, 'train.min_lr': 5e-6, 'train.ckpt_every': 200,
+               'extra.lr_projector': 1e-3, 'extra.max_length': 512}
+
+def mercator_plan(options: dict, # the flags given: teacher, student, dataset, teacher_run
+                  preset: str) -> tuple[None, dict]:
+    "Overrides planned from `oelm run mercator` flags (checked here, before anything runs)."
+    t, s, d, tr = (options.get(k) for k in ('teacher', 'student', 'dataset', 'teacher_run'))
+    if (t is None) != (s is None): raise ConfigError('HF mode needs both --teacher DIR and --student DIR (local checkpoints)')
+    if tr is not None:
+        if t is not None: raise ConfigError('--teacher-run (a teacher of this package) and --teacher (an HF checkpoint) exclude each other')
+        p = Path(tr).expanduser()
+        if not (p / 'config.json').exists(): raise ConfigError(f"--teacher-run {p}: not a run directory (no config.json); pass a finished teacher run")
+        teacher_checkpoint(p)
+        return None, {'extra.teacher_run': str(p.resolve())}
+    if d is not None and t is None:
+        raise ConfigError('--dataset is for HF checkpoints (--teacher DIR --student DIR); for our GPT family pass the text file as --data FILE')
+    if t is None: return None, {}
+    out = {**HF_SETTINGS, 'extra.teacher_hf': resolve_checkpoint(t, '--teacher'), 'extra.student_hf': resolve_checkpoint(s, '--student')}
+    if d is not None: resolve_dataset(d); out['extra.dataset'] = str(Path(d).resolve()) if Path(d).expanduser().exists() else d
+    return None, out
+
+MERCATOR = register_study(Study(
+    name='mercator',
+    description='Mercator KV-cache distillation: a teacher and smaller students (Mercator beta 0/0.01/0.1, MSE, none) (seed 003)',
+    variants={'teacher': lambda cfg, steps: {**teacher_model(cfg), 'extra.role': 'teacher'},
+              'mercator-b0': _student('mercator', 0.0), 'mercator-b0.01': _student('mercator', 0.01),
+              'mercator-b0.1': _student('mercator', 0.1), 'mse': _student('mse'), 'no-distill': _student(distill=False)},
+    default_variants=['teacher', 'mercator-b0', 'mercator-b0.01', 'mercator-b0.1', 'mse', 'no-distill'],
+    requires=lambda v: [] if v == 'teacher' else ['teacher'],
+    train={'tiny': dict(max_steps=500, batch_size=8, grad_accum=2, lr=5e-3, min_lr=5e-4, warmup_steps=50, weight_decay=0.1,
+                        eval_every=50, eval_batches=16, log_every=10),
+           'medium512': dict(max_steps=20_000, batch_size=8, grad_accum=2, lr=3e-4, min_lr=3e-5, warmup_steps=1000, weight_decay=0.1,
+                             eval_every=1000, eval_batches=50, log_every=100, ckpt_every=5000),
+           'gpt2-124m': dict(max_steps=10_000, batch_size=4, grad_accum=4, lr=1e-4, min_lr=5e-6, warmup_steps=500,
+                             eval_every=500, eval_batches=100, log_every=50, ckpt_every=2000)},
+    data={'tiny': dict(vocab_size=2048, n_train_stories=20_000, n_val_stories=1000),
+          'medium512': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000),
+          'gpt2-124m': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000)},
+    notebook='experiments/mercator.ipynb', report='reports/mercator.ipynb',
+    options={'teacher': dict(metavar='DIR', help='HF mode: local checkpoint directory of the teacher (e.g. Qwen2.5-1.5B-Instruct); with --student'),
+             'student': dict(metavar='DIR', help='HF mode: local checkpoint directory of the student (e.g. Qwen2.5-0.5B)'),
+             'dataset': dict(metavar='NAME|FILE', help="HF mode: HF datasets name[:config] in the local cache (e.g. openai/gsm8k:main) or a local .jsonl/.txt (default: the story corpus' text)"),
+             'teacher_run': dict(metavar='RUN_DIR', help='distil from this finished teacher run of our family instead of training one')},
+    plan=mercator_plan, default_seeds=(0,)))
