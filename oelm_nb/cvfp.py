@@ -17,13 +17,16 @@ from .core import ConfigBase, ConfigError, check, set_seed, TrainConfig
 from .train import Trainer
 
 # %% auto #0
-__all__ = ['DIVERSITY_LOSSES', 'DIVERSITY_DESCRIPTIONS', 'CVFP_PRESETS', 'cvfp_loss', 'mcdl_loss', 'odcm_loss', 'combined_loss',
-           'EffectiveRank', 'effective_rank', 'IdentityCheck', 'identity_check', 'ConvergenceVerdict',
-           'convergence_verdict', 'CVFPConfig', 'cvfp_config', 'ContextLayer', 'TokenLayer', 'ContextBlock',
-           'TokenBlock', 'CVFPModel', 'build_context_cache', 'logits_from_cache', 'Phase1Result', 'train_phase1',
-           'markov_tokens', 'cvfp_convergence_check', 'BatchSizing', 'per_token_bytes', 'phase2_batch_size',
-           'Phase2Result', 'freeze_context_block', 'evaluate_cached', 'train_phase2', 'PowerLawFit', 'fit_power_law',
-           'sample_schedule', 'AlphaProgression', 'alpha_progression']
+__all__ = ['DIVERSITY_LOSSES', 'DIVERSITY_DESCRIPTIONS', 'CVFP_PRESETS', 'EMBEDDING_KEYS', 'CVFP_RUN_DEFAULTS', 'CVFP_FAMILY',
+           'CVFP_OPTIONS', 'CVFP_STUDY', 'cvfp_loss', 'mcdl_loss', 'odcm_loss', 'combined_loss', 'EffectiveRank',
+           'effective_rank', 'IdentityCheck', 'identity_check', 'ConvergenceVerdict', 'convergence_verdict',
+           'CVFPConfig', 'cvfp_config', 'ContextLayer', 'TokenLayer', 'ContextBlock', 'TokenBlock', 'CVFPModel',
+           'build_context_cache', 'logits_from_cache', 'Phase1Result', 'val_effective_rank', 'train_phase1',
+           'markov_tokens', 'ConvergenceCheck', 'cvfp_convergence_check', 'BatchSizing', 'per_token_bytes',
+           'phase2_batch_size', 'Phase2Result', 'freeze_context_block', 'evaluate_cached', 'train_phase2',
+           'PowerLawFit', 'fit_power_law', 'sample_schedule', 'AlphaProgression', 'alpha_progression', 'first_stories',
+           'load_embedding', 'run_settings', 'phase1_evaluation', 'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp',
+           'cvfp_plan', 'batch_alpha', 'write_alpha_progression']
 
 # %% ../nbs/12_cvfp.ipynb #470cd943
 def cvfp_loss(context: torch.Tensor, # (N, C) contexts of this iteration
@@ -143,6 +146,7 @@ class CVFPConfig(ConfigBase):
     phase1_max_iterations: int = 10 # stop after this many iterations
     convergence_threshold: float = 1e-3 # a token has converged when its mean squared change is below this
     convergence_target: float = 0.95 # stop early once this share of tokens has converged
+    phase1_val_patience: int = 3 # with validation tokens: stop after this many iterations without a higher validation ER (0: never)
     parallel: bool = True # Phase 1 iterations >= 1 in parallel (token i reads previous_contexts[i-1])
     phase2_lr: float = 1e-3 # AdamW learning rate of Phase 2
     phase2_epochs: int = 3 # passes over the cached positions
@@ -172,6 +176,7 @@ class CVFPConfig(ConfigBase):
               'must be >= 2 (iteration 0 only sets the first target)')
         check(self.convergence_threshold > 0, c, 'convergence_threshold', self.convergence_threshold, 'must be positive (e.g. 1e-3)')
         check(0 < self.convergence_target <= 1, c, 'convergence_target', self.convergence_target, 'must be in (0, 1]')
+        check(self.phase1_val_patience >= 0, c, 'phase1_val_patience', self.phase1_val_patience, 'must be >= 0 (0: no early stopping)')
         check(self.phase2_batch_size is None or self.phase2_batch_size > 0, c, 'phase2_batch_size', self.phase2_batch_size,
               'must be None (memory-derived) or a positive integer')
         check(self.phase2_min_batch_size <= self.phase2_max_batch_size, c, 'phase2_min_batch_size', self.phase2_min_batch_size,
@@ -300,7 +305,8 @@ class Phase1Result:
     n_tokens: int
     final_start: torch.Tensor # (1, C) context that entered token 0 of the final pass
     parallel: bool
-    seconds: float # wall time of the training iterations
+    seconds: float # wall time of the training iterations (validation passes excluded)
+    stop_reason: str = 'max_iterations' # 'max_iterations' | 'converged' | 'val_effective_rank'
     @property
     def contexts(self) -> torch.Tensor: return self.layer_outputs[-1]
     @property
@@ -325,11 +331,17 @@ def _parallel_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, pr
     shifted = torch.cat([start, previous[:-1]])  # (N, C)
     with torch.set_grad_enabled(grad): return block(shifted, e)
 
+def val_effective_rank(model: CVFPModel, ids: torch.Tensor, # (N,) validation tokens
+                      ) -> EffectiveRank:
+    "Effective rank of the final-layer contexts of one sequential pass from a zero context: the one validation ER (early stopping and final evaluation)."
+    return effective_rank(build_context_cache(model, ids)[-1])
+
 def train_phase1(model: CVFPModel,
                  ids: torch.Tensor, # (N,) training tokens
                  parallel: bool | None = None, # None: cfg.parallel
                  max_iterations: int | None = None, # None: cfg.phase1_max_iterations
                  track_rank: bool = True, # effective rank per iteration in the history
+                 val_ids: torch.Tensor | None = None, # validation tokens: their ER per iteration, early stopping (cfg.phase1_val_patience)
                  verbose: bool = False,
                 ) -> Phase1Result:
     "Fixed-point training of `model.context_block` (carry-over between iterations, detach between tokens)."
@@ -343,6 +355,7 @@ def train_phase1(model: CVFPModel,
     e = model.embed(ids)  # (N, E), frozen
     n = len(ids)
     carry, previous, history, converged = model.zero_context(), None, [], 0
+    best_val, since_best, stop, val_time = -1.0, 0, 'max_iterations', 0.0
     t_start = time.perf_counter()
     for it in range(max_it):
         t0, learn = time.perf_counter(), previous is not None
@@ -359,15 +372,23 @@ def train_phase1(model: CVFPModel,
             rec.update(loss=loss.item(), cvfp=cv.item(), diversity=dv.item(), converged=converged, rate=converged / n)
         if track_rank: rec['effective_rank'] = effective_rank(ctx).percent
         rec['seconds'] = time.perf_counter() - t0
+        if learn and val_ids is not None:
+            tv = time.perf_counter()
+            rec['val_effective_rank'] = val_effective_rank(model, val_ids).percent
+            since_best = 0 if rec['val_effective_rank'] > best_val else since_best + 1
+            best_val = max(best_val, rec['val_effective_rank'])
+            val_time += time.perf_counter() - tv
         history.append(rec)
         if verbose: print(rec)
         previous, carry = ctx.detach(), ctx[-1:].detach()  # carry-over: never reset to zero
-        if learn and it + 1 >= cfg.phase1_min_iterations and converged / n >= cfg.convergence_target: break
-    seconds = time.perf_counter() - t_start
+        if learn and it + 1 >= cfg.phase1_min_iterations:
+            if converged / n >= cfg.convergence_target: stop = 'converged'; break
+            if val_ids is not None and cfg.phase1_val_patience and since_best >= cfg.phase1_val_patience: stop = 'val_effective_rank'; break
+    seconds = time.perf_counter() - t_start - val_time
     block.eval()
     final_outs = (_parallel_pass(block, e, carry, previous, grad=False) if parallel
                   else _sequential_pass(block, e, carry, grad=False))
-    return Phase1Result([o.detach() for o in final_outs], history, len(history), converged, n, carry, parallel, seconds)
+    return Phase1Result([o.detach() for o in final_outs], history, len(history), converged, n, carry, parallel, seconds, stop)
 
 # %% ../nbs/12_cvfp.ipynb #ec8d85e8
 def markov_tokens(n: int, # tokens
@@ -385,17 +406,36 @@ def markov_tokens(n: int, # tokens
     return out
 
 # %% ../nbs/12_cvfp.ipynb #11572568
+@dataclass
+class ConvergenceCheck:
+    "Repeated passes over the same tokens: the pass-to-pass MSE, its verdict and the tokens that stopped moving."
+    losses: list # MSE between consecutive passes
+    verdict: ConvergenceVerdict
+    converged_tokens: int # tokens whose context changed by less than the threshold (mean square) in the last pass
+    n_tokens: int
+    @property
+    def final_diff(self) -> float: return self.losses[-1]
+    @property
+    def convergence_rate(self) -> float: return self.converged_tokens / self.n_tokens
+    @property
+    def passed(self) -> bool:
+        "The seed's criterion: final diff below the threshold and a loss that is not rising or erratic."
+        return self.verdict.final_ok and self.verdict.verdict in ('CONVERGED', 'CONVERGING')
+
 @torch.no_grad()
 def cvfp_convergence_check(model: CVFPModel, ids: torch.Tensor, # (N,) tokens
-                           passes: int = 6, # sequential passes (the first is the baseline)
-                          ) -> tuple[list[float], ConvergenceVerdict]:
-    "Repeat sequential passes (context carried over); MSE between consecutive passes and its verdict."
-    start, prev, losses = model.zero_context(), None, []
+                           passes: int = 6, # sequential passes (the first is the baseline), >= 3
+                          ) -> ConvergenceCheck:
+    "Repeat sequential passes (context carried over); MSE between consecutive passes, its verdict, converged tokens."
+    if passes < 3: raise ValueError(f'passes={passes}: need >= 3 (two differences for a verdict)')
+    start, prev, losses, change = model.zero_context(), None, [], None
     for _ in range(passes):
         ctx = build_context_cache(model, ids, start)[-1]
-        if prev is not None: losses.append(cvfp_loss(ctx, prev).item())
+        if prev is not None:
+            losses.append(cvfp_loss(ctx, prev).item()); change = ((ctx - prev) ** 2).mean(-1)
         prev, start = ctx, ctx[-1:]
-    return losses, convergence_verdict(losses)
+    conv = int((change < model.cfg.convergence_threshold).sum())
+    return ConvergenceCheck(losses, convergence_verdict(losses, final_threshold=model.cfg.convergence_threshold), conv, len(ids))
 
 # %% ../nbs/12_cvfp.ipynb #f59097e8
 @dataclass
@@ -440,6 +480,8 @@ class Phase2Result:
     val_loss: float | None = None
     val_ppl: float | None = None
     val_acc: float | None = None
+    best_val_ppl: float | None = None # lowest validation PPL over the evaluations (one per epoch by default)
+    records: list = field(default_factory=list) # the Trainer's metrics records (step, tokens, train_loss, val_*)
 
 def freeze_context_block(model: CVFPModel):
     "Phase 2: no gradient reaches the ContextBlock."
@@ -462,6 +504,7 @@ def train_phase2(model: CVFPModel,
                  cache: list[torch.Tensor] | None = None, # Phase 1's layer_outputs for `ids` (None: built once here)
                  val_ids: torch.Tensor | None = None, # validation tokens
                  cpu_budget_bytes: int = 256 * 2**20, # memory budget on CPU
+                 eval_every: int | None = None, # steps between validation evaluations (None: once per epoch; always at the end)
                 ) -> Phase2Result:
     "Train the TokenBlock on next-token cross-entropy from cached (frozen) ContextBlock outputs, with the shared Trainer."
     cfg = model.cfg
@@ -487,15 +530,17 @@ def train_phase2(model: CVFPModel,
         val_cache = build_context_cache(model, val_ids)
         eval_fn = lambda m: evaluate_cached(m, val_ids, val_cache)
     tcfg = TrainConfig(max_steps=cfg.phase2_epochs * per_epoch, batch_size=bs, lr=cfg.phase2_lr, min_lr=cfg.phase2_lr,
-                       warmup_steps=0, weight_decay=0.0, grad_clip=0.0, eval_every=0, log_every=1, seed=cfg.seed,
+                       warmup_steps=0, weight_decay=0.0, grad_clip=0.0, eval_every=per_epoch if eval_every is None else eval_every,
+                       log_every=1, seed=cfg.seed,
                        device=str(dev), progress=False)
     trainer = Trainer(model, tcfg, None, loss_fn=loss_fn, batch_fn=batch_fn, eval_fn=eval_fn, tokens_per_batch=bs)
     summary = trainer.fit(resume=False)
     model.eval()
     recs = trainer.records
-    res = Phase2Result([r['train_loss'] for r in recs], sizing, summary['steps'], summary['wall_time_s'])
+    res = Phase2Result([r['train_loss'] for r in recs], sizing, summary['steps'], summary['wall_time_s'], records=list(recs))
     if recs and 'val_loss' in recs[-1]:
         res.val_loss, res.val_ppl, res.val_acc = recs[-1]['val_loss'], recs[-1]['val_ppl'], recs[-1]['val_acc']
+        res.best_val_ppl = min(r['val_ppl'] for r in recs if 'val_ppl' in r)
     return res
 
 # %% ../nbs/12_cvfp.ipynb #11f27ef2
@@ -553,3 +598,324 @@ def alpha_progression(sample_sizes, # samples per point, increasing
         out.append({'window': k + 1, 'samples': [int(sample_sizes[k]), int(sample_sizes[k + window - 1])],
                     'tokens': [int(tokens[k]), int(tokens[k + window - 1])], 'alpha': f.alpha, 'A': f.A, 'r2': f.r2})
     return AlphaProgression(window, out)
+
+# %% ../nbs/12_cvfp.ipynb #400d068b
+import re
+from pathlib import Path
+from .experiment import Study, RunSpec, QK_FREEZE, register_study, train_run, write_json, read_json
+from .core import pick_device
+
+# %% ../nbs/12_cvfp.ipynb #069e999e
+def first_stories(tokens, # (N,) token ids (a memmap is fine)
+                  eot: int, # the end-of-text id that closes every story
+                  n: int, # stories to take
+                 ) -> torch.Tensor:
+    "The first `n` stories of a token stream as an int64 tensor."
+    toks = np.asarray(tokens)
+    ends = np.flatnonzero(toks == eot)
+    if not 0 < n <= len(ends): raise ConfigError(f'{n} stories asked for, the split has {len(ends)}; lower the sample size or raise data.n_train_stories')
+    return torch.from_numpy(toks[:ends[n - 1] + 1].astype(np.int64))
+
+# %% ../nbs/12_cvfp.ipynb #28b3d1c2
+EMBEDDING_KEYS = ('tok.wte.weight', 'wte.weight', 'embed_tokens.weight', 'word_embeddings.weight', 'embed_in.weight', 'lm_head.weight')
+
+def load_embedding(path, # run directory of this package, local HF model directory, or .safetensors file
+                  ) -> tuple[torch.Tensor, str]:
+    "(vocab, dim) token-embedding rows and a description of where they came from."
+    from safetensors import safe_open
+    p = Path(path)
+    hint = 'give a run directory of this package (config.json + checkpoints/), a local Hugging Face model directory or a .safetensors file'
+    if not p.exists(): raise ConfigError(f'embeddings path {str(path)!r} does not exist; {hint}')
+    if p.is_dir() and (p / 'checkpoints').is_dir() and (p / 'config.json').exists():
+        from oelm_nb.model import GPT
+        from oelm_nb.train import load_weights
+        ck = next((p / 'checkpoints' / t for t in ('best', 'final', 'latest') if (p / 'checkpoints' / t).exists()), None)
+        if ck is None: raise ConfigError(f'{p}/checkpoints has no best, final or latest checkpoint')
+        gpt = load_weights(GPT(RunSpec.load_json(p / 'config.json').model, init_seed=0), ck, 'model')
+        return gpt.transformer.tok.wte.weight.detach().clone(), f'run {p} (checkpoint {ck.resolve().name})'
+    files = [p] if p.is_file() else sorted(p.glob('*.safetensors'))
+    if not files: raise ConfigError(f'no .safetensors file in {p}; {hint}')
+    for suffix in EMBEDDING_KEYS:
+        for f in files:
+            with safe_open(str(f), 'pt') as st:
+                key = next((k for k in st.keys() if k == suffix or k.endswith('.' + suffix)), None)
+                if key is not None: return st.get_tensor(key).float(), f'{f} [{key}]'
+    raise ConfigError(f'no token-embedding tensor (a name ending in one of {EMBEDDING_KEYS}) in {[str(f) for f in files]}')
+
+# %% ../nbs/12_cvfp.ipynb #61615fb2
+CVFP_RUN_DEFAULTS = dict(
+    algorithm='MCDL',    # diversity loss (a key of DIVERSITY_LOSSES); the ALG-nN variants set it
+    samples=None,        # training stories; the ALG-nN variants set it
+    tokens=6400,         # phase1-speed: training tokens timed
+    embeddings=None,     # embed: take the embedding from this path instead of training a GPT
+    dist_reg_weight=0.9, # w in (1 - w) * cvfp + w * diversity
+    parallel=True,       # Phase 1 version
+    val_tokens=6400,     # validation tokens (first of the split): validation ER, early stopping, PPL
+    check_tokens=1280,   # the first validation tokens that the identity and convergence checks use
+    check_passes=6,      # passes of the convergence check
+    er_threshold=30.0,   # the effective-rank check passes at a validation ER of at least this percent
+    cpu_budget_mb=16,    # Phase 2 memory budget on CPU (sets the batch size)
+    cvfp_preset=None,    # CVFP_PRESETS key (None: 'seed' for the gpt2-124m preset, else 'cpu')
+)
+_FIXED = ('vocab_size', 'embed_dim', 'seed', 'diversity', 'dist_reg_weight', 'parallel')
+
+def run_settings(spec: RunSpec) -> tuple[dict, CVFPConfig]:
+    "The validated run settings of a cvfp run and its CVFPConfig (vocab_size/embed_dim still to come from the embedding)."
+    extra = dict(spec.extra)
+    cfg_keys = [f for f in CVFPConfig.field_names() if f not in _FIXED]
+    unknown = sorted(set(extra) - set(CVFP_RUN_DEFAULTS) - set(cfg_keys))
+    if unknown: raise ConfigError(f"RunSpec.extra has unknown key(s) {unknown} for study 'cvfp'; valid: {sorted(CVFP_RUN_DEFAULTS)} "
+                                  f"or a CVFPConfig field {cfg_keys}")
+    s = {**CVFP_RUN_DEFAULTS, **{k: v for k, v in extra.items() if k in CVFP_RUN_DEFAULTS}}
+    c = 'RunSpec.extra'
+    check(s['algorithm'] in DIVERSITY_LOSSES, c, 'algorithm', s['algorithm'], f'must be one of {list(DIVERSITY_LOSSES)}')
+    check(s['samples'] is None or (isinstance(s['samples'], int) and s['samples'] > 0), c, 'samples', s['samples'], 'must be a positive integer (stories)')
+    for k in ('tokens', 'val_tokens', 'check_tokens', 'check_passes', 'cpu_budget_mb'):
+        check(isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] > 0, c, k, s[k], 'must be a positive integer')
+    check(s['check_passes'] >= 3, c, 'check_passes', s['check_passes'], 'must be >= 3')
+    check(s['check_tokens'] <= s['val_tokens'], c, 'check_tokens', s['check_tokens'], f"must not exceed val_tokens={s['val_tokens']}")
+    check(isinstance(s['parallel'], bool), c, 'parallel', s['parallel'], 'must be true or false')
+    check(s['embeddings'] is None or isinstance(s['embeddings'], str), c, 'embeddings', s['embeddings'], 'must be a path')
+    preset = s['cvfp_preset'] or ('seed' if spec.preset == 'gpt2-124m' else 'cpu')
+    cfg = cvfp_config(preset, **{k: v for k, v in extra.items() if k in cfg_keys}, diversity=s['algorithm'],
+                      dist_reg_weight=float(s['dist_reg_weight']), parallel=s['parallel'], seed=spec.train.seed)
+    return s, cfg
+
+# %% ../nbs/12_cvfp.ipynb #bee58e03
+def _er(er: EffectiveRank) -> dict: return {'value': er.value, 'dim': er.dim, 'percent': er.percent, 'n': er.n}
+
+@torch.no_grad()
+def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor, # (N,) validation tokens
+                      check_tokens: int = 1280, # the first validation tokens that the identity and convergence checks use
+                      passes: int = 6, # passes of the convergence check
+                      er_threshold: float = 30.0, # effective-rank check: validation ER percent at least this
+                     ) -> dict:
+    "Numbers and the three checks (identity mapping, CVFP convergence, effective rank) of a Phase 1 result."
+    last = next((h for h in reversed(res.history) if 'cvfp' in h), {})
+    tr_er, val_er = effective_rank(res.contexts), val_effective_rank(model, val_ids)
+    chk_ids = val_ids[:check_tokens]
+    conv = cvfp_convergence_check(model, chk_ids, passes)
+    e = model.embed(chk_ids)
+    ident = identity_check(build_context_cache(model, chk_ids)[-1], model.context_block(model.zero_context(len(chk_ids)), e)[-1], e)
+    return {
+        'train_tokens': res.n_tokens, 'train_converged_tokens': res.converged_tokens, 'train_convergence_rate': 100 * res.convergence_rate,
+        'val_tokens': len(val_ids), 'check_tokens': conv.n_tokens, 'val_converged_tokens': conv.converged_tokens,
+        'val_convergence_rate': 100 * conv.convergence_rate,
+        'train_er': tr_er.value, 'train_er_dim': tr_er.dim, 'train_er_percent': tr_er.percent,
+        'val_er': val_er.value, 'val_er_dim': val_er.dim, 'val_er_percent': val_er.percent,
+        'cvfp_loss': last.get('cvfp'), 'diversity_loss': last.get('diversity'), 'final_diff': conv.final_diff,
+        'iterations': res.iterations, 'max_iterations': model.cfg.phase1_max_iterations, 'stop_reason': res.stop_reason,
+        'checks': {
+            'identity': {'passed': ident.passed, 'zero_diff': ident.zero_diff, 'token_similarity': ident.token_similarity,
+                         'rule': f'zero_diff > {ident.diff_threshold} and token similarity < {ident.sim_threshold}'},
+            'convergence': {'passed': conv.passed, 'verdict': conv.verdict.verdict, 'final_diff': conv.final_diff, 'slope': conv.verdict.slope,
+                            'losses': conv.losses, 'rule': f'final_diff < {model.cfg.convergence_threshold} and verdict CONVERGED or CONVERGING'},
+            'effective_rank': {'passed': val_er.percent >= er_threshold, 'val_er_percent': val_er.percent,
+                               'rule': f'validation ER >= {er_threshold}% of {val_er.dim}'},
+        }}
+
+# %% ../nbs/12_cvfp.ipynb #47b57ac8
+CVFP_FAMILY = rf"({'|'.join(map(re.escape, DIVERSITY_LOSSES))})-n(\d+)"  # ALG-nN: algorithm ALG on the first N stories
+
+def _data(spec: RunSpec):
+    from oelm_nb.data import prepare_data, load_split
+    d = prepare_data(spec.data, spec.resolved_data_dir, progress=False)
+    return load_split(d, 'train'), load_split(d, 'val')
+
+def _jsonl(path, recs):
+    Path(path).write_text(''.join(json.dumps(r) + '\n' for r in recs))
+
+def _val_ids(val, n: int) -> torch.Tensor:
+    if len(val.tokens) < n: raise ConfigError(f'the validation split has {len(val.tokens)} tokens, fewer than extra.val_tokens={n}; lower it or add stories')
+    return torch.from_numpy(np.asarray(val.tokens[:n]).astype(np.int64))
+
+def _upstream_embedding(spec: RunSpec) -> torch.Tensor:
+    from safetensors.torch import load_file
+    f = spec.upstream_dir('embed') / 'embedding.safetensors'
+    if not f.exists(): raise ConfigError(f"{f} is missing: the 'embed' run of seed {spec.train.seed} must complete first (oelm run cvfp adds it)")
+    return load_file(str(f))['embedding']
+
+def embed_run(spec: RunSpec, progress: bool = False) -> dict:
+    "Variant 'embed': train the GPT (or take extra.embeddings) and write embedding.safetensors."
+    from safetensors.torch import save_file
+    s, _ = run_settings(spec)
+    out = Path(spec.out_dir); out.mkdir(parents=True, exist_ok=True)
+    if s['embeddings']:
+        train, _ = _data(spec); spec.save_json(out / 'config.json')
+        emb, src = load_embedding(s['embeddings'])
+        summary = {'status': 'completed', 'trained': False}
+    else:
+        summary = {**train_run(spec, progress), 'trained': True}
+        train, _ = _data(spec)
+        emb, src = load_embedding(out)
+    if emb.ndim != 2 or emb.shape[0] < train.vocab_size:
+        raise ConfigError(f'the embedding from {src} has shape {tuple(emb.shape)}; it needs one row per token of the data '
+                          f"({train.vocab_size}); tokenize the data with that model's tokenizer (e.g. --set data.tokenizer=gpt2)")
+    save_file({'embedding': emb.contiguous()}, str(out / 'embedding.safetensors'))
+    summary.update(study=spec.study, variant=spec.name, preset=spec.preset, seed=spec.train.seed, embedding_source=src,
+                   embedding_rows=int(emb.shape[0]), embedding_dim=int(emb.shape[1]), data_vocab_size=train.vocab_size)
+    write_json(out / 'summary.json', summary)
+    return summary
+
+def cvfp_run(spec: RunSpec) -> dict:
+    "Variant 'ALG-nN': Phase 1, the checks and Phase 2 on the first N stories; writes summary.json."
+    from safetensors.torch import save_model
+    s, cfg = run_settings(spec)
+    if s['samples'] is None: raise ConfigError(f"run {spec.name!r}: extra.samples is not set; name the variant like 'MCDL-n80'")
+    out = Path(spec.out_dir); out.mkdir(parents=True, exist_ok=True)
+    train, val = _data(spec); spec.save_json(out / 'config.json')
+    emb = _upstream_embedding(spec)
+    dev = pick_device(spec.train.device)
+    ids, val_ids = first_stories(train.tokens, train.meta['eot_id'], s['samples']).to(dev), _val_ids(val, s['val_tokens']).to(dev)
+    t0 = time.perf_counter()
+    model = CVFPModel(cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1]), emb).to(dev)
+    r1 = train_phase1(model, ids, val_ids=val_ids)
+    t1 = time.perf_counter()
+    ev = phase1_evaluation(model, r1, val_ids, s['check_tokens'], s['check_passes'], s['er_threshold'])
+    t2 = time.perf_counter()
+    p2 = train_phase2(model, ids, cache=r1.layer_outputs, val_ids=val_ids, cpu_budget_bytes=s['cpu_budget_mb'] * 2**20)
+    t3 = time.perf_counter()
+    _jsonl(out / 'phase1.jsonl', r1.history); _jsonl(out / 'metrics.jsonl', p2.records)
+    save_model(model, str(out / 'model.safetensors'))
+    summary = {'status': 'completed', 'study': spec.study, 'variant': spec.name, 'preset': spec.preset, 'seed': spec.train.seed,
+               'algorithm': s['algorithm'], 'samples': s['samples'], 'parallel': s['parallel'], 'dist_reg_weight': cfg.dist_reg_weight,
+               'context_dim': cfg.context_dim, 'embed_dim': model.cfg.embed_dim, 'num_layers': cfg.num_layers,
+               **ev, 'phase1_train_s': r1.seconds,
+               'best_val_ppl': p2.best_val_ppl, 'final_val_ppl': p2.val_ppl, 'final_val_loss': p2.val_loss, 'val_acc': p2.val_acc,
+               'phase2_steps': p2.steps, 'phase2_batch_size': p2.sizing.batch_size, 'phase2_batch_source': p2.sizing.source,
+               'phase1_s': t1 - t0, 'checks_s': t2 - t1, 'phase2_s': t3 - t2, 'wall_time_s': t3 - t0,
+               'params_trainable_phase1': sum(p.numel() for p in model.context_block.parameters()),
+               'params_trainable_phase2': sum(p.numel() for p in model.token_block.parameters())}
+    write_json(out / 'summary.json', summary)
+    return summary
+
+def speed_run(spec: RunSpec) -> dict:
+    "Variant 'phase1-speed': sequential vs parallel Phase 1 on the first extra.tokens training tokens, same seed and iterations."
+    s, cfg = run_settings(spec)
+    out = Path(spec.out_dir); out.mkdir(parents=True, exist_ok=True)
+    train, val = _data(spec); spec.save_json(out / 'config.json')
+    emb = _upstream_embedding(spec)
+    if len(train.tokens) < s['tokens']: raise ConfigError(f"the training split has {len(train.tokens)} tokens, fewer than extra.tokens={s['tokens']}")
+    dev = pick_device(spec.train.device)
+    ids = torch.from_numpy(np.asarray(train.tokens[:s['tokens']]).astype(np.int64)).to(dev)
+    val_ids = _val_ids(val, s['val_tokens']).to(dev)
+    n_it = cfg.phase1_max_iterations
+    cfg = cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1], phase1_min_iterations=n_it)  # both run every iteration
+    summary = {'status': 'completed', 'study': spec.study, 'variant': spec.name, 'preset': spec.preset, 'seed': spec.train.seed,
+               'algorithm': s['algorithm'], 'tokens': len(ids), 'iterations': n_it}
+    for name in ('sequential', 'parallel'):
+        model = CVFPModel(cfg, emb).to(dev)
+        r = train_phase1(model, ids, parallel=(name == 'parallel'), track_rank=False)
+        tr, va = effective_rank(r.contexts), val_effective_rank(model, val_ids)
+        _jsonl(out / f'phase1_{name}.jsonl', r.history)
+        summary.update({f'{name}_s': r.seconds, f'{name}_iterations': r.iterations, f'{name}_converged_tokens': r.converged_tokens,
+                        f'{name}_convergence_rate': 100 * r.convergence_rate, f'{name}_train_er': tr.value, f'{name}_train_er_percent': tr.percent,
+                        f'{name}_val_er': va.value, f'{name}_val_er_percent': va.percent, 'er_dim': tr.dim, 'val_tokens': len(val_ids)})
+    summary['speedup'] = summary['sequential_s'] / summary['parallel_s']
+    summary['wall_time_s'] = summary['sequential_s'] + summary['parallel_s']
+    write_json(out / 'summary.json', summary)
+    return summary
+
+def run_cvfp(spec: RunSpec, progress: bool = False) -> dict:
+    "Run one variant of the cvfp study (embed, phase1-speed or ALG-nN) into spec.out_dir; returns its summary."
+    if spec.name == 'embed': return embed_run(spec, progress)
+    if spec.name == 'phase1-speed': return speed_run(spec)
+    if re.fullmatch(CVFP_FAMILY, spec.name): return cvfp_run(spec)
+    raise ConfigError(f"study 'cvfp' has no variant {spec.name!r}; use embed, phase1-speed or ALG-nN with ALG in {list(DIVERSITY_LOSSES)}")
+
+# %% ../nbs/12_cvfp.ipynb #190f2db8
+CVFP_OPTIONS = {
+    'algorithms': dict(nargs='+', metavar='ALG', help=f'diversity losses to compare (default: MCDL ODCM; known: {", ".join(DIVERSITY_LOSSES)})'),
+    'samples': dict(nargs='+', type=int, metavar='N', help='training stories per run (default: --init-samples x --multiplier^i)'),
+    'init_samples': dict(type=int, metavar='N', help='first sample size (default: 20 on the tiny preset, else 50)'),
+    'multiplier': dict(type=float, help='sample-size multiplier (default 2)'),
+    'window_size': dict(type=int, help='points per alpha window (default 4)'),
+    'num_windows': dict(type=int, help='alpha windows (default 2)'),
+    'dist_reg_weight': dict(type=float, metavar='W', help='diversity share w of the Phase 1 loss (default 0.9)'),
+    'parallel': dict(flags=['--parallel'], action='store_const', const=True, help='Phase 1 parallel version (default)'),
+    'sequential': dict(flags=['--sequential'], action='store_const', const=True, help='Phase 1 sequential version'),
+    'embeddings': dict(metavar='PATH', help='take the embedding from a run directory, a local HF model directory or a .safetensors file instead of training a GPT'),
+}
+
+def cvfp_plan(opts: dict, # the flags given (absent ones left out)
+              preset: str = 'tiny',
+             ) -> tuple[list[str], dict]:
+    "(variants, overrides) of `oelm run cvfp`."
+    algs = list(opts.get('algorithms') or ['MCDL', 'ODCM'])
+    bad = [a for a in algs if a not in DIVERSITY_LOSSES]
+    if bad: raise ConfigError(f"--algorithms: unknown {bad}; choose from " + '; '.join(f'{k} ({v})' for k, v in DIVERSITY_DESCRIPTIONS.items()))
+    if opts.get('parallel') and opts.get('sequential'): raise ConfigError('--parallel and --sequential exclude each other')
+    sched = [k for k in ('init_samples', 'multiplier') if opts.get(k) is not None]
+    if opts.get('samples'):
+        if sched: raise ConfigError(f"--samples lists the sizes; drop --{sched[0].replace('_', '-')}")
+        samples = sorted(set(opts['samples']))
+    else:
+        w, nw = opts.get('window_size') or 4, opts.get('num_windows') or 2
+        if w < 2 or nw < 1: raise ConfigError(f'--window-size {w} must be >= 2 and --num-windows {nw} >= 1')
+        samples = sample_schedule(opts.get('init_samples') or (20 if preset == 'tiny' else 50), opts.get('multiplier') or 2.0, w + nw - 1)
+        if len(set(samples)) < len(samples): raise ConfigError(f'the sample sizes {samples} repeat; raise --multiplier or --init-samples')
+    if any(n <= 0 for n in samples): raise ConfigError(f'--samples {samples}: sample sizes must be positive')
+    over = {}
+    if opts.get('dist_reg_weight') is not None:
+        w = opts['dist_reg_weight']
+        if not 0 <= w <= 1: raise ConfigError(f'--dist-reg-weight {w} must be in [0, 1] (seed default 0.9)')
+        over['extra.dist_reg_weight'] = float(w)
+    if opts.get('sequential'): over['extra.parallel'] = False
+    if opts.get('parallel'): over['extra.parallel'] = True
+    if opts.get('embeddings'):
+        p = Path(opts['embeddings']).expanduser()
+        if not p.exists(): raise ConfigError(f'--embeddings {opts["embeddings"]}: no such file or directory')
+        over['extra.embeddings'] = str(p.resolve())
+    # largest runs first, so that two workers finish together
+    runs = [f'{a}-n{n}' for n in sorted(samples, reverse=True) for a in algs]
+    return ['embed', 'phase1-speed', *runs], over
+
+# %% ../nbs/12_cvfp.ipynb #3a77553b
+def batch_alpha(batch_dir, # a batch directory of `oelm run cvfp`
+                window: int = 4, # points per sliding window
+               ) -> dict:
+    "Power-law fits of validation PPL against training tokens per algorithm, from the run directories' summaries."
+    pts = {}
+    for d in sorted(Path(batch_dir).iterdir()):
+        m = re.fullmatch(rf'{CVFP_FAMILY}-s(\d+)', d.name) if d.is_dir() else None
+        s = read_json(d / 'summary.json') if m else None
+        if not s or s.get('status') != 'completed' or s.get('best_val_ppl') is None: continue
+        pts.setdefault(m[1], {}).setdefault(int(m[2]), []).append((s['train_tokens'], s['best_val_ppl'], d.name))
+    out = {'window': window, 'fit': 'log(PPL) = log(A) + alpha * log(tokens), least squares', 'algorithms': {}}
+    for alg, by_n in pts.items():
+        ns = sorted(by_n)
+        points = [{'samples': n, 'tokens': by_n[n][0][0], 'ppl': float(np.mean([p for _, p, _ in by_n[n]])),
+                   'runs': [r for _, _, r in by_n[n]]} for n in ns]
+        a = {'points': points}
+        if len(points) >= 2:
+            toks, ppl = [p['tokens'] for p in points], [p['ppl'] for p in points]
+            f = fit_power_law(toks, ppl)
+            a['overall'] = {'alpha': f.alpha, 'A': f.A, 'r2': f.r2, 'tokens': [toks[0], toks[-1]]}
+            a['progression'] = alpha_progression(ns, ppl, min(window, len(points)), toks).to_dict()
+        else: a['note'] = f'{len(points)} completed point(s): a fit needs at least 2'
+        out['algorithms'][alg] = a
+    return out
+
+def write_alpha_progression(batch_dir, window: int = 4) -> dict:
+    "Compute `batch_alpha` and write it to <batch_dir>/alpha_progression.json."
+    a = batch_alpha(batch_dir, window)
+    write_json(Path(batch_dir) / 'alpha_progression.json', a)
+    return a
+
+# %% ../nbs/12_cvfp.ipynb #cc6fd12f
+def _family_overrides(m: re.Match, cfg, steps) -> dict:
+    if int(m[2]) <= 0: raise ConfigError(f'variant {m[0]!r}: the sample size must be positive')
+    return {'extra.algorithm': m[1], 'extra.samples': int(m[2])}
+
+CVFP_STUDY = register_study(Study(
+    name='cvfp',
+    description='CVFP fixed-point learning: MCDL vs ODCM over sample sizes, parallel vs sequential Phase 1, alpha scaling (seed 002)',
+    variants={'embed': lambda c, s: {}, 'phase1-speed': lambda c, s: {}},
+    families={CVFP_FAMILY: _family_overrides},
+    default_variants=cvfp_plan({})[0],
+    # the embedding GPT: the tiny preset's recipe with fewer steps (about a minute on one CPU thread)
+    train={**QK_FREEZE.train, 'tiny': {**QK_FREEZE.train['tiny'], 'max_steps': 400}},
+    data=dict(QK_FREEZE.data),
+    notebook='experiments/cvfp.ipynb', report='reports/cvfp.ipynb',
+    requires=lambda v: [] if v == 'embed' else ['embed'],
+    options=CVFP_OPTIONS, plan=cvfp_plan, default_seeds=(0,)))
