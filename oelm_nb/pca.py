@@ -298,7 +298,7 @@ from .freeze import param_report
 PCA_KS = {'tiny': (8, 16, 32, 48), 'gpt2-124m': (64, 128, 256, 512)}  # other presets: the seed's k/d ratios (default_ks)
 PCA_LORA = {'tiny': dict(rank=4, alpha=8, dropout=0.1), 'gpt2-124m': dict(rank=32, alpha=64, dropout=0.1)}
 PCA_LORA_TRAIN = {  # fine-tuning schedule; steps = half the baseline's, warmup and eval cadence as shares of them
-    'tiny': dict(lr=2.5e-3, min_lr=5e-5, weight_decay=0.01, warmup_share=0.02, eval_share=0.1),
+    'tiny': dict(lr=1e-2, min_lr=2e-4, weight_decay=0.01, warmup_share=0.02, eval_share=0.1),
     'gpt2-124m': dict(lr=5e-5, min_lr=1e-6, weight_decay=0.01, warmup_share=0.02, eval_share=0.04),
 }
 

@@ -1,6 +1,7 @@
 """PCA factorization, npy/npz files, GPT-2 import, LoRA and parameter arithmetic (oelm_nb.pca)."""
 from __future__ import annotations
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -195,13 +196,19 @@ def test_matches_peft():
 
 # ---------------------------------------------------------------- parameter arithmetic
 @pytest.mark.parametrize('K', [64, 128, 256, 512])
-def test_gpt2_124m_factorized_param_counts(K):
+def test_gpt2_124m_factorized_param_counts(K, capsys):
+    "`oelm params --preset gpt2-124m --n-embd-wte K` against the architecture's arithmetic."
+    from oelm_nb.cli import main
     V, d, L, T, ff = 50257, 768, 12, 1024, 3072
     want = {'embedding': V * K + (K * d + d) + (d * K + K) + T * d,  # wte (tied head counted once), scale_up, scale_down, wpe
             'attention.qk': L * 2 * (d * d + d),
             'attention.vo': L * 2 * (d * d + d),
             'mlp': L * (d * ff + ff + ff * d + d),
             'norm': L * 2 * 2 * d + 2 * d}
-    rep = param_report(GPT.from_preset('gpt2-124m', n_embd_wte=K, init_seed=0))
-    assert rep.components['total'].to_dict() == want
-    assert rep.total == rep.trainable == sum(want.values())
+    assert main(['params', '--preset', 'gpt2-124m', '--n-embd-wte', str(K), '--json']) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep['config']['n_embd_wte'] == K
+    assert {c: row['total'] for c, row in rep['components'].items()} == want
+    assert rep['total'] == rep['trainable'] == sum(want.values()) and rep['frozen'] == 0
+    # against the unfactorized model: the table shrinks from V*d to V*K + 2*K*d + d + K
+    assert sum(want.values()) - (V * d + T * d + sum(v for c, v in want.items() if c != 'embedding')) == V * (K - d) + 2 * K * d + d + K
