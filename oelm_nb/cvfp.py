@@ -905,7 +905,8 @@ def write_alpha_progression(batch_dir, window: int = 4) -> dict:
 # %% ../nbs/12_cvfp.ipynb #cc6fd12f
 def _family_overrides(m: re.Match, cfg, steps) -> dict:
     if int(m[2]) <= 0: raise ConfigError(f'variant {m[0]!r}: the sample size must be positive')
-    return {'extra.algorithm': m[1], 'extra.samples': int(m[2])}
+    # 10 Phase 2 epochs, evaluated after each (best reported): small samples get enough steps, large ones stay cheap
+    return {'extra.algorithm': m[1], 'extra.samples': int(m[2]), 'extra.phase2_epochs': 10}
 
 CVFP_STUDY = register_study(Study(
     name='cvfp',
