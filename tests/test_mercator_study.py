@@ -1,0 +1,219 @@
+"""The Mercator study from outside: `oelm run mercator` end to end on tiny settings, its flags and plan, and HF mode
+on tiny Qwen2 checkpoints written here (no download).
+
+The batch asks for two students only; the runner must add their upstream `teacher` run itself and run it first.
+Checks compare against independent sources: the teacher's own config.json (KV widths, layer count), the layer
+map recomputed from those, perplexity as exp(loss), the safetensors files on disk.
+"""
+from __future__ import annotations
+import html, json, math, os, re, shutil, subprocess, sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from oelm_nb.core import ConfigError
+from oelm_nb.experiment import get_study, resolve_spec
+from oelm_nb.mercator import (cosine_stage, layer_map, mercator_plan, mercator_run, resolve_checkpoint, resolve_dataset,
+                              DistillSettings, load_texts)
+
+OELM = Path(sys.executable).with_name('oelm')
+TINY = ['--steps', '6', '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40', '--set', 'data.vocab_size=300',
+        '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+STUDENTS = ('mercator-b0.01', 'no-distill')
+
+
+def oelm(*args: str, timeout: int = 420) -> subprocess.CompletedProcess:
+    cmd = [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def read_json(p) -> dict: return json.loads(Path(p).read_text())
+
+
+def html_text(path: Path) -> str:
+    t = Path(path).read_text(encoding='utf-8', errors='replace')
+    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
+    t = re.sub(r'<img[^>]*>', ' ', t)
+    return re.sub(r'\s+', ' ', html.unescape(re.sub(r'<[^>]+>', ' ', t)))
+
+
+@pytest.fixture(scope='module')
+def batch(tmp_path_factory):
+    "`oelm run mercator --variants mercator-b0.01,no-distill --jobs 2` on tiny data: (batch dir, completed process)."
+    out = tmp_path_factory.mktemp('mercator') / 'batch'
+    return out, oelm('run', 'mercator', '--variants', ','.join(STUDENTS), '--jobs', '2', '--out', str(out), *TINY)
+
+
+def test_batch_runs_teacher_first_and_students_distil_from_it(batch):
+    out, res = batch
+    assert res.returncode == 0, f'oelm run failed ({res.returncode}):\n{res.stdout}\n{res.stderr}'
+    assert "added upstream run(s) ['teacher']" in res.stdout
+    assert '3/3 runs completed' in res.stdout
+    log = res.stdout
+    assert log.index('teacher-s0: completed') < min(log.index(f'{v}-s0: started') for v in STUDENTS)
+    t_dir = out / 'teacher-s0'
+    t_cfg, t_sum = read_json(t_dir / 'config.json'), read_json(t_dir / 'summary.json')
+    assert t_sum['status'] == 'completed' and t_sum['role'] == 'teacher'
+    assert (t_dir / 'checkpoints' / 'final' / 'model.safetensors').is_file()
+    tm = t_cfg['model']
+    for v in STUDENTS:
+        d = out / f'{v}-s0'
+        cfg, s = read_json(d / 'config.json'), read_json(d / 'summary.json')
+        sm = cfg['model']
+        # a smaller student of the same family: fewer layers, heads and a narrower KV width than the teacher
+        assert sm['n_layer'] < tm['n_layer'] and sm['n_head'] < tm['n_head'] and sm['n_embd'] < tm['n_embd']
+        assert sm['n_embd'] // sm['n_head'] != tm['n_embd'] // tm['n_head']  # head dims differ too
+        assert Path(s['teacher_dir']) == t_dir.resolve()
+        assert Path(s['teacher_checkpoint']).parent == (t_dir / 'checkpoints').resolve()
+        assert s['teacher_kv'] == [tm['n_layer'], tm['n_embd']] and s['student_kv'] == [sm['n_layer'], sm['n_embd']]
+        assert s['layer_map'] == layer_map(tm['n_layer'], sm['n_layer'])
+        assert s['teacher_val_ppl'] == pytest.approx(t_sum['best_val_ppl'])
+        # summary fields
+        assert s['status'] == 'completed' and s['role'] == 'student' and s['steps'] == 6 and s['variant'] == v
+        assert s['best_val_ppl'] == pytest.approx(math.exp(s['best_val_loss']), rel=1e-9)
+        assert s['val_loss'] == s['final_val_loss']
+        for k in ('final_kv_cos', 'final_kv_cos_centered'): assert -1.0 <= s[k] <= 1.0
+        assert s['kv_stage'] == cosine_stage(s['final_kv_cos']) and s['kv_stage_centered'] == cosine_stage(s['final_kv_cos_centered'])
+        assert len(s['kv_cos_centered_layers']) == sm['n_layer']
+        assert s['distill'] == (v != 'no-distill')
+        # optimizer settings: separate learning rates, gradient accumulation
+        assert cfg['train']['grad_accum'] > 1 and s['lr_projector'] != s['lr_student'] == cfg['train']['lr']
+        # projector and student saved as safetensors in the final checkpoint; projector widths teacher -> student
+        final = d / 'checkpoints' / 'final'
+        proj = load_file(str(final / 'projector.safetensors'))
+        for kind in 'kv':
+            for i in range(sm['n_layer']):
+                assert proj[f'{kind}.{i}.net.1.weight'].shape[1] == tm['n_embd']
+                assert proj[f'{kind}.{i}.net.4.weight'].shape[0] == sm['n_embd']
+        assert (final / 'model.safetensors').is_file()
+        # the cosine is logged during training and at every evaluation
+        recs = [json.loads(l) for l in (d / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+        assert [r['step'] for r in recs] == list(range(1, 7))
+        assert all('kv_cos' in r and 'kv_cos_centered' in r and 'kv_stage' in r for r in recs)
+        assert recs[-1]['val_kv_cos'] == pytest.approx(s['final_kv_cos'])
+
+
+def test_students_start_from_the_same_weights(batch):
+    out, res = batch
+    assert res.returncode == 0
+    from oelm_nb.experiment import RunSpec
+    from oelm_nb.model import GPT
+    a, b = (GPT(RunSpec.load_json(out / f'{v}-s0' / 'config.json').model, init_seed=0) for v in STUDENTS)
+    # same config and init seed -> same initial student; the trained students differ (one was distilled)
+    s0 = {k: v for k, v in GPT(RunSpec.load_json(out / f'{STUDENTS[0]}-s0' / 'config.json').model, init_seed=0).state_dict().items()}
+    assert all(torch.equal(s0[k], v) for k, v in a.state_dict().items())
+    w = [load_file(str(out / f'{v}-s0' / 'checkpoints' / 'final' / 'model.safetensors')) for v in STUDENTS]
+    assert any(not torch.equal(w[0][k], w[1][k]) for k in w[0] if 'k_proj' in k)
+
+
+def test_report_shows_cosines_ppl_and_verdict(batch):
+    out, res = batch
+    assert res.returncode == 0
+    text = html_text(out / 'report.html')
+    sums = {v: read_json(out / f'{v}-s0' / 'summary.json') for v in STUDENTS}
+    assert 'Did distillation help?' in text and 'MSE against Mercator' in text
+    assert re.search(r'Distillation (helped|did not help)', text)
+    helped = sums['mercator-b0.01']['best_val_ppl'] < sums['no-distill']['best_val_ppl']
+    assert ('Distillation helped' in text) == helped
+    for v, s in sums.items():
+        assert f"{s['best_val_ppl']:.3f}" in text and f"{s['final_kv_cos']:.3f}" in text and f"{s['final_kv_cos_centered']:.3f}" in text
+    assert 'centered KV cosine' in text and 'Excellent' in text  # stage bands are labelled
+
+
+def test_report_renders_when_a_run_failed(batch, tmp_path):
+    out, res = batch
+    assert res.returncode == 0
+    dst = tmp_path / 'copy'
+    shutil.copytree(out, dst, symlinks=True, ignore=shutil.ignore_patterns('checkpoints', 'report.*'))
+    (dst / 'no-distill-s0' / 'summary.json').write_text(json.dumps({'status': 'failed', 'error': 'RuntimeError: boom'}))
+    r = oelm('report', str(dst))
+    assert r.returncode == 0, r.stderr
+    text = html_text(dst / 'report.html')
+    assert 'RuntimeError: boom' in text and 'Cannot say whether distillation helped' in text
+
+
+# ---------------------------------------------------------------- flags and plan
+def test_plan_flags():
+    st = get_study('mercator')
+    assert st.plan is mercator_plan and set(st.options) >= {'teacher', 'student', 'dataset', 'teacher_run'}
+    assert mercator_plan({}, 'tiny') == (None, {})
+    with pytest.raises(ConfigError, match='--teacher DIR and --student DIR'): mercator_plan({'teacher': '/x'}, 'tiny')
+    with pytest.raises(ConfigError, match='--data FILE'): mercator_plan({'dataset': 'a.jsonl'}, 'tiny')
+    with pytest.raises(ConfigError, match='no config.json'): mercator_plan({'teacher_run': '/no/such/run'}, 'tiny')
+
+
+def test_missing_dir_and_offline_hub_names_fail_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    with pytest.raises(ConfigError, match=r"--teacher '/no/such/dir' is not a local directory.*huggingface-cli download"):
+        resolve_checkpoint('/no/such/dir')
+    with pytest.raises(ConfigError, match=r'not in the local Hugging Face cache.*--local-dir DIR'):
+        resolve_checkpoint('Qwen/Qwen2.5-1.5B-Instruct-not-cached', '--teacher')
+    empty = tmp_path / 'empty'; empty.mkdir()
+    with pytest.raises(ConfigError, match='--student .*no config.json'): resolve_checkpoint(str(empty), '--student')
+    with pytest.raises(ConfigError, match='--repo-type dataset openai/gsm8k-not-cached'): resolve_dataset('openai/gsm8k-not-cached:main')
+
+
+def test_cli_teacher_flag_errors_before_anything_runs(tmp_path):
+    out = tmp_path / 'b'
+    r = oelm('run', 'mercator', '--teacher', str(tmp_path / 'missing'), '--student', str(tmp_path / 'missing2'), '--out', str(out), timeout=120)
+    assert r.returncode == 2 and 'oelm run: error: --teacher' in r.stderr and 'huggingface-cli download' in r.stderr
+    assert not out.exists()
+    r = oelm('run', 'mercator', '--dataset', 'openai/gsm8k:main', '--out', str(out), timeout=120)
+    assert r.returncode == 2 and '--data FILE' in r.stderr
+
+
+# ---------------------------------------------------------------- HF mode on tiny Qwen2 checkpoints
+def _tokenizer(texts):
+    from tokenizers import Tokenizer, models, trainers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.BPE(unk_token='<unk>'))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel()
+    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=['<pad>', '<unk>'], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token='<pad>', unk_token='<unk>')
+
+
+def _qwen2(path, n_layers, n_heads, n_kv, head_dim, hidden, vocab, seed):
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layers,
+                                   num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim, max_position_embeddings=128)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def test_hf_mode_teacher_and_student_runs(tmp_path):
+    pytest.importorskip('transformers')
+    recs = [{'question': f'Tom has {i} apples and buys {i + 3} more. How many now?', 'answer': f'{i} + {i + 3} = {2 * i + 3}. #### {2 * i + 3}'}
+            for i in range(60)]
+    data = tmp_path / 'gsm8k_like.jsonl'
+    data.write_text(''.join(json.dumps(r) + '\n' for r in recs))
+    tok = _tokenizer([r['question'] + '\n' + r['answer'] for r in recs])
+    t_dir, s_dir = tmp_path / 'teacher', tmp_path / 'student'
+    V = len(tok) + 16  # embeddings padded beyond the tokenizer, as in Qwen2.5
+    _qwen2(t_dir, 3, 4, 2, 16, 64, V, 0); _qwen2(s_dir, 2, 2, 1, 8, 32, V, 1)
+    tok.save_pretrained(t_dir); tok.save_pretrained(s_dir)
+    train, val = load_texts(str(data))
+    assert len(train) + len(val) == 60 and len(val) == 3 and '####' in train[0]
+
+    _, planned = mercator_plan({'teacher': str(t_dir), 'student': str(s_dir), 'dataset': str(data)}, 'tiny')
+    assert planned['extra.teacher_hf'] == str(t_dir.resolve()) and planned['train.lr'] == 5e-5 and planned['extra.lr_projector'] == 1e-3
+    assert planned['train.grad_accum'] == 16 and planned['train.batch_size'] == 2
+    tiny = {**planned, 'train.grad_accum': 2, 'train.eval_batches': 2, 'train.progress': False, 'train.device': 'cpu'}
+    batch = tmp_path / 'batch'
+    t_spec = resolve_spec('mercator', 'teacher', 'tiny', 0, 3, str(batch / 'teacher-s0'), 'synthetic', None, tiny)
+    t_sum = mercator_run(t_spec)
+    assert t_sum['status'] == 'completed' and t_sum['role'] == 'teacher' and math.isfinite(t_sum['best_val_ppl'])
+    assert t_sum['teacher_kv'] == [3, 32] and t_sum['student_kv'] == [2, 8] and t_sum['layer_map'] == [0, 2]
+
+    spec = resolve_spec('mercator', 'mercator-b0.01', 'tiny', 0, 3, str(batch / 'mercator-b0.01-s0'), 'synthetic', None, tiny)
+    s = mercator_run(spec)
+    assert s['status'] == 'completed' and s['steps'] == 3 and s['teacher_val_ppl'] == pytest.approx(t_sum['best_val_ppl'])
+    assert -1 <= s['final_kv_cos'] <= 1 and -1 <= s['final_kv_cos_centered'] <= 1 and math.isfinite(s['best_val_ppl'])
+    proj = load_file(str(batch / 'mercator-b0.01-s0' / 'checkpoints' / 'final' / 'projector.safetensors'))
+    assert proj['k.0.net.1.weight'].shape[1] == 32 and proj['v.1.net.4.weight'].shape[0] == 8
+    from oelm_nb.mercator import load_causal_lm
+    student = load_causal_lm(batch / 'mercator-b0.01-s0' / 'student')  # saved with save_pretrained
+    before = load_causal_lm(s_dir)
+    assert any(not torch.equal(a, b) for (n, a), (_, b) in zip(student.state_dict().items(), before.state_dict().items()) if 'k_proj' in n)
+    assert DistillSettings.of(spec).hf
