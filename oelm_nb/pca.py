@@ -288,6 +288,7 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
     return model
 
 # %% ../nbs/11_pca.ipynb #eeca1ea6
+import time
 from .experiment import RunSpec, Study, register_study, train_run, read_json, write_json
 from .model import PRESETS
 from .core import pick_device, autocast_dtype
@@ -395,7 +396,7 @@ def pca_run(spec: RunSpec, # a run of the 'pca' study (resolve_spec('pca', varia
            ) -> dict:
     "Run one variant of the PCA study into `spec.out_dir` and write its `summary.json`; returns the summary."
     method, k = _check_extra(spec)
-    run_dir = Path(spec.out_dir)
+    run_dir, t0 = Path(spec.out_dir), time.time()
     if method in ('baseline', 'lowrank'):
         summary = train_run(spec, progress)
         model = load_weights(GPT(spec.model, init_seed=0), best_checkpoint(run_dir), 'model')
@@ -417,10 +418,11 @@ def pca_run(spec: RunSpec, # a run of the 'pca' study (resolve_spec('pca', varia
         extra = {'baseline_checkpoint': str(ckpt.resolve()), 'explained_variance_k': float(pca.explained_variance_ratio[:k].sum()),
                  'pca_val_loss': ev0['val_loss'], 'pca_val_ppl': ev0['val_ppl']}
         if method == 'pca':
+            model.requires_grad_(False)  # evaluated only: nothing is trained
             rep = param_report(model)
             summary = {'status': 'completed', 'steps': 0, 'tokens': 0, 'final_val_loss': ev0['val_loss'], 'final_val_ppl': ev0['val_ppl'],
                        'best_val_loss': ev0['val_loss'], 'best_val_ppl': ev0['val_ppl'], 'best_step': 0, 'recall_acc': ev0.get('recall_acc'),
-                       'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}}
+                       'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}, 'wall_time_s': time.time() - t0}
         else:
             x = spec.extra
             apply_lora(model, tuple(x.get('lora_targets', LORA_TARGETS)), x.get('lora_rank', 32), x.get('lora_alpha', 64), x.get('lora_dropout', 0.1))

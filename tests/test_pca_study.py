@@ -115,7 +115,8 @@ def test_pca_runs_start_from_the_baseline_checkpoint(batch):
     assert abs(full['val_loss'] - base['best_val_loss']) < 1e-4 and abs(full['explained_variance_k'] - 1) < 1e-9
     assert Path(full['baseline_checkpoint']).parent == (out / 'baseline-s0' / 'checkpoints').resolve()
     # the PCA table recomputed with NumPy from the checkpoint the run names (columns up to sign)
-    E = load_file(str(Path(full['baseline_checkpoint']) / 'model.safetensors'))['transformer.tok.wte.weight'].astype(np.float64)
+    w = load_file(str(Path(full['baseline_checkpoint']) / 'model.safetensors'))
+    E = w.get('transformer.tok.wte.weight', w.get('lm_head.weight')).astype(np.float64)  # tied: safetensors keeps one name
     Ec = E - E.mean(0)
     _, S, Vt = np.linalg.svd(Ec, full_matrices=False)
     codes = Ec @ Vt[:16].T
@@ -143,7 +144,7 @@ def test_parameter_accounting_of_the_runs(batch):
     r, k = cfg['lora_rank'], 16
     lora = r * (V + k) + r * (k + D) + r * (D + k) + L * (4 * r * (D + D) + r * (D + 4 * D) + r * (4 * D + D))
     assert s['pca-lora-k16']['params_lora'] == s['pca-lora-k16']['params']['trainable'] == lora
-    assert s['pca-k16']['params']['trainable'] == s['pca-k16']['params']['total']  # nothing frozen; it simply is not trained
+    assert s['pca-k16']['params']['trainable'] == 0 and s['pca-k16']['params']['frozen'] == s['pca-k16']['params']['total']  # evaluated only
 
 
 def test_report_shows_the_table_and_the_verdict(batch):
