@@ -96,16 +96,16 @@ def test_batch_runs_teacher_first_and_students_distil_from_it(batch):
 
 
 def test_students_start_from_the_same_weights(batch):
+    "Paired comparison: step 1's losses are computed before any update, so equal initial weights, projector and batches give equal values."
     out, res = batch
     assert res.returncode == 0
-    from oelm_nb.experiment import RunSpec
-    from oelm_nb.model import GPT
-    a, b = (GPT(RunSpec.load_json(out / f'{v}-s0' / 'config.json').model, init_seed=0) for v in STUDENTS)
-    # same config and init seed -> same initial student; the trained students differ (one was distilled)
-    s0 = {k: v for k, v in GPT(RunSpec.load_json(out / f'{STUDENTS[0]}-s0' / 'config.json').model, init_seed=0).state_dict().items()}
-    assert all(torch.equal(s0[k], v) for k, v in a.state_dict().items())
+    first = {v: json.loads((out / f'{v}-s0' / 'metrics.jsonl').read_text().splitlines()[0]) for v in STUDENTS}
+    a, b = (first[v] for v in STUDENTS)
+    assert a['step'] == b['step'] == 1
+    assert a['ce_loss'] == pytest.approx(b['ce_loss'], rel=1e-6)
+    assert a['kv_loss'] == pytest.approx(b['kv_loss'], rel=1e-6)  # both score with Mercator beta 0.01; no-distill only detaches the student
     w = [load_file(str(out / f'{v}-s0' / 'checkpoints' / 'final' / 'model.safetensors')) for v in STUDENTS]
-    assert any(not torch.equal(w[0][k], w[1][k]) for k in w[0] if 'k_proj' in k)
+    assert any(not torch.equal(w[0][k], w[1][k]) for k in w[0] if 'k_proj' in k)  # ...and the distilled one then trained differently
 
 
 def test_report_shows_cosines_ppl_and_verdict(batch):
