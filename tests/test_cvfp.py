@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from oelm_nb.core import ConfigError
 from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, alpha_progression, build_context_cache,
-                          combined_loss, convergence_verdict, cvfp_config, cvfp_loss, effective_rank, fit_power_law, identity_check,
-                          logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, phase2_batch_size, train_phase1, train_phase2)
+                          combined_loss, convergence_verdict, cvfp_config, cvfp_convergence_check, cvfp_loss, effective_rank, fit_power_law,
+                          identity_check, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, phase2_batch_size, train_phase1, train_phase2,
+                          val_effective_rank)
 
 SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)
 
@@ -133,6 +134,60 @@ def test_phase1_reports_counts_and_per_layer_outputs():
     assert 0 <= r.converged_tokens <= r.n_tokens == 40
     assert r.convergence_rate == r.converged_tokens / 40
     assert all('converged' in h and 'rate' in h for h in r.history[1:])
+
+
+@pytest.mark.parametrize('patience', [0, 1, 2])
+def test_early_stopping_on_validation_effective_rank(patience):
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=2, phase1_max_iterations=8, phase1_val_patience=patience, convergence_target=1.0)
+    ids, val = markov_tokens(120, cfg.vocab_size), markov_tokens(60, cfg.vocab_size, seed=7)
+    model = CVFPModel(cfg)
+    r = train_phase1(model, ids, val_ids=val)
+    vals = [h['val_effective_rank'] for h in r.history[1:]]
+    assert len(vals) == r.iterations - 1 and 'val_effective_rank' not in r.history[0]
+    # the rule, replayed on the recorded values: stop once `patience` iterations in a row did not beat the best so far
+    expected, best, since = cfg.phase1_max_iterations, -1.0, 0
+    for it, v in enumerate(vals, start=1):
+        since = 0 if v > best else since + 1
+        best = max(best, v)
+        if patience and it + 1 >= cfg.phase1_min_iterations and since >= patience: expected = it + 1; break
+    assert r.iterations == expected
+    assert r.stop_reason == ('val_effective_rank' if expected < cfg.phase1_max_iterations else 'max_iterations')
+    # the number the loop decided on is the final evaluation's number
+    assert val_effective_rank(model, val).percent == vals[-1]
+    assert val_effective_rank(model, val).percent == effective_rank(build_context_cache(model, val)[-1]).percent
+
+
+def test_val_early_stopping_does_not_change_training():
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=5, phase1_max_iterations=5, phase1_val_patience=0)
+    ids = markov_tokens(80, cfg.vocab_size)
+    a, b = train_phase1(CVFPModel(cfg), ids), train_phase1(CVFPModel(cfg), ids, val_ids=markov_tokens(30, cfg.vocab_size, seed=3))
+    assert torch.equal(a.contexts, b.contexts) and a.seconds > 0 and b.seconds > 0
+
+
+def test_convergence_check_counts_from_repeated_passes():
+    cfg = CVFPConfig(**SMALL, convergence_threshold=1e-3)
+    model = CVFPModel(cfg)
+    ids = markov_tokens(50, cfg.vocab_size)
+    chk = cvfp_convergence_check(model, ids, passes=4)
+    # independent replay: four sequential passes, each starting from the previous pass's last context
+    start, ctxs = torch.zeros(1, cfg.context_dim), []
+    for _ in range(4):
+        c = build_context_cache(model, ids, start)[-1]; ctxs.append(c); start = c[-1:]
+    diffs = [F.mse_loss(b, a).item() for a, b in zip(ctxs, ctxs[1:])]
+    assert chk.losses == pytest.approx(diffs, rel=1e-12, abs=1e-15) and chk.final_diff == chk.losses[-1]
+    assert chk.converged_tokens == int((((ctxs[-1] - ctxs[-2]) ** 2).mean(-1) < 1e-3).sum()) and chk.n_tokens == 50
+    assert chk.passed == (chk.final_diff < 1e-3 and chk.verdict.verdict in ('CONVERGED', 'CONVERGING'))
+    with pytest.raises(ValueError, match='passes=2'): cvfp_convergence_check(model, ids, passes=2)
+
+
+def test_phase2_evaluates_every_epoch_and_keeps_the_best():
+    cfg = CVFPConfig(**SMALL, phase2_epochs=3, phase2_batch_size=25, phase2_lr=3e-3)
+    model = CVFPModel(cfg)
+    p2 = train_phase2(model, markov_tokens(101, cfg.vocab_size), val_ids=markov_tokens(40, cfg.vocab_size, seed=1))
+    ev = [r for r in p2.records if 'val_ppl' in r]
+    assert [r['step'] for r in ev] == [4, 8, 12] and p2.steps == 12  # 100 positions / 25 = 4 steps per epoch
+    assert p2.best_val_ppl == min(r['val_ppl'] for r in ev) and p2.val_ppl == ev[-1]['val_ppl']
+    assert all(r['val_ppl'] == pytest.approx(math.exp(r['val_loss'])) for r in ev)
 
 
 # ---------------------------------------------------------------- checks

@@ -1,0 +1,288 @@
+"""The CVFP study from outside: `oelm run cvfp` end to end on tiny data, its flags and plan, embeddings from a path.
+
+One batch (the embedding GPT, the Phase 1 speed run, MCDL on 2 and 4 stories with sequential Phase 1, and a run asking
+for more stories than the corpus has) is built once per pytest session (shared between xdist workers through a file
+lock) and only read. Expected values come from independent sources: token counts from the prepared token file, the
+embedding from the GPT checkpoint's tensors, perplexity as exp(loss) from the metrics log, the power-law fit from
+np.polyfit on the summaries, the checks' verdicts from their stated rules.
+"""
+from __future__ import annotations
+import fcntl, html, json, math, os, re, subprocess, sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+OELM = Path(sys.executable).with_name('oelm')
+TINY = ['--steps', '4', '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40', '--set', 'data.vocab_size=300',
+        '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+SMALL_CVFP = ['--set', 'extra.val_tokens=600', '--set', 'extra.check_tokens=200', '--set', 'extra.phase1_max_iterations=3',
+              '--set', 'extra.phase2_epochs=2', '--set', 'extra.tokens=400']
+SAMPLES = (2, 4)
+TOO_MANY = 1000  # stories: the tiny corpus has 300, so this run fails
+TIMEOUT = 420
+
+
+def oelm(*args: str) -> list[str]:
+    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
+
+
+def read_json(p):
+    return json.loads(Path(p).read_text())
+
+
+def read_jsonl(p):
+    return [json.loads(l) for l in Path(p).read_text().splitlines() if l.strip()]
+
+
+def html_text(path: Path) -> str:
+    t = Path(path).read_text(encoding='utf-8', errors='replace')
+    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
+    t = re.sub(r'<img[^>]*>', ' ', t)
+    return re.sub(r'\s+', ' ', html.unescape(re.sub(r'<[^>]+>', ' ', t)))
+
+
+# ====================================================================== the shared batch
+@pytest.fixture(scope='module')
+def batch(tmp_path_factory):
+    "`oelm run cvfp --algorithms MCDL --samples 2 4 1000 --sequential --jobs 2` on tiny data: (dir, rc, stdout, stderr)."
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get('PYTEST_XDIST_WORKER'): root = root.parent
+    out, done = root / 'oelm-cvfp-batch', root / 'oelm-cvfp-batch.result.json'
+    with open(root / 'oelm-cvfp-batch.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            res = subprocess.run(oelm('run', 'cvfp', '--algorithms', 'MCDL', '--samples', *map(str, (*SAMPLES, TOO_MANY)), '--sequential',
+                                      '--jobs', '2', '--out', str(out), *TINY, *SMALL_CVFP), capture_output=True, text=True, timeout=TIMEOUT)
+            done.write_text(json.dumps({'rc': res.returncode, 'stdout': res.stdout, 'stderr': res.stderr}))
+        r = read_json(done)
+    return out, r['rc'], r['stdout'], r['stderr']
+
+
+def story_tokens(data_dir: Path, n: int) -> int:
+    "Tokens in the first n stories of the prepared training split, counted from the token file."
+    meta = read_json(data_dir / 'meta.json')
+    toks = np.fromfile(data_dir / 'train.bin', dtype=np.dtype(meta['dtype']))
+    return int(np.flatnonzero(toks == meta['eot_id'])[n - 1] + 1)
+
+
+def test_batch_runs_and_failure(batch):
+    out, rc, stdout, stderr = batch
+    assert rc == 1, f'exactly the oversized run must fail:\n{stdout}\n{stderr}'
+    assert f'MCDL-n{TOO_MANY}-s0' in stderr and 'FAILED' in stderr
+    names = ['embed-s0', 'phase1-speed-s0', *[f'MCDL-n{n}-s0' for n in (*SAMPLES, TOO_MANY)]]
+    for name in names: assert (out / name / 'summary.json').is_file(), name
+    b = read_json(out / 'batch.json')
+    assert b['study'] == 'cvfp' and sorted(b['variants']) == sorted(n[:-3] for n in names) and b['seeds'] == [0]
+    assert b['options']['sequential'] is True and b['options']['algorithms'] == ['MCDL']
+    assert b['overrides']['extra.parallel'] is False
+    bad = read_json(out / f'MCDL-n{TOO_MANY}-s0' / 'summary.json')
+    assert bad['status'] == 'failed' and f'{TOO_MANY} stories asked for, the split has 300' in bad['error']
+
+
+def test_embedding_is_the_gpt_token_table(batch):
+    from safetensors.torch import load_file
+    out = batch[0]
+    s = read_json(out / 'embed-s0' / 'summary.json')
+    assert s['status'] == 'completed' and s['trained'] is True and s['steps'] == 4
+    emb = load_file(str(out / 'embed-s0' / 'embedding.safetensors'))['embedding']
+    ck = load_file(str(out / 'embed-s0' / 'checkpoints' / 'best' / 'model.safetensors'))
+    table = ck.get('transformer.tok.wte.weight', ck.get('lm_head.weight'))  # tied: saved once
+    assert torch.equal(emb, table) and (s['embedding_rows'], s['embedding_dim']) == tuple(table.shape) == (300, 64)
+
+
+def test_cvfp_run_summaries(batch):
+    out = batch[0]
+    data_dir = out / 'data'
+    for n in SAMPLES:
+        d = out / f'MCDL-n{n}-s0'
+        s = read_json(d / 'summary.json')
+        assert s['status'] == 'completed' and (s['algorithm'], s['samples']) == ('MCDL', n)
+        assert s['parallel'] is False  # --sequential reached the run
+        assert read_json(d / 'config.json')['extra']['parallel'] is False
+        assert s['train_tokens'] == story_tokens(data_dir, n)
+        assert (s['val_tokens'], s['check_tokens']) == (600, 200)
+        for part in ('train', 'val'):
+            tot = s['train_tokens'] if part == 'train' else s['check_tokens']
+            assert 0 <= s[f'{part}_converged_tokens'] <= tot
+            assert s[f'{part}_convergence_rate'] == pytest.approx(100 * s[f'{part}_converged_tokens'] / tot)
+            assert s[f'{part}_er_dim'] == 64 and 1 <= s[f'{part}_er'] <= 64
+            assert s[f'{part}_er_percent'] == pytest.approx(100 * s[f'{part}_er'] / 64)
+        assert 2 <= s['iterations'] <= s['max_iterations'] == 3
+        hist = read_jsonl(d / 'phase1.jsonl')
+        assert [h['iteration'] for h in hist] == list(range(s['iterations']))
+        assert s['cvfp_loss'] == pytest.approx(hist[-1]['cvfp']) and s['cvfp_loss'] >= 0
+        assert all('val_effective_rank' in h for h in hist[1:])
+        # the checks follow their stated rules
+        c = s['checks']
+        i = c['identity']
+        assert i['passed'] == (i['zero_diff'] > 0.1 and (i['token_similarity'] is None or i['token_similarity'] < 0.95))
+        v = c['convergence']
+        assert v['final_diff'] == s['final_diff'] == v['losses'][-1] and len(v['losses']) == 5
+        assert v['passed'] == (v['final_diff'] < 1e-3 and v['verdict'] in ('CONVERGED', 'CONVERGING'))
+        assert v['verdict'] in ('CONVERGED', 'CONVERGING', 'DIVERGING', 'UNSTABLE')
+        assert c['effective_rank']['passed'] == (s['val_er_percent'] >= 30.0)
+        # Phase 2: one evaluation per epoch; PPL = exp(loss); the best is the lowest
+        recs = read_jsonl(d / 'metrics.jsonl')
+        ev = [r for r in recs if 'val_ppl' in r]
+        assert len(ev) == 2 and len(recs) == s['phase2_steps'] == 2 * math.ceil((s['train_tokens'] - 1) / s['phase2_batch_size'])
+        assert all(r['val_ppl'] == pytest.approx(math.exp(r['val_loss'])) for r in ev)
+        assert s['best_val_ppl'] == pytest.approx(min(r['val_ppl'] for r in ev)) and s['final_val_ppl'] == pytest.approx(ev[-1]['val_ppl'])
+        assert 1 < s['best_val_ppl'] < 1000 and 0 <= s['val_acc'] <= 1
+        for k in ('phase1_s', 'phase1_train_s', 'checks_s', 'phase2_s', 'wall_time_s'): assert s[k] > 0
+        assert (d / 'model.safetensors').is_file()
+
+
+def test_speed_run(batch):
+    out = batch[0]
+    s = read_json(out / 'phase1-speed-s0' / 'summary.json')
+    assert s['status'] == 'completed' and s['tokens'] == 400
+    assert s['sequential_iterations'] == s['parallel_iterations'] == s['iterations'] == 3
+    assert s['speedup'] == pytest.approx(s['sequential_s'] / s['parallel_s'])
+    for v in ('sequential', 'parallel'):
+        assert 1 <= s[f'{v}_train_er'] <= s['er_dim'] and 1 <= s[f'{v}_val_er'] <= s['er_dim']
+        assert s[f'{v}_val_er_percent'] == pytest.approx(100 * s[f'{v}_val_er'] / s['er_dim'])
+        assert len(read_jsonl(out / 'phase1-speed-s0' / f'phase1_{v}.jsonl')) == 3
+
+
+def test_alpha_progression_from_the_runs(batch):
+    out = batch[0]
+    a = read_json(out / 'alpha_progression.json')
+    assert list(a['algorithms']) == ['MCDL']
+    m = a['algorithms']['MCDL']
+    sums = [read_json(out / f'MCDL-n{n}-s0' / 'summary.json') for n in SAMPLES]
+    assert [p['samples'] for p in m['points']] == list(SAMPLES)  # the failed run is left out
+    toks, ppl = np.log([s['train_tokens'] for s in sums]), np.log([s['best_val_ppl'] for s in sums])
+    slope, icpt = np.polyfit(toks, ppl, 1)
+    assert m['overall']['alpha'] == pytest.approx(slope, rel=1e-9) and m['overall']['A'] == pytest.approx(math.exp(icpt), rel=1e-9)
+    assert m['overall']['r2'] == pytest.approx(1.0)  # two points lie on their line
+    assert m['progression']['window'] == 2 and len(m['progression']['windows']) == 1
+
+
+def test_report_states_the_numbers(batch):
+    out = batch[0]
+    t = html_text(out / 'report.html')
+    assert f'MCDL-n{TOO_MANY}' in t and 'did not complete' in t and 'failed' in t
+    sp = read_json(out / 'phase1-speed-s0' / 'summary.json')
+    assert f"parallel Phase 1 is {sp['speedup']:.1f}x faster" in t
+    d = sp['er_dim']
+    for v in ('sequential', 'parallel'):
+        assert f"{sp[f'{v}_train_er']:.2f}/{d} ({sp[f'{v}_train_er_percent']:.1f}%)" in t
+        assert f"{sp[f'{v}_val_er']:.2f}/{d} ({sp[f'{v}_val_er_percent']:.1f}%)" in t
+    for n in SAMPLES:
+        s = read_json(out / f'MCDL-n{n}-s0' / 'summary.json')
+        assert f"{s['train_convergence_rate']:.1f}% ({s['train_converged_tokens']:,}/{s['train_tokens']:,} tokens)" in t
+        assert f"{s['val_convergence_rate']:.1f}% ({s['val_converged_tokens']:,}/{s['check_tokens']:,} tokens)" in t
+        assert f"{s['train_er']:.2f}/64 ({s['train_er_percent']:.1f}%)" in t and f"{s['val_er']:.2f}/64 ({s['val_er_percent']:.1f}%)" in t
+        assert f"{s['best_val_ppl']:.2f}" in t and f"{s['iterations']}/3" in t
+    a = read_json(out / 'alpha_progression.json')['algorithms']['MCDL']['overall']
+    assert f"alpha {a['alpha']:.5f} (R^2 {a['r2']:.4f})" in t
+    assert 'PASS' in t or 'FAIL' in t
+    assert re.search(r'identity passed in \d+ of 2 runs', t)
+
+
+# ====================================================================== flags and plan (no training)
+def parse(*argv):
+    from oelm_nb.cli import build_parser
+    return build_parser().parse_args(['run', 'cvfp', *argv])
+
+
+def test_flags_reach_the_plan_and_the_runs():
+    from oelm_nb.cli import study_plan
+    from oelm_nb.experiment import get_study, resolve_spec
+    from oelm_nb.cvfp import run_settings
+    st = get_study('cvfp')
+    a = parse('--sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
+    assert a.opt_sequential is True and a.opt_parallel is None and a.concurrent is True  # the runner's flag is --concurrent here
+    variants, over, opts = study_plan(st, a)
+    assert variants == ['embed', 'phase1-speed', 'ODCM-n8', 'ODCM-n3']
+    assert over == {'extra.parallel': False, 'extra.dist_reg_weight': 0.5}
+    spec = resolve_spec('cvfp', 'ODCM-n3', 'tiny', 0, None, '/tmp/x/ODCM-n3-s0', 'synthetic', None, over)
+    s, cfg = run_settings(spec)
+    assert (cfg.parallel, cfg.dist_reg_weight, cfg.diversity, s['samples']) == (False, 0.5, 'ODCM', 3)
+    b = parse('--parallel')
+    assert b.opt_parallel is True and b.concurrent is False
+    assert study_plan(st, b)[1] == {'extra.parallel': True}
+    # defaults: both algorithms over init * 2^i, i < window + windows - 1
+    v, o, _ = study_plan(st, parse())
+    assert o == {} and sorted(v[2:]) == sorted(f'{alg}-n{n}' for alg in ('MCDL', 'ODCM') for n in (20, 40, 80, 160, 320))
+    v, _, _ = study_plan(st, parse('--init-samples', '5', '--multiplier', '3', '--window-size', '2', '--num-windows', '1', '--algorithms', 'MCDL'))
+    assert v[2:] == ['MCDL-n15', 'MCDL-n5']
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--algorithms', 'WMSE'], "unknown ['WMSE']"),
+    (['--parallel', '--sequential'], 'exclude each other'),
+    (['--samples', '0', '4'], 'must be positive'),
+    (['--samples', '4', '--init-samples', '2'], 'drop --init-samples'),
+    (['--dist-reg-weight', '1.5'], 'must be in [0, 1]'),
+    (['--embeddings', '/nonexistent/model'], 'no such file or directory'),
+    (['--variants', 'MCDL-n0'], 'must be positive'),
+    (['--variants', 'VICReg-n10'], "no variant 'VICReg-n10'"),
+])
+def test_bad_flags_are_clear_errors(argv, message, tmp_path, capsys):
+    from oelm_nb.cli import main
+    rc = main(['run', 'cvfp', '--out', str(tmp_path / 'b'), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and 'oelm run: error:' in err and message in err, err
+    assert not (tmp_path / 'b' / 'batch.json').exists()  # nothing ran
+
+
+# ====================================================================== embeddings from a path
+@pytest.fixture(scope='module')
+def tiny_data(tmp_path_factory):
+    from oelm_nb.core import DataConfig
+    from oelm_nb.data import prepare_data
+    return prepare_data(DataConfig(source='synthetic', vocab_size=300, n_train_stories=60, n_val_stories=10),
+                        tmp_path_factory.mktemp('cvfp-data'), progress=False)
+
+
+def test_first_stories_matches_the_token_file(tiny_data):
+    from oelm_nb.core import ConfigError
+    from oelm_nb.cvfp import first_stories
+    from oelm_nb.data import load_split
+    tr = load_split(tiny_data, 'train')
+    for n in (1, 7, 60):
+        ids = first_stories(tr.tokens, tr.meta['eot_id'], n)
+        assert len(ids) == story_tokens(Path(tiny_data), n) and int(ids[-1]) == tr.meta['eot_id']
+        assert int((ids == tr.meta['eot_id']).sum()) == n
+    with pytest.raises(ConfigError, match='61 stories asked for, the split has 60'): first_stories(tr.tokens, tr.meta['eot_id'], 61)
+
+
+def test_embed_run_takes_a_hf_style_directory(tiny_data, tmp_path):
+    from safetensors.torch import save_file, load_file
+    from oelm_nb.core import ConfigError
+    from oelm_nb.cvfp import run_cvfp, load_embedding
+    from oelm_nb.experiment import resolve_spec
+    hf = tmp_path / 'hf-model'; hf.mkdir()
+    w = torch.randn(300, 24)
+    save_file({'transformer.h.0.attn.c_attn.weight': torch.randn(24, 72), 'transformer.wte.weight': w, 'lm_head.weight': torch.zeros(300, 24)},
+              str(hf / 'model.safetensors'))
+    (hf / 'config.json').write_text('{"model_type": "gpt2"}')
+    spec = resolve_spec('cvfp', 'embed', 'tiny', 0, None, str(tmp_path / 'b' / 'embed-s0'), str(tiny_data), None, {'extra.embeddings': str(hf)})
+    s = run_cvfp(spec)
+    assert s['status'] == 'completed' and s['trained'] is False and 'transformer.wte.weight' in s['embedding_source']
+    assert torch.equal(load_file(str(tmp_path / 'b' / 'embed-s0' / 'embedding.safetensors'))['embedding'], w)
+    assert not (tmp_path / 'b' / 'embed-s0' / 'checkpoints').exists()  # nothing was trained
+    # a single .safetensors file works too; too few rows for the data's vocabulary is a clear error
+    save_file({'model.embed_tokens.weight': torch.randn(100, 8)}, str(tmp_path / 'small.safetensors'))
+    assert load_embedding(tmp_path / 'small.safetensors')[0].shape == (100, 8)
+    small = resolve_spec('cvfp', 'embed', 'tiny', 0, None, str(tmp_path / 'c' / 'embed-s0'), str(tiny_data), None,
+                         {'extra.embeddings': str(tmp_path / 'small.safetensors')})
+    with pytest.raises(ConfigError, match=r'shape \(100, 8\).*one row per token of the data \(300\)'): run_cvfp(small)
+    with pytest.raises(ConfigError, match='does not exist'): load_embedding(tmp_path / 'missing')
+    save_file({'w': torch.randn(3, 3)}, str(tmp_path / 'noemb.safetensors'))
+    with pytest.raises(ConfigError, match='no token-embedding tensor'): load_embedding(tmp_path / 'noemb.safetensors')
+
+
+def test_cvfp_run_needs_its_embed_run_and_valid_extra(tiny_data, tmp_path):
+    from oelm_nb.core import ConfigError
+    from oelm_nb.cvfp import run_cvfp
+    from oelm_nb.experiment import resolve_spec
+    spec = resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None)
+    with pytest.raises(ConfigError, match="'embed' run of seed 0 must complete first"): run_cvfp(spec)
+    bad = resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None, {'extra.contxt_dim': 8})
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['contxt_dim'\]"): run_cvfp(bad)
+    with pytest.raises(ConfigError, match='RunSpec.extra.check_tokens'):
+        run_cvfp(resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'x'), str(tiny_data), None, {'extra.check_tokens': 9999}))
