@@ -78,16 +78,18 @@ def _overrides(pairs) -> dict:
     return out
 
 def print_batch_summary(batch_dir):
-    "Per-variant results and hypothesis verdicts of a batch, as plain text."
+    "Per-variant results of a batch (and, for the Q/K freeze study, its hypothesis verdicts), as plain text."
     import pandas as pd
     from oelm_nb.report import load_runs, variant_table, hypotheses
+    from oelm_nb.experiment import read_json
+    study = (read_json(Path(batch_dir) / 'batch.json') or {}).get('study', 'qk-freeze')
     runs = load_runs(batch_dir)
     if runs.empty: return
     vt = variant_table(runs)
     cols = [c for c in ('completed', 'val_ppl_mean', 'val_ppl_std', 'recall_acc_mean', 'tokens_per_s_mean', 'params_trainable') if c in vt]
     with pd.option_context('display.width', 160, 'display.max_colwidth', 120, 'display.float_format', '{:.4g}'.format):
         print('\n' + vt[cols].to_string() + '\n')
-        h = hypotheses(runs)
+        h = hypotheses(runs) if study == 'qk-freeze' else pd.DataFrame()
         for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
     print()
 

@@ -105,7 +105,7 @@ def run_digest(run_dir: Path) -> str:
     if recs: parts.append(f"train loss {recs[0]['train_loss']:.3f} -> {recs[-1]['train_loss']:.3f}")
     if s.get('best_val_ppl') is not None: parts.append(f"best val PPL {s['best_val_ppl']:.3f}")
     if s.get('recall_acc') is not None: parts.append(f"recall acc {s['recall_acc']:.3f}")
-    return ', '.join(parts)
+    return ', '.join(parts) or 'no training metrics (see summary.json)'
 
 # %% ../nbs/07_runner.ipynb #5d56c1d1
 def schedule(jobs: list[Job], # jobs to run, in order of preference
