@@ -291,7 +291,7 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
 import time
 from .experiment import RunSpec, Study, register_study, train_run, read_json, write_json
 from .model import PRESETS
-from .core import pick_device, autocast_dtype
+from .core import pick_device, autocast_dtype, set_seed
 from .train import Trainer, evaluate, load_weights
 from .data import load_split, prepare_data
 from .freeze import param_report
@@ -425,6 +425,7 @@ def pca_run(spec: RunSpec, # a run of the 'pca' study (resolve_spec('pca', varia
                        'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}, 'wall_time_s': time.time() - t0}
         else:
             x = spec.extra
+            set_seed(spec.train.seed)  # LoRA's A matrices are random: draw them from the run's seed, not the process's
             apply_lora(model, tuple(x.get('lora_targets', LORA_TARGETS)), x.get('lora_rank', 32), x.get('lora_alpha', 64), x.get('lora_dropout', 0.1))
             tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
             trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=f'{spec.name}-s{spec.train.seed}')

@@ -6,18 +6,12 @@ from the matmul shapes, the optimizer bytes from AdamW's two fp32 moments. Indep
 together (torch's import dominates their cost) and checked one by one.
 """
 from __future__ import annotations
-import json, subprocess, sys
-from pathlib import Path
+import json, subprocess
 
 import numpy as np
+from cli_helpers import oelm_cmd as oelm
 
-OELM = Path(sys.executable).with_name('oelm')
 TIMEOUT = 300
-
-
-def oelm(*args: str) -> list[str]:
-    "The command line of the installed `oelm` console script (or the module where the script is missing)."
-    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
 
 
 def run_all(*commands: tuple[str, ...], cwd=None) -> list[subprocess.CompletedProcess]:

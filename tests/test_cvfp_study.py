@@ -7,40 +7,19 @@ embedding from the GPT checkpoint's tensors, perplexity as exp(loss) from the me
 np.polyfit on the summaries, the checks' verdicts from their stated rules.
 """
 from __future__ import annotations
-import fcntl, html, json, math, os, re, subprocess, sys
+import fcntl, json, math, os, re, subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_helpers import TIMEOUT, oelm_cmd as oelm, read_json, read_jsonl, html_text, tiny_args
 
-OELM = Path(sys.executable).with_name('oelm')
-TINY = ['--steps', '4', '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40', '--set', 'data.vocab_size=300',
-        '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+TINY = tiny_args(4)
 SMALL_CVFP = ['--set', 'extra.val_tokens=600', '--set', 'extra.check_tokens=200', '--set', 'extra.phase1_max_iterations=3',
               '--set', 'extra.phase2_epochs=2', '--set', 'extra.tokens=400']
 SAMPLES = (2, 4)
 TOO_MANY = 1000  # stories: the tiny corpus has 300, so this run fails
-TIMEOUT = 420
-
-
-def oelm(*args: str) -> list[str]:
-    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
-
-
-def read_json(p):
-    return json.loads(Path(p).read_text())
-
-
-def read_jsonl(p):
-    return [json.loads(l) for l in Path(p).read_text().splitlines() if l.strip()]
-
-
-def html_text(path: Path) -> str:
-    t = Path(path).read_text(encoding='utf-8', errors='replace')
-    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
-    t = re.sub(r'<img[^>]*>', ' ', t)
-    return re.sub(r'\s+', ' ', html.unescape(re.sub(r'<[^>]+>', ' ', t)))
 
 
 # ====================================================================== the shared batch

@@ -6,7 +6,7 @@ Checks compare against independent sources: the teacher's own config.json (KV wi
 map recomputed from those, perplexity as exp(loss), the safetensors files on disk.
 """
 from __future__ import annotations
-import html, json, math, os, re, shutil, subprocess, sys
+import json, math, re, shutil
 from pathlib import Path
 
 import pytest
@@ -17,26 +17,10 @@ from oelm_nb.core import ConfigError
 from oelm_nb.experiment import get_study, resolve_spec
 from oelm_nb.mercator import (cosine_stage, layer_map, mercator_plan, mercator_run, resolve_checkpoint, resolve_dataset,
                               DistillSettings, load_texts)
+from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
 
-OELM = Path(sys.executable).with_name('oelm')
-TINY = ['--steps', '6', '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40', '--set', 'data.vocab_size=300',
-        '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+TINY = tiny_args(6)
 STUDENTS = ('mercator-b0.01', 'no-distill')
-
-
-def oelm(*args: str, timeout: int = 420) -> subprocess.CompletedProcess:
-    cmd = [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def read_json(p) -> dict: return json.loads(Path(p).read_text())
-
-
-def html_text(path: Path) -> str:
-    t = Path(path).read_text(encoding='utf-8', errors='replace')
-    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
-    t = re.sub(r'<img[^>]*>', ' ', t)
-    return re.sub(r'\s+', ' ', html.unescape(re.sub(r'<[^>]+>', ' ', t)))
 
 
 @pytest.fixture(scope='module')

@@ -5,7 +5,7 @@ papermill runs and the report. Checks compare against independent sources: the P
 baseline's checkpoint, parameter counts from arithmetic on the config fields, the baseline's own summary.
 """
 from __future__ import annotations
-import json, shutil, subprocess, sys
+import json, shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,29 +15,11 @@ from safetensors.numpy import load_file
 from oelm_nb.core import ConfigError
 from oelm_nb.experiment import get_study, resolve_spec
 from oelm_nb.pca import LORA_TARGETS, pca_plan
+from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
 
-OELM = Path(sys.executable).with_name('oelm')
-TINY = ['--steps', '4', '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40', '--set', 'data.vocab_size=300',
-        '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+TINY = tiny_args(4)
 KS = (16, 64)  # 64 = d of the tiny preset: PCA keeps every direction there
 V, D, L = 300, 64, 2
-
-
-def oelm(*args: str, timeout: int = 420) -> subprocess.CompletedProcess:
-    cmd = [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def read_json(p):
-    return json.loads(Path(p).read_text())
-
-
-def html_text(path: Path) -> str:
-    import html, re
-    t = Path(path).read_text(encoding='utf-8', errors='replace')
-    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
-    t = re.sub(r'<img[^>]*>', ' ', t)
-    return re.sub(r'\s+', ' ', html.unescape(re.sub(r'<[^>]+>', ' ', t)))
 
 
 # ====================================================================== the plan
@@ -175,3 +157,18 @@ def test_report_renders_with_a_failed_run(batch, tmp_path):
     text = html_text(dst / 'report.html')
     assert 'RuntimeError: boom' in text and 'failed' in text
     assert f"{read_json(dst / 'pca-k16-s0' / 'summary.json')['best_val_ppl']:.3f}" in text
+
+
+def test_pca_lora_run_is_reproducible(batch, tmp_path):
+    "Rerunning a PCA + LoRA run from the same baseline gives the same losses to the last digit (LoRA's init comes from the seed)."
+    out, res = batch
+    assert res.returncode == 0
+    again = tmp_path / 'again'; again.mkdir()
+    shutil.copytree(out / 'baseline-s0', again / 'baseline-s0', symlinks=True)
+    shutil.copytree(out / 'data', again / 'data')
+    shutil.copy(out / 'batch.json', again / 'batch.json')
+    r2 = oelm('run', 'pca', '--variants', 'pca-lora-k16', '--jobs', '2', '--no-report', '--out', str(again), *TINY)
+    assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-2000:]
+    assert 'baseline-s0: already completed' in r2.stdout
+    first, second = read_json(out / 'pca-lora-k16-s0' / 'summary.json'), read_json(again / 'pca-lora-k16-s0' / 'summary.json')
+    assert (second['best_val_loss'], second['final_val_loss']) == (first['best_val_loss'], first['final_val_loss'])

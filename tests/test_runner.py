@@ -9,40 +9,16 @@ Checks compare against independent sources: parameter counts from arithmetic on 
 as exp(loss), the run's own metrics log, the parameters the runner was given.
 """
 from __future__ import annotations
-import fcntl, html, json, math, os, re, shutil, signal, subprocess, sys, time
+import fcntl, json, math, os, re, shutil, signal, subprocess, time
 from pathlib import Path
 
 import pytest
+from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, html_text, tiny_args
 
-OELM = Path(sys.executable).with_name('oelm')
-TINY = ['--steps', '4', '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40', '--set', 'data.vocab_size=300',
-        '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+TINY = tiny_args(4)
 OVERRIDES = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
              'train.eval_batches': 2}
 VARIANTS, SEEDS = ('gpt', 'oelm-freeze'), (0, 1)
-TIMEOUT = 420  # seconds for one `oelm run` on a loaded 2-core machine
-
-
-def oelm(*args: str) -> list[str]:
-    "The command line of the installed `oelm` console script (or the module where the script is missing)."
-    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
-
-
-def run_oelm(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(oelm(*args), capture_output=True, text=True, timeout=timeout)
-
-
-def read_json(p: Path):
-    return json.loads(Path(p).read_text())
-
-
-def html_text(path: Path) -> str:
-    "The visible text of an HTML page, whitespace collapsed."
-    t = Path(path).read_text(encoding='utf-8', errors='replace')
-    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
-    t = re.sub(r'<img[^>]*>', ' ', t)
-    t = html.unescape(re.sub(r'<[^>]+>', ' ', t))
-    return re.sub(r'\s+', ' ', t)
 
 
 def expected_total(V: int, T: int, L: int, d: int, ff: int | None = None, bias: bool = True, attn_bias: bool = False) -> int:

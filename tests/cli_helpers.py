@@ -1,0 +1,40 @@
+"""What the suites that drive the `oelm` command from outside share: the command line, tiny-run flags, and readers
+for the files a run leaves behind (JSON, JSON lines, the visible text of report.html)."""
+from __future__ import annotations
+import html, json, re, subprocess, sys
+from pathlib import Path
+
+OELM = Path(sys.executable).with_name('oelm')
+TIMEOUT = 420  # seconds for one `oelm run` on a loaded 2-core machine
+
+
+def oelm_cmd(*args: str) -> list[str]:
+    "The command line of the installed `oelm` console script (or the module where the script is missing)."
+    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
+
+
+def run_oelm(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    "Run `oelm ARGS`, capturing its output."
+    return subprocess.run(oelm_cmd(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_args(steps: int = 4) -> list[str]:
+    "`oelm run` flags for seconds-long runs: `steps` optimizer steps on a 300-story corpus with a 300-token vocabulary."
+    return ['--steps', str(steps), '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40',
+            '--set', 'data.vocab_size=300', '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+
+
+def read_json(p):
+    return json.loads(Path(p).read_text())
+
+
+def read_jsonl(p) -> list:
+    return [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]
+
+
+def html_text(path) -> str:
+    "The visible text of an HTML page, whitespace collapsed."
+    t = Path(path).read_text(encoding='utf-8', errors='replace')
+    t = re.sub(r'<(style|script)\b.*?</\1>', ' ', t, flags=re.S)
+    t = re.sub(r'<img[^>]*>', ' ', t)
+    return re.sub(r'\s+', ' ', html.unescape(re.sub(r'<[^>]+>', ' ', t)))
