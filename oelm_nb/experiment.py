@@ -14,12 +14,12 @@ import torch
 from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, init_distributed
-from .data import prepare_data, load_split, load_tokenizer
+from .data import prepare_data, load_split, load_tokenizer, TokenData
 
 # %% auto #0
 __all__ = ['Overrides', 'QK_FREEZE', 'STUDIES', 'STUDY_CHAPTERS', 'SAMPLE_PROMPTS', 'RunSpec', 'Study', 'register_study',
            'all_studies', 'get_study', 'apply_overrides', 'resolve_spec', 'write_json', 'read_json', 'generate_samples',
-           'train_run', 'launch_run']
+           'prepare_run', 'train_run', 'launch_run']
 
 # %% ../nbs/06_experiment.ipynb #6412c035
 @dataclass
@@ -199,20 +199,25 @@ def generate_samples(model: GPT, tokenizer, prompts: list[str], max_new_tokens: 
 
 SAMPLE_PROMPTS = ['Once upon a time, there was a', 'One day,']
 
-def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
-    "Prepare data, build the model, train it, and write config.json and summary.json into the run directory."
-    info = init_distributed(spec.train.device)
-    run_dir = Path(spec.out_dir)
-    data_dir = spec.resolved_data_dir
-    if info.is_main:
+def prepare_run(spec: RunSpec, info=None) -> tuple[Path, TokenData, TokenData]:
+    "Create the run directory, prepare (or reuse) the data, record config.json; return (run dir, train, val) splits."
+    run_dir, data_dir = Path(spec.out_dir), spec.resolved_data_dir
+    if info is None or info.is_main:  # under torchrun only rank 0 writes
         run_dir.mkdir(parents=True, exist_ok=True)
         prepare_data(spec.data, data_dir, progress=False)
         spec.save_json(run_dir / 'config.json')
-    if info.enabled: torch.distributed.barrier()
+    if info is not None and info.enabled: torch.distributed.barrier()
     train_d, val_d = load_split(data_dir, 'train'), load_split(data_dir, 'val')
     if spec.model.vocab_size < train_d.vocab_size:
         raise ConfigError(f"ModelConfig.vocab_size={spec.model.vocab_size} is smaller than the data's vocabulary ({train_d.vocab_size} in {data_dir}); "
                           f"set model.vocab_size >= {train_d.vocab_size}")
+    return run_dir, train_d, val_d
+
+def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
+    "Prepare data, build the model, train it, and write config.json and summary.json into the run directory."
+    info = init_distributed(spec.train.device)
+    run_dir, train_d, val_d = prepare_run(spec, info)
+    data_dir = spec.resolved_data_dir
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     model = GPT(spec.model, init_seed=spec.train.seed)
     trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=f'{spec.name}-s{spec.train.seed}')

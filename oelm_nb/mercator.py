@@ -302,7 +302,7 @@ def kv_projector(teacher: nn.Module, student: nn.Module, cfg: MercatorConfig | N
 import json
 import numpy as np
 from .core import ModelConfig, set_seed, pick_device
-from .experiment import Study, RunSpec, register_study, train_run, write_json, read_json
+from .experiment import Study, RunSpec, register_study, train_run, prepare_run, write_json, read_json
 
 ROLES = ('teacher', 'student')
 TEACHER_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
@@ -602,15 +602,9 @@ def _gpt_teacher_run(spec: RunSpec, ds: DistillSettings, progress=None) -> dict:
     return {**summary, 'role': 'teacher', 'kv_layers': n, 'kv_width': d, 'val_loss': summary.get('final_val_loss')}
 
 def _gpt_student_run(spec: RunSpec, ds: DistillSettings, progress=None) -> dict:
-    from oelm_nb.data import load_split, prepare_data
     from oelm_nb.train import evaluate, eval_starts
     from oelm_nb.data import batch as make_batch
-    run_dir = Path(spec.out_dir); run_dir.mkdir(parents=True, exist_ok=True)
-    prepare_data(spec.data, spec.resolved_data_dir, progress=False)
-    spec.save_json(run_dir / 'config.json')
-    train_d, val_d = load_split(spec.resolved_data_dir, 'train'), load_split(spec.resolved_data_dir, 'val')
-    if spec.model.vocab_size < train_d.vocab_size:
-        raise ConfigError(f"ModelConfig.vocab_size={spec.model.vocab_size} is smaller than the data's vocabulary ({train_d.vocab_size}); set model.vocab_size >= {train_d.vocab_size}")
+    run_dir, train_d, val_d = prepare_run(spec)
     teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
     student = GPT(spec.model, init_seed=spec.train.seed)  # the same initial student in every variant of this seed
     T, bs, nb = spec.model.block_size, spec.train.batch_size, spec.train.eval_batches

@@ -289,11 +289,10 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
 
 # %% ../nbs/11_pca.ipynb #eeca1ea6
 import time
-from .experiment import RunSpec, Study, register_study, train_run, read_json, write_json
+from .experiment import RunSpec, Study, register_study, train_run, prepare_run, read_json, write_json
 from .model import PRESETS
 from .core import pick_device, autocast_dtype, set_seed
 from .train import Trainer, evaluate, load_weights
-from .data import load_split, prepare_data
 from .freeze import param_report
 
 PCA_KS = {'tiny': (8, 16, 32, 48), 'gpt2-124m': (64, 128, 256, 512)}  # other presets: the seed's k/d ratios (default_ks)
@@ -405,15 +404,12 @@ def pca_run(spec: RunSpec, # a run of the 'pca' study (resolve_spec('pca', varia
             ev = embedding_pca(model.transformer.tok.wte.weight).explained_variance_ratio
             write_json(run_dir / 'explained_variance.json', {'ratio': ev.tolist(), 'source': str(best_checkpoint(run_dir))})
     else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        data_dir = prepare_data(spec.data, spec.resolved_data_dir, progress=False)
-        spec.save_json(run_dir / 'config.json')
+        run_dir, train_d, val_d = prepare_run(spec)
         base, ckpt = load_baseline(spec)
         pca = embedding_pca(base.transformer.tok.wte.weight)
         model = pca_factorize(base, k, pca)
         save_pca_mats(model, run_dir)
         write_json(run_dir / 'explained_variance.json', {'ratio': pca.explained_variance_ratio.tolist(), 'source': str(ckpt)})
-        train_d, val_d = load_split(data_dir, 'train'), load_split(data_dir, 'val')
         ev0 = _eval(model, spec, val_d)  # the PCA model as is
         extra = {'baseline_checkpoint': str(ckpt.resolve()), 'explained_variance_k': float(pca.explained_variance_ratio[:k].sum()),
                  'pca_val_loss': ev0['val_loss'], 'pca_val_ppl': ev0['val_ppl']}
