@@ -78,31 +78,30 @@ def _overrides(pairs) -> dict:
     return out
 
 def print_batch_summary(batch_dir):
-    "Per-variant results of a batch (and, for the Q/K freeze study, its hypothesis verdicts), as plain text."
+    "Per-variant results of a batch (and the study's verdict table, where it has one), as plain text."
     import pandas as pd
-    from oelm_nb.report import load_runs, variant_table, hypotheses
+    from oelm_nb.report import load_runs, variant_table
     from oelm_nb.experiment import read_json
-    study = (read_json(Path(batch_dir) / 'batch.json') or {}).get('study', 'qk-freeze')
+    from oelm_nb.studies import get_study
+    study = get_study((read_json(Path(batch_dir) / 'batch.json') or {}).get('study', 'qk-freeze'))
     runs = load_runs(batch_dir)
     if runs.empty: return
     vt = variant_table(runs)
     cols = [c for c in ('completed', 'val_ppl_mean', 'val_ppl_std', 'recall_acc_mean', 'tokens_per_s_mean', 'params_trainable') if c in vt]
     with pd.option_context('display.width', 160, 'display.max_colwidth', 120, 'display.float_format', '{:.4g}'.format):
         print('\n' + vt[cols].to_string() + '\n')
-        h = hypotheses(runs) if study == 'qk-freeze' else pd.DataFrame()
+        h = study.verdicts(runs) if study.verdicts else pd.DataFrame()
         for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
     print()
 
 def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
-    "(variants, overrides, options) of `oelm run <study>`: --variants wins over the variants the study's own flags plan."
+    "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
     options = {k: getattr(args, f'opt_{k}') for k in study.options if getattr(args, f'opt_{k}', None) is not None}
-    variants, planned = study.plan(options, args.preset) if study.plan else (None, {})
-    if args.variants: variants = args.variants.split(',')
-    return variants, {**planned, **_overrides(args.set)}, options
+    return (args.variants.split(',') if args.variants else None), _overrides(args.set), options
 
 def cmd_run(args) -> int:
     from oelm_nb.runner import run_study
-    from oelm_nb.experiment import get_study
+    from oelm_nb.studies import get_study
     study = get_study(args.study)
     variants, overrides, options = study_plan(study, args)
     res = run_study(args.study, args.preset, args.data, variants, args.seeds or list(study.default_seeds), args.steps,
@@ -139,8 +138,8 @@ def add_study_parser(sub, study, presets):
     r = sub.add_parser(study.name, help=study.description or study.name, description=study.description)
     r.add_argument('--preset', default='tiny', choices=list(presets))
     r.add_argument('--data', default='synthetic', help='synthetic | tinystories | DIR or file')
-    r.add_argument('--variants', default=None, help=f"comma-separated (default: {','.join(study.default_variants)}"
-                   + (', or as the flags below plan them)' if study.plan else ')'))
+    r.add_argument('--variants', default=None, help='comma-separated, among those the flags below plan (default: '
+                   + (','.join(study.default_variants) if study.default_variants else 'all of them') + ')')
     r.add_argument('--seeds', type=int, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
     r.add_argument('--steps', type=int, default=None, help="optimizer steps per run (default: the study's for the preset)")
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun)")
@@ -148,7 +147,7 @@ def add_study_parser(sub, study, presets):
     r.add_argument(*conc, dest='concurrent', action='store_true', help='run GPU sets (or CPU jobs) concurrently')
     r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
-    r.add_argument('--set', action='append', metavar='KEY=VALUE', help="override, e.g. --set train.lr=1e-3 --set extra.k=32")
+    r.add_argument('--set', action='append', metavar='KEY=VALUE', help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
     r.add_argument('--no-report', action='store_true')
     if study.options:
         g = r.add_argument_group(f'{study.name} options')
@@ -161,7 +160,7 @@ def add_study_parser(sub, study, presets):
 def build_parser() -> argparse.ArgumentParser:
     from oelm_nb.model import PRESETS
     from oelm_nb.core import VARIANTS
-    from oelm_nb.experiment import all_studies
+    from oelm_nb.studies import STUDIES
     p = argparse.ArgumentParser(prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.')
     sub = p.add_subparsers(dest='command', required=True)
 
@@ -183,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
                        description='Run a study: one papermill execution of its experiment notebook per (variant, seed), then its report.')
     rs = r.add_subparsers(dest='study', required=True, metavar='STUDY')
-    for name, st in all_studies().items(): add_study_parser(rs, st, PRESETS)
+    for st in STUDIES.values(): add_study_parser(rs, st, PRESETS)
     rep = sub.add_parser('report', help="(re)render a batch directory's report.html")
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
 

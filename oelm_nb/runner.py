@@ -4,19 +4,22 @@
 
 # %% ../nbs/07_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import json, os, subprocess, sys, threading, time
-from dataclasses import dataclass
+import json, os, subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
+from dataclasses import dataclass, field
+from graphlib import TopologicalSorter, CycleError
 from pathlib import Path
 from typing import Callable
 
-from .core import ConfigError
-from .experiment import get_study, resolve_spec, write_json, read_json
-from .model import model_config
+from .core import ConfigError, TrainConfig
+from .experiment import Study, resolve_spec, train_settings, write_json, read_json, run_name, run_identity
+from .studies import get_study
 from .data import prepare_data
 
 # %% auto #0
-__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'execute_run', 'run_digest', 'schedule',
-           'BatchResult', 'run_study', 'render_report']
+__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'Batch', 'execute_run', 'run_digest', 'schedule',
+           'BatchResult', 'with_upstream', 'plan_batch', 'write_batch_json', 'pending_jobs', 'run_study',
+           'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -34,7 +37,7 @@ class Job:
     seed: int
     run_dir: Path
     @property
-    def name(self) -> str: return f'{self.variant}-s{self.seed}'
+    def name(self) -> str: return run_name(self.variant, self.seed)
 
 def parse_gpu_sets(gpus: str | None) -> list[list[str]]:
     "'0,1;2,3' -> [['0','1'], ['2','3']]; None or '' -> [] (CPU)."
@@ -59,6 +62,33 @@ def set_aside(run_dir: Path) -> Path:
     os.replace(run_dir, aside)
     return aside
 
+# %% ../nbs/07_runner.ipynb #fe83d3d1
+@dataclass
+class Batch:
+    "What every run of one batch shares."
+    study: str
+    out: Path # the batch directory
+    preset: str = 'tiny'
+    data: str = 'synthetic'
+    steps: int | None = None # optimizer steps per run (None: the study's for the preset)
+    options: dict = field(default_factory=dict) # the study's own flags
+    overrides: dict = field(default_factory=dict) # --set KEY=VALUE
+    data_dir: Path | None = None # prepared data (default: <out>/data)
+
+    @property
+    def plan_steps(self) -> int:
+        "The step count the study's variants are planned for."
+        return train_settings(get_study(self.study), self.preset, 0, self.steps).get('max_steps', TrainConfig().max_steps)
+
+    def plan(self) -> dict:
+        "The study's variants for these flags: name -> Variant."
+        return get_study(self.study).variants(self.preset, self.plan_steps, dict(self.options))
+
+    def spec(self, variant: str, seed: int = 0):
+        "The RunSpec of one run of the batch."
+        return resolve_spec(self.study, variant, self.preset, seed, self.steps, str(self.out / run_name(variant, seed)), self.data,
+                            str(self.data_dir or self.out / 'data'), self.overrides, options=self.options)
+
 # %% ../nbs/07_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
     try: nb = json.loads(path.read_text())
@@ -68,15 +98,14 @@ def _error_from_notebook(path: Path) -> str | None:
             if out.get('output_type') == 'error': return f"{out.get('ename')}: {out.get('evalue')}"
     return None
 
-def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, steps: int | None, overrides: dict,
-                gpu_set: list[str] | None = None, threads: int | None = None, log=print) -> str:
+def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, threads: int | None = None, log=print) -> str:
     "Execute the experiment notebook for `job` in a child process; returns the run's final status."
     job.run_dir.mkdir(parents=True, exist_ok=True)
     (job.run_dir / '.running').write_text(str(os.getpid()))  # the notebook's summary is not final until papermill is done
-    params = dict(study=study, variant=job.variant, preset=preset, data=data, seed=job.seed, steps=steps or 0,
-                  out_dir=str(job.run_dir.resolve()), data_dir=str(Path(data_dir).resolve()), overrides=json.dumps(overrides or {}),
-                  nproc=max(1, len(gpu_set or [])), progress=False)
-    nb_in = notebook_path(get_study(study).notebook)
+    params = dict(study=batch.study, variant=job.variant, preset=batch.preset, data=batch.data, seed=job.seed, steps=batch.steps or 0,
+                  out_dir=str(job.run_dir.resolve()), data_dir=str(Path(batch.data_dir).resolve()), overrides=json.dumps(batch.overrides),
+                  options=json.dumps(batch.options), nproc=max(1, len(gpu_set or [])), progress=False)
+    nb_in = notebook_path(get_study(batch.study).notebook)
     nb_out = job.run_dir / nb_in.name
     cmd = [sys.executable, '-m', 'papermill', str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
            '--cwd', str(job.run_dir), '--no-progress-bar', '-y', json.dumps(params)]
@@ -89,8 +118,8 @@ def execute_run(job: Job, study: str, preset: str, data: str, data_dir: Path, st
     s = read_json(job.run_dir / 'summary.json') or {}
     if res.returncode != 0 or s.get('status') != 'completed':
         err = _error_from_notebook(nb_out) or (res.stderr.strip().splitlines() or ['unknown error'])[-1]
-        write_json(job.run_dir / 'summary.json', {'status': 'failed', 'variant': job.variant, 'seed': job.seed, 'error': err,
-                                                 'log': str(job.run_dir / 'papermill.log'), 'wall_time_s': time.time() - t0})
+        write_json(job.run_dir / 'summary.json', {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
+                                                 'error': err, 'log': str(job.run_dir / 'papermill.log'), 'wall_time_s': time.time() - t0})
         log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}')
         return 'failed'
     (job.run_dir / '.running').unlink(missing_ok=True)
@@ -115,35 +144,35 @@ def schedule(jobs: list[Job], # jobs to run, in order of preference
              workers: list, # one entry per concurrent worker (a GPU set or None), passed to run_job
              on_blocked: Callable[[Job, str], None] = lambda j, why: None):
     "Run `jobs` on `workers` concurrently, each only after its upstream runs completed; fills `statuses`."
-    cond, pending = threading.Condition(), list(jobs)
-    for j in jobs: statuses[j.name] = 'pending'
-    def take():  # called with cond held: the next ready job, or None when nothing is left to start
-        while True:
-            for j in list(pending):
-                ups = {u: statuses.get(u, 'missing') for u in upstream(j)}
-                bad = [u for u, st in ups.items() if st in ('failed', 'missing')]
-                if bad:
-                    pending.remove(j); statuses[j.name] = 'failed'
-                    on_blocked(j, f"not started: upstream run(s) {', '.join(bad)} did not complete"); cond.notify_all(); continue
-                if all(st == 'completed' for st in ups.values()):
-                    pending.remove(j); statuses[j.name] = 'running'; return j
-            if not pending: return None
-            if 'running' not in statuses.values():  # nothing can make progress (a dependency cycle)
-                for j in pending: statuses[j.name] = 'failed'; on_blocked(j, 'not started: its upstream runs wait on each other')
-                pending.clear(); return None
-            cond.wait()
-    def work(w):
-        while True:
-            with cond: j = take()
-            if j is None: return
-            try: st = run_job(j, w)
-            except Exception as e:  # a runner bug must not leave the other workers waiting for this job
-                st = 'failed'; on_blocked(j, f'the runner failed: {type(e).__name__}: {e}')
-            with cond: statuses[j.name] = st; cond.notify_all()
-    threads = [threading.Thread(target=work, args=(w,)) for w in workers]
-    for t in threads: t.start()
-    for t in threads: t.join()
+    by_name, rank = {j.name: j for j in jobs}, {j.name: i for i, j in enumerate(jobs)}
+    graph = TopologicalSorter({j.name: [u for u in upstream(j) if u in by_name] for j in jobs})
+    try: graph.prepare()
+    except CycleError as e: raise ConfigError(f'runs {e.args[1]} wait on each other (a dependency cycle)') from None
+    statuses.update({j.name: 'pending' for j in jobs})
+    ready, free, running = [], list(workers), {}
+    with ThreadPoolExecutor(len(workers)) as pool:
+        while graph.is_active():
+            ready = sorted([*ready, *graph.get_ready()], key=rank.get)
+            while ready and free:
+                j = by_name[ready.pop(0)]
+                bad = [u for u in upstream(j) if statuses.get(u, 'missing') != 'completed']
+                if bad:  # a failed (or missing) upstream run blocks this one; the rest of the batch goes on
+                    statuses[j.name] = 'failed'; on_blocked(j, f"not started: upstream run(s) {', '.join(bad)} did not complete")
+                    graph.done(j.name); continue
+                w = free.pop(0); statuses[j.name] = 'running'
+                running[pool.submit(_run_guarded, run_job, j, w, on_blocked)] = (j, w)
+            if not running: continue
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                j, w = running.pop(f)
+                statuses[j.name] = f.result(); free.append(w); graph.done(j.name)
     return statuses
+
+def _run_guarded(run_job, j: Job, w, on_blocked) -> str:
+    "run_job(j, w); a runner bug fails only this job."
+    try: return run_job(j, w)
+    except Exception as e:
+        on_blocked(j, f'the runner failed: {type(e).__name__}: {e}'); return 'failed'
 
 # %% ../nbs/07_runner.ipynb #81a2322b
 @dataclass
@@ -155,58 +184,78 @@ class BatchResult:
     @property
     def failed(self) -> list[str]: return [k for k, v in self.statuses.items() if v != 'completed']
 
-def _with_upstream(st, variants: list[str]) -> list[str]:
-    "`variants` preceded by the upstream variants they need that are not in the list."
+def with_upstream(plan: dict, variants: list[str]) -> list[str]:
+    "`variants` preceded by the upstream variants they need (from the study's plan) that are not in the list."
+    graph = TopologicalSorter({v: plan[v].upstream for v in plan})
+    try: graph.prepare()
+    except CycleError as e: raise ConfigError(f'variants {e.args[1]} require each other') from None
     out = []
-    def add(v, seen=()):
-        if v in seen: raise ConfigError(f"study {st.name!r}: variants {list(seen)} require each other")
-        for u in st.upstream(v): add(u, (*seen, v))
+    def add(v):
+        for u in plan[v].upstream: add(u)
         if v not in out: out.append(v)
     for v in variants: add(v)
     return out
 
+# %% ../nbs/07_runner.ipynb #b6de245d
+def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tuple[list[str], dict]:
+    "The batch's variants (asked, or the study's default, with their upstream runs first) and the study's plan; every spec resolves."
+    st, plan = get_study(batch.study), batch.plan()
+    asked = list(variants or st.planned(batch.preset, batch.plan_steps, batch.options))
+    for v in asked: st.variant(v, batch.preset, batch.plan_steps, batch.options)  # an unknown variant fails here, before anything runs
+    names = with_upstream(plan, asked)
+    if names != asked: log(f"[oelm run] added upstream run(s) {[v for v in names if v not in asked]}")
+    for v in names:  # every variant's spec must resolve before anything trains
+        try: batch.spec(v)
+        except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
+    return names, plan
+
+def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus: str | None):
+    "Record the batch: its flags, runs and each variant's overrides and upstream runs."
+    write_json(batch.out / 'batch.json', {'study': batch.study, 'preset': batch.preset, 'data': batch.data, 'variants': variants,
+               'seeds': list(seeds), 'steps': batch.steps, 'overrides': batch.overrides, 'gpus': gpus, 'options': batch.options,
+               'plan': {v: {'overrides': plan[v].overrides, 'upstream': list(plan[v].upstream)} for v in variants}})
+
+# %% ../nbs/07_runner.ipynb #090d891f
+def pending_jobs(batch: Batch, variants: list[str], seeds, log=print) -> tuple[list[Job], list[Job]]:
+    "(all jobs, those still to run): completed runs are skipped; a failed run is set aside and starts afresh."
+    all_jobs = [Job(v, s, batch.out / run_name(v, s)) for v in variants for s in seeds]
+    todo = [j for j in all_jobs if run_status(j.run_dir) != 'completed']
+    for j in all_jobs:
+        if j not in todo: log(f'[oelm run] {j.name}: already completed, skipped')
+    for j in todo:  # a partial run resumes from its checkpoint
+        if run_status(j.run_dir) == 'failed': log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
+    return all_jobs, todo
+
+# %% ../nbs/07_runner.ipynb #1f4f3a15
 def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synthetic',
               variants: list[str] | None = None, seeds: list[int] = (0, 1), steps: int | None = None,
               out_dir: str | Path = 'runs/qk-freeze', gpus: str | None = None, parallel: bool = False,
               jobs: int = 1, overrides: dict | None = None, report: bool = True, options: dict | None = None,
               log=print) -> BatchResult:
     "Run every (variant, seed) of a study through papermill, upstream runs first, then render its report."
-    st = get_study(study)
-    asked = list(variants or st.default_variants)
-    for v in asked: st.overrides(v, model_config('tiny'), 1)  # an unknown variant fails here, before anything runs
-    variants = _with_upstream(st, asked)
-    if variants != asked: log(f"[oelm run] added upstream run(s) {[v for v in variants if v not in asked]}")
-    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
-    data_dir = out / 'data'
-    for v in variants:  # every variant's spec must resolve before anything trains
-        try: spec0 = resolve_spec(study, v, preset, 0, steps, str(out), data, str(data_dir), overrides)
-        except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
-    spec0 = resolve_spec(study, variants[0], preset, 0, steps, str(out), data, str(data_dir), overrides)
-    log(f'[oelm run] preparing data ({spec0.data.source}) in {data_dir}')
-    data_dir = prepare_data(spec0.data, data_dir, progress=False)  # a prepared source directory is used in place
-    write_json(out / 'batch.json', {'study': study, 'preset': preset, 'data': data, 'variants': variants, 'seeds': list(seeds),
-                                    'steps': steps, 'overrides': overrides or {}, 'gpus': gpus, 'options': options or {}})
-    all_jobs = [Job(v, s, out / f'{v}-s{s}') for v in variants for s in seeds]
-    todo = [j for j in all_jobs if run_status(j.run_dir) != 'completed']
-    for j in all_jobs:
-        if j not in todo: log(f'[oelm run] {j.name}: already completed, skipped')
-    for j in todo:  # a failed run starts afresh (its directory is kept aside); a partial one resumes from its checkpoint
-        if run_status(j.run_dir) == 'failed': log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
+    out = Path(out_dir)
+    batch = Batch(study, out, preset, data, steps, dict(options or {}), dict(overrides or {}))
+    names, plan = plan_batch(batch, variants, log)
+    out.mkdir(parents=True, exist_ok=True)
+    spec0 = batch.spec(names[0])
+    log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
+    batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)  # a prepared source directory is used in place
+    write_batch_json(batch, names, seeds, plan, gpus)
+    all_jobs, todo = pending_jobs(batch, names, seeds, log)
     sets = parse_gpu_sets(gpus)
-    workers = (sets if parallel else sets[:1]) if sets else [None] * max(1, jobs if parallel or jobs > 1 else 1)
+    workers = (sets if parallel else sets[:1]) if sets else [None] * max(1, jobs)
     threads = None if sets else max(1, (os.cpu_count() or 1) // len(workers))
-    statuses = {j.name: 'completed' for j in all_jobs if j not in todo}
     def run_job(j, gpu_set):
         log(f'[oelm run] {j.name}: started' + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
-        return execute_run(j, study, preset, data, data_dir, steps, overrides or {}, gpu_set, threads, log)
+        return execute_run(j, batch, gpu_set, threads, log)
     def blocked(j, why):
         j.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(j.run_dir / 'summary.json', {'status': 'failed', 'variant': j.variant, 'seed': j.seed, 'error': why})
+        write_json(j.run_dir / 'summary.json', {'status': 'failed', **run_identity(study, j.variant, preset, j.seed), 'error': why})
         log(f'[oelm run] {j.name}: {why}')
-    schedule(todo, lambda j: [f'{u}-s{j.seed}' for u in st.upstream(j.variant)], statuses, run_job, workers, blocked)
-    statuses = {j.name: statuses[j.name] for j in all_jobs}
-    res = BatchResult(out, statuses)
-    if report and st.report: res.report = render_report(out, study)
+    statuses = schedule(todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream],
+                        {j.name: 'completed' for j in all_jobs if j not in todo}, run_job, workers, blocked)
+    res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
+    if report and get_study(study).report: res.report = render_report(out, study)
     return res
 
 # %% ../nbs/07_runner.ipynb #04375c48

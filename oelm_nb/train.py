@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from safetensors.torch import save_file, load_file, save_model, load_model
 from tqdm.auto import tqdm
+from fastcore.basics import patch
 
 from .core import ModelConfig, TrainConfig, ConfigError, set_seed, pick_device, autocast_dtype, autocast
 from .freeze import UnfreezeSchedule, param_report
@@ -135,6 +136,7 @@ def _optimizer_from_flat(tensors: dict, meta: dict) -> dict:
         idx, k = key.split('.', 1); state.setdefault(int(idx), {})[k] = v
     return {'state': state, 'param_groups': meta['param_groups']}
 
+# %% ../nbs/05_train.ipynb #890ea64b
 def _rng_state(per_rank: list | None = None) -> dict:
     st = {'torch_cpu': torch.get_rng_state()}
     for r, s in enumerate(per_rank or []): st[f'torch_cpu_rank{r}'] = s
@@ -147,6 +149,7 @@ def _set_rng_state(st: dict, rank: int = 0):
     cuda = [st[k] for k in sorted((k for k in st if k.startswith('cuda_')), key=lambda k: int(k[5:]))]
     if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
+# %% ../nbs/05_train.ipynb #23612124
 def _fsync_dir(path: Path):
     try:
         fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.close(fd)
@@ -163,6 +166,7 @@ def _point(link: Path, target: str):
     if tmp.is_symlink() or tmp.exists(): tmp.unlink()
     os.symlink(target, tmp); os.replace(tmp, link)
 
+# %% ../nbs/05_train.ipynb #8b2d188e
 def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], opt: torch.optim.Optimizer | None,
                     meta: dict, rank_rng: list | None = None) -> Path:
     "Write checkpoint `step` under `ckpt_root` atomically; returns its directory."
@@ -187,6 +191,7 @@ def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], o
     if old is not None: shutil.rmtree(old, ignore_errors=True)
     return final
 
+# %% ../nbs/05_train.ipynb #fb73d49e
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
     "Complete checkpoint directories, oldest first (temporary leftovers are ignored)."
     if not ckpt_root.exists(): return []
@@ -198,6 +203,7 @@ def read_checkpoint_meta(ckpt: Path) -> dict:
     except FileNotFoundError: raise CheckpointError(f"{ckpt} is not a checkpoint: meta.json is missing") from None
     except json.JSONDecodeError as e: raise CheckpointError(f"{ckpt}/meta.json is corrupt ({e}); resume from an earlier checkpoint") from None
 
+# %% ../nbs/05_train.ipynb #c9e2aac5
 def load_weights(module: nn.Module, ckpt: Path, key: str = 'model'):
     "Load `key.safetensors` of checkpoint `ckpt` into `module` (strict)."
     path = Path(ckpt) / f'{key}.safetensors'
@@ -236,26 +242,31 @@ class MetricsLog:
             os.environ.setdefault('WANDB_MODE', 'offline')
             self.wandb = wandb.init(project='oelm_nb', name=run_name, dir=str(out_dir), config=config or {}, reinit=True)
 
-    def truncate_after(self, step: int):
-        "Drop records beyond `step` (a resumed run re-logs them)."
-        if not (self.path and self.path.exists()): return
-        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)['step'] <= step]
-        _write_atomic(self.path, ''.join(l + '\n' for l in keep))
-        self.records = [json.loads(l) for l in keep]
+# %% ../nbs/05_train.ipynb #8b5684b9
+@patch
+def truncate_after(self: MetricsLog, step: int):
+    "Drop records beyond `step` (a resumed run re-logs them)."
+    if not (self.path and self.path.exists()): return
+    keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)['step'] <= step]
+    _write_atomic(self.path, ''.join(l + '\n' for l in keep))
+    self.records = [json.loads(l) for l in keep]
 
-    def log(self, record: dict):
-        self.records.append(record)
-        if self.path:
-            with open(self.path, 'a') as f: f.write(json.dumps(record) + '\n')
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != 'step'}
-        if self.tb:
-            for k, v in scalars.items(): self.tb.add_scalar(k, v, record['step'])
-        if self.wandb: self.wandb.log(scalars, step=record['step'])
+@patch
+def log(self: MetricsLog, record: dict):
+    self.records.append(record)
+    if self.path:
+        with open(self.path, 'a') as f: f.write(json.dumps(record) + '\n')
+    scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != 'step'}
+    if self.tb:
+        for k, v in scalars.items(): self.tb.add_scalar(k, v, record['step'])
+    if self.wandb: self.wandb.log(scalars, step=record['step'])
 
-    def close(self):
-        if self.tb: self.tb.close()
-        if self.wandb: self.wandb.finish()
+@patch
+def close(self: MetricsLog):
+    if self.tb: self.tb.close()
+    if self.wandb: self.wandb.finish()
 
+# %% ../nbs/05_train.ipynb #cafd0c53
 def read_metrics(run_dir) -> list[dict]:
     "The records of a run's metrics.jsonl."
     p = Path(run_dir) / 'metrics.jsonl'
@@ -298,6 +309,7 @@ def _median_speed(records: list[dict]) -> float | None:
 class TrainingDiverged(RuntimeError):
     "The loss or gradient norm became NaN/inf."
 
+# %% ../nbs/05_train.ipynb #178e1881
 @dataclass
 class Trainer:
     "Trains `model` with `cfg` on token data; writes metrics and checkpoints to `out_dir` (if given)."
@@ -329,159 +341,182 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp == torch.float16 else None
         self._saved_step = None
 
-    # -- setup ---------------------------------------------------------------------------------------------------
-    def _wrap(self):
-        m = self.raw
-        if self.cfg.compile: m = torch.compile(m)
-        if self.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            m = DDP(m, device_ids=[self.device.index] if self.device.type == 'cuda' else None)
-        self.model_run = m
+# %% ../nbs/05_train.ipynb #36800a0c
+@patch
+def _wrap(self: Trainer):
+    m = self.raw
+    if self.cfg.compile: m = torch.compile(m)
+    if self.dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        m = DDP(m, device_ids=[self.device.index] if self.device.type == 'cuda' else None)
+    self.model_run = m
 
-    def _checkpoint_modules(self) -> dict:
-        return {'model': self.raw, **{k: mod for k, (mod, _) in self.extra_modules.items()}}
+@patch
+def _checkpoint_modules(self: Trainer) -> dict:
+    return {'model': self.raw, **{k: mod for k, (mod, _) in self.extra_modules.items()}}
 
-    def resume(self, ckpt: Path | str | None = None) -> bool:
-        "Restore weights, optimizer, RNG and counters from `ckpt` (default: the latest checkpoint in out_dir)."
-        if ckpt is None:
-            cks = list_checkpoints(self.ckpt_root) if self.ckpt_root else []
-            if not cks: return False
-            ckpt = cks[-1]
-        ckpt = Path(ckpt); meta = read_checkpoint_meta(ckpt)
-        for key, mod in self._checkpoint_modules().items():
-            if self.schedule and key == 'model': self.schedule.apply(mod, meta['step'])  # re-release layers first
-            load_weights(mod, ckpt, key)
-        self.step, self.tokens, self.best = meta['step'], meta['tokens'], meta['best']
-        self._resumed_opt = (load_file(str(ckpt / 'optimizer.safetensors')), meta['optimizer']) if (ckpt / 'optimizer.safetensors').exists() else None
-        self._resumed_rng = load_file(str(ckpt / 'rng.safetensors'))
-        return True
+# %% ../nbs/05_train.ipynb #1b4e6852
+@patch
+def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
+    "Restore weights, optimizer, RNG and counters from `ckpt` (default: the latest checkpoint in out_dir)."
+    if ckpt is None:
+        cks = list_checkpoints(self.ckpt_root) if self.ckpt_root else []
+        if not cks: return False
+        ckpt = cks[-1]
+    ckpt = Path(ckpt); meta = read_checkpoint_meta(ckpt)
+    for key, mod in self._checkpoint_modules().items():
+        if self.schedule and key == 'model': self.schedule.apply(mod, meta['step'])  # re-release layers first
+        load_weights(mod, ckpt, key)
+    self.step, self.tokens, self.best = meta['step'], meta['tokens'], meta['best']
+    self._resumed_opt = (load_file(str(ckpt / 'optimizer.safetensors')), meta['optimizer']) if (ckpt / 'optimizer.safetensors').exists() else None
+    self._resumed_rng = load_file(str(ckpt / 'rng.safetensors'))
+    return True
 
-    def _meta(self) -> dict:
-        return {'tokens': self.tokens, 'best': self.best, 'train_config': self.cfg.to_dict(), 'run_config': self.run_config}
+@patch
+def _meta(self: Trainer) -> dict:
+    return {'tokens': self.tokens, 'best': self.best, 'train_config': self.cfg.to_dict(), 'run_config': self.run_config}
 
-    def save(self, tag: str | None = None) -> Path | None:
-        "Checkpoint now (every rank calls this); `tag` ('best' or 'final') also points that link at it."
-        if not self.ckpt_root: return None
-        rank_rng = None
-        if self.dist.enabled:  # each rank's dropout RNG, so a resumed DDP run continues exactly
-            rank_rng = [None] * self.dist.world_size
-            dist.all_gather_object(rank_rng, torch.get_rng_state())
-        if not self.dist.is_main: return None
-        path = self.ckpt_root / f'step_{self.step:07d}'
-        if self._saved_step != self.step or not path.exists():  # a step is written once, even if it is also 'best'
-            path = save_checkpoint(self.ckpt_root, self.step, self._checkpoint_modules(), self.opt, self._meta(), rank_rng)
-            self._saved_step = self.step
-        _point(self.ckpt_root / 'latest', path.name)
-        if tag: _point(self.ckpt_root / tag, path.name)
-        if tag == 'final' and self.best['step'] == self.step: _point(self.ckpt_root / 'best', path.name)
-        prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
-        return path
+# %% ../nbs/05_train.ipynb #c538c430
+@patch
+def save(self: Trainer, tag: str | None = None) -> Path | None:
+    "Checkpoint now (every rank calls this); `tag` ('best' or 'final') also points that link at it."
+    if not self.ckpt_root: return None
+    rank_rng = None
+    if self.dist.enabled:  # each rank's dropout RNG, so a resumed DDP run continues exactly
+        rank_rng = [None] * self.dist.world_size
+        dist.all_gather_object(rank_rng, torch.get_rng_state())
+    if not self.dist.is_main: return None
+    path = self.ckpt_root / f'step_{self.step:07d}'
+    if self._saved_step != self.step or not path.exists():  # a step is written once, even if it is also 'best'
+        path = save_checkpoint(self.ckpt_root, self.step, self._checkpoint_modules(), self.opt, self._meta(), rank_rng)
+        self._saved_step = self.step
+    _point(self.ckpt_root / 'latest', path.name)
+    if tag: _point(self.ckpt_root / tag, path.name)
+    if tag == 'final' and self.best['step'] == self.step: _point(self.ckpt_root / 'best', path.name)
+    prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
+    return path
 
-    # -- one step ------------------------------------------------------------------------------------------------
-    def _micro_batch(self, micro: int):
-        if self.batch_fn is not None:
-            return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in self.batch_fn(self.step, micro))
-        starts = train_starts(len(self.train_data.tokens), self.block_size, self.cfg.batch_size, self.cfg.seed,
-                              self.step, micro, self.dist.rank, self.dist.world_size)
-        return tuple(t.to(self.device) if t is not None else None for t in make_batch(self.train_data, starts, self.block_size))
+# %% ../nbs/05_train.ipynb #a2c20c4e
+@patch
+def _micro_batch(self: Trainer, micro: int):
+    if self.batch_fn is not None:
+        return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in self.batch_fn(self.step, micro))
+    starts = train_starts(len(self.train_data.tokens), self.block_size, self.cfg.batch_size, self.cfg.seed,
+                          self.step, micro, self.dist.rank, self.dist.world_size)
+    return tuple(t.to(self.device) if t is not None else None for t in make_batch(self.train_data, starts, self.block_size))
 
-    def train_step(self) -> dict:
-        "One optimizer step over `grad_accum` micro-batches; returns the step's scalars."
-        cfg, opt = self.cfg, self.opt
-        set_lr(opt, lr_at(self.step, cfg))
-        total, extras = 0.0, {}
-        for micro in range(cfg.grad_accum):
-            batch = self._micro_batch(micro)
-            sync = micro == cfg.grad_accum - 1 or not self.dist.enabled
-            ctx = self.model_run.no_sync() if not sync else nullcontext()
-            with ctx:
-                with autocast(self.device, self.amp): loss, extra = self.loss_fn(self.model_run, batch)
-                scaled = loss / cfg.grad_accum
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += loss.item() / cfg.grad_accum
-            for k, v in extra.items(): extras[k] = extras.get(k, 0.0) + float(v) / cfg.grad_accum
-        if self.scaler: self.scaler.unscale_(opt)
-        params = [p for g in opt.param_groups for p in g['params']]
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')).item()
-        total = all_mean(total, self.dist, self.device)
-        if not (math.isfinite(total) and math.isfinite(gnorm)):
-            opt.zero_grad(set_to_none=True)
-            raise TrainingDiverged(f"step {self.step}: loss={total} grad_norm={gnorm} is not finite. The last good checkpoint is kept"
-                                   f"{' in ' + str(self.ckpt_root) if self.ckpt_root else ''}; lower TrainConfig.lr (now {cfg.lr}), "
-                                   "keep grad_clip > 0, or use dtype='float32'.")
-        if self.scaler: self.scaler.step(opt); self.scaler.update()
-        else: opt.step()
+# %% ../nbs/05_train.ipynb #b7122db4
+@patch
+def train_step(self: Trainer) -> dict:
+    "One optimizer step over `grad_accum` micro-batches; returns the step's scalars."
+    cfg, opt = self.cfg, self.opt
+    set_lr(opt, lr_at(self.step, cfg))
+    total, extras = 0.0, {}
+    for micro in range(cfg.grad_accum):
+        batch = self._micro_batch(micro)
+        sync = micro == cfg.grad_accum - 1 or not self.dist.enabled
+        ctx = self.model_run.no_sync() if not sync else nullcontext()
+        with ctx:
+            with autocast(self.device, self.amp): loss, extra = self.loss_fn(self.model_run, batch)
+            scaled = loss / cfg.grad_accum
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        total += loss.item() / cfg.grad_accum
+        for k, v in extra.items(): extras[k] = extras.get(k, 0.0) + float(v) / cfg.grad_accum
+    if self.scaler: self.scaler.unscale_(opt)
+    params = [p for g in opt.param_groups for p in g['params']]
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')).item()
+    total = all_mean(total, self.dist, self.device)
+    if not (math.isfinite(total) and math.isfinite(gnorm)):
         opt.zero_grad(set_to_none=True)
-        self.step += 1
-        self.tokens += (self.tokens_per_batch or cfg.batch_size * self.block_size) * cfg.grad_accum * self.dist.world_size
-        return {'train_loss': total, 'grad_norm': gnorm, 'lr': lr_at(self.step - 1, cfg), **extras}
+        raise TrainingDiverged(f"step {self.step}: loss={total} grad_norm={gnorm} is not finite. The last good checkpoint is kept"
+                               f"{' in ' + str(self.ckpt_root) if self.ckpt_root else ''}; lower TrainConfig.lr (now {cfg.lr}), "
+                               "keep grad_clip > 0, or use dtype='float32'.")
+    if self.scaler: self.scaler.step(opt); self.scaler.update()
+    else: opt.step()
+    opt.zero_grad(set_to_none=True)
+    self.step += 1
+    self.tokens += (self.tokens_per_batch or cfg.batch_size * self.block_size) * cfg.grad_accum * self.dist.world_size
+    return {'train_loss': total, 'grad_norm': gnorm, 'lr': lr_at(self.step - 1, cfg), **extras}
 
-    def _evaluate(self) -> dict:
-        "Evaluate on the fixed sample: eval_batches global batches (batch_size x world_size windows each)."
-        if self.eval_fn is not None: return self.eval_fn(self.raw)
-        if self.val_data is None: return {}
-        return evaluate(self.raw, self.val_data, self.block_size, self.cfg.batch_size, self.cfg.eval_batches * self.dist.world_size,
-                        self.device, self.amp)
+# %% ../nbs/05_train.ipynb #cc749d77
+@patch
+def _evaluate(self: Trainer) -> dict:
+    "Evaluate on the fixed sample: eval_batches global batches (batch_size x world_size windows each)."
+    if self.eval_fn is not None: return self.eval_fn(self.raw)
+    if self.val_data is None: return {}
+    return evaluate(self.raw, self.val_data, self.block_size, self.cfg.batch_size, self.cfg.eval_batches * self.dist.world_size,
+                    self.device, self.amp)
 
-    # -- the loop ------------------------------------------------------------------------------------------------
-    def fit(self, resume: bool = True, # continue from the latest checkpoint in out_dir, if any
-            until: int | None = None, # stop after this step with a checkpoint (simulates an interruption)
-           ) -> dict:
-        "Train to `max_steps` (resuming from the latest checkpoint if any); returns the summary."
-        cfg = self.cfg
-        self._resumed_opt = self._resumed_rng = None
-        resumed = self.resume() if resume else False
-        set_seed(cfg.seed + self.dist.rank)
-        self.opt = build_optimizer(self.raw, cfg, self.schedule, self.extra_modules)
-        if resumed:
-            if self._resumed_opt is not None: self.opt.load_state_dict(_optimizer_from_flat(*self._resumed_opt))
-            _set_rng_state(self._resumed_rng, self.dist.rank)
-        self._wrap()
-        self.raw.train()
-        if self.out_dir and self.dist.is_main: self.out_dir.mkdir(parents=True, exist_ok=True)
-        log = MetricsLog(self.out_dir if self.dist.is_main else None, cfg.loggers, self.run_name, self.run_config)
-        log.truncate_after(self.step)  # a restart (with or without a checkpoint) never duplicates records
-        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (cfg.progress and self.dist.is_main), desc=self.run_name, dynamic_ncols=True)
-        t_start, t_mark, tok_mark, train_time, speeds = time.time(), time.time(), self.tokens, 0.0, []
-        try:
-            while self.step < min(cfg.max_steps, until or cfg.max_steps):
-                if self.schedule and self.schedule.apply(self.raw, self.step, self.opt, cfg.weight_decay): self._wrap()
-                rec = self.train_step()
-                bar.update(1); bar.set_postfix(loss=f"{rec['train_loss']:.3f}")
-                last = self.step == cfg.max_steps
-                do_eval = last or (cfg.eval_every and self.step % cfg.eval_every == 0)
-                if self.step % cfg.log_every == 0 or do_eval:
-                    now = time.time(); dt = now - t_mark; train_time += dt
-                    tps = (self.tokens - tok_mark) / dt if dt > 0 else float('nan'); speeds.append(tps)
-                    rec = {'step': self.step, 'tokens': self.tokens, **rec, 'tokens_per_s': tps, 'elapsed_s': now - t_start}
-                    if do_eval:
-                        ev = self._evaluate(); rec.update(ev)
-                        if ev and ev['val_loss'] < self.best['val_loss']:
-                            self.best = {'val_loss': ev['val_loss'], 'val_ppl': ev['val_ppl'], 'step': self.step}
-                            if not last: self.save('best')
-                    log.log(rec)
-                    t_mark, tok_mark = time.time(), self.tokens
-                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and not last: self.save()
-            if self.step < cfg.max_steps:  # stopped early on request
-                self.save(); return self.summary(log.records, speeds, time.time() - t_start) | {'status': 'interrupted'}
-            self.save('final')
-        finally:
-            bar.close(); log.close()
-            self.records = log.records
-        return self.summary(log.records, speeds, time.time() - t_start)
+# %% ../nbs/05_train.ipynb #5e7da042
+@patch
+def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
+    "Set up a `fit`: resume if asked (and a checkpoint exists), seed, build the optimizer, restore its state and the RNG, wrap the model; returns the metrics log."
+    cfg = self.cfg
+    self._resumed_opt = self._resumed_rng = None
+    resumed = self.resume() if resume else False
+    set_seed(cfg.seed + self.dist.rank)
+    self.opt = build_optimizer(self.raw, cfg, self.schedule, self.extra_modules)
+    if resumed:
+        if self._resumed_opt is not None: self.opt.load_state_dict(_optimizer_from_flat(*self._resumed_opt))
+        _set_rng_state(self._resumed_rng, self.dist.rank)
+    self._wrap()
+    self.raw.train()
+    if self.out_dir and self.dist.is_main: self.out_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(self.out_dir if self.dist.is_main else None, cfg.loggers, self.run_name, self.run_config)
+    log.truncate_after(self.step)  # a restart (with or without a checkpoint) never duplicates records
+    return log
 
-    def summary(self, records: list[dict], speeds: list[float], wall: float) -> dict:
-        "The run's summary: losses, recall, throughput, parameter accounting (computed from records and the model)." 
-        evals = [r for r in records if 'val_loss' in r]
-        last = evals[-1] if evals else {}
-        rep = param_report(self.raw)
-        return {'status': 'completed', 'steps': self.step, 'tokens': self.tokens, 'wall_time_s': wall,
-                'final_val_loss': last.get('val_loss'), 'final_val_ppl': last.get('val_ppl'),
-                'best_val_loss': self.best['val_loss'] if self.best['step'] is not None else None,
-                'best_val_ppl': self.best.get('val_ppl'), 'best_step': self.best['step'],
-                'recall_acc': last.get('recall_acc'), 'final_train_loss': records[-1]['train_loss'] if records else None,
-                'tokens_per_s': _median_speed(records),
-                'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}}
+# %% ../nbs/05_train.ipynb #1c972168
+@patch
+def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoint in out_dir, if any
+        until: int | None = None, # stop after this step with a checkpoint (simulates an interruption)
+       ) -> dict:
+    "Train to `max_steps` (resuming from the latest checkpoint if any); returns the summary."
+    cfg = self.cfg
+    log = self._start_fit(resume)
+    bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (cfg.progress and self.dist.is_main), desc=self.run_name, dynamic_ncols=True)
+    t_start, t_mark, tok_mark, train_time, speeds = time.time(), time.time(), self.tokens, 0.0, []
+    try:
+        while self.step < min(cfg.max_steps, until or cfg.max_steps):
+            if self.schedule and self.schedule.apply(self.raw, self.step, self.opt, cfg.weight_decay): self._wrap()
+            rec = self.train_step()
+            bar.update(1); bar.set_postfix(loss=f"{rec['train_loss']:.3f}")
+            last = self.step == cfg.max_steps
+            do_eval = last or (cfg.eval_every and self.step % cfg.eval_every == 0)
+            if self.step % cfg.log_every == 0 or do_eval:
+                now = time.time(); dt = now - t_mark; train_time += dt
+                tps = (self.tokens - tok_mark) / dt if dt > 0 else float('nan'); speeds.append(tps)
+                rec = {'step': self.step, 'tokens': self.tokens, **rec, 'tokens_per_s': tps, 'elapsed_s': now - t_start}
+                if do_eval:
+                    ev = self._evaluate(); rec.update(ev)
+                    if ev and ev['val_loss'] < self.best['val_loss']:
+                        self.best = {'val_loss': ev['val_loss'], 'val_ppl': ev['val_ppl'], 'step': self.step}
+                        if not last: self.save('best')
+                log.log(rec)
+                t_mark, tok_mark = time.time(), self.tokens
+            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and not last: self.save()
+        if self.step < cfg.max_steps:  # stopped early on request
+            self.save(); return self.summary(log.records, speeds, time.time() - t_start) | {'status': 'interrupted'}
+        self.save('final')
+    finally:
+        bar.close(); log.close()
+        self.records = log.records
+    return self.summary(log.records, speeds, time.time() - t_start)
+
+# %% ../nbs/05_train.ipynb #4d89fbbe
+@patch
+def summary(self: Trainer, records: list[dict], speeds: list[float], wall: float) -> dict:
+    "The run's summary: losses, recall, throughput, parameter accounting (computed from records and the model)." 
+    evals = [r for r in records if 'val_loss' in r]
+    last = evals[-1] if evals else {}
+    rep = param_report(self.raw)
+    return {'status': 'completed', 'steps': self.step, 'tokens': self.tokens, 'wall_time_s': wall,
+            'final_val_loss': last.get('val_loss'), 'final_val_ppl': last.get('val_ppl'),
+            'best_val_loss': self.best['val_loss'] if self.best['step'] is not None else None,
+            'best_val_ppl': self.best.get('val_ppl'), 'best_step': self.best['step'],
+            'recall_acc': last.get('recall_acc'), 'final_train_loss': records[-1]['train_loss'] if records else None,
+            'tokens_per_s': _median_speed(records),
+            'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}}
 
 # %% ../nbs/05_train.ipynb #a1a4434e
 def copy_task_data(n_seqs: int = 512, half: int = 16, vocab: int = 64, seed: int = 0) -> TokenData:
