@@ -25,11 +25,11 @@ def _expected(batch_dir: Path) -> list[tuple[str, int]]:
     return [(v, int(s)) for v in b.get('variants', []) for s in b.get('seeds', [])]
 
 def _run_row(d: Path, variant: str, seed: int) -> dict:
-    "One run's row: identity, status, error and the summary's scalars (parameter counts as params_*)."
+    "One run's row: identity, status, error and the summary's scalars (text too; parameter counts as params_*)."
     s = read_json(d / 'summary.json') or {'status': 'partial' if any(d.iterdir()) else 'missing'}
     row = {'variant': variant, 'seed': seed, 'run_dir': str(d), 'status': s.get('status'), 'error': s.get('error')}
     for k, v in s.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'seed': row[k] = v
+        if isinstance(v, (int, float, str)) and not isinstance(v, bool) and k not in row and k not in ('study', 'preset'): row[k] = v
     for k, v in (s.get('params') or {}).items(): row[f'params_{k}'] = v
     return row
 
@@ -41,6 +41,10 @@ def load_runs(batch_dir) -> pd.DataFrame:
         if (vs := parse_run_name(d.name)): rows[vs] = _run_row(d, *vs)
     for v, s in _expected(batch_dir):
         if (v, s) not in rows: rows[(v, s)] = {'variant': v, 'seed': s, 'run_dir': str(batch_dir / run_name(v, s)), 'status': 'missing', 'error': 'never ran'}
+    plan = (read_json(batch_dir / 'batch.json') or {}).get('plan') or {}
+    for row in rows.values():  # what each variant was planned to be (its dotted overrides), also for runs that failed
+        for k, v in ((plan.get(row['variant']) or {}).get('overrides') or {}).items():
+            if isinstance(v, (int, float, str, bool)): row.setdefault(k, v)
     order = [v for v, _ in _expected(batch_dir)]
     df = pd.DataFrame(list(rows.values()))
     if df.empty: return df
