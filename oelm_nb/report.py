@@ -47,7 +47,7 @@ def load_runs(batch_dir) -> pd.DataFrame:
             if isinstance(v, (int, float, str, bool)): row.setdefault(k, v)
     order = [v for v, _ in _expected(batch_dir)]
     df = pd.DataFrame(list(rows.values()))
-    if df.empty: return df
+    if df.empty: return pd.DataFrame(columns=['variant', 'seed', 'run_dir', 'status', 'error'])  # an empty batch has the columns too
     df['_o'] = df.variant.map(lambda v: order.index(v) if v in order else len(order))
     return df.sort_values(['_o', 'variant', 'seed']).drop(columns='_o').reset_index(drop=True)
 

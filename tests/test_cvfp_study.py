@@ -16,8 +16,8 @@ import torch
 from cli_helpers import TIMEOUT, oelm_cmd as oelm, read_json, read_jsonl, html_text, tiny_args
 
 TINY = tiny_args(4)
-SMALL_CVFP = ['--set', 'extra.val_tokens=600', '--set', 'extra.check_tokens=200', '--set', 'extra.phase1_max_iterations=3',
-              '--set', 'extra.phase2_epochs=2', '--set', 'extra.tokens=400']
+SMALL_CVFP = ['--set', 'settings.val_tokens=600', '--set', 'settings.check_tokens=200', '--set', 'settings.phase1_max_iterations=3',
+              '--set', 'settings.phase2_epochs=2', '--set', 'settings.tokens=400']
 SAMPLES = (2, 4)
 TOO_MANY = 1000  # stories: the tiny corpus has 300, so this run fails
 
@@ -55,7 +55,7 @@ def test_batch_runs_and_failure(batch):
     b = read_json(out / 'batch.json')
     assert b['study'] == 'cvfp' and sorted(b['variants']) == sorted(n[:-3] for n in names) and b['seeds'] == [0]
     assert b['options']['sequential'] is True and b['options']['algorithms'] == ['MCDL']
-    assert b['overrides']['extra.parallel'] is False
+    assert all(b['plan'][v]['overrides']['settings.parallel'] is False for v in b['variants'])
     bad = read_json(out / f'MCDL-n{TOO_MANY}-s0' / 'summary.json')
     assert bad['status'] == 'failed' and f'{TOO_MANY} stories asked for, the split has 300' in bad['error']
 
@@ -79,7 +79,7 @@ def test_cvfp_run_summaries(batch):
         s = read_json(d / 'summary.json')
         assert s['status'] == 'completed' and (s['algorithm'], s['samples']) == ('MCDL', n)
         assert s['parallel'] is False  # --sequential reached the run
-        assert read_json(d / 'config.json')['extra']['parallel'] is False
+        assert read_json(d / 'config.json')['settings']['parallel'] is False
         assert s['train_tokens'] == story_tokens(data_dir, n)
         assert (s['val_tokens'], s['check_tokens']) == (600, 200)
         for part in ('train', 'val'):
@@ -169,25 +169,24 @@ def parse(*argv):
 
 def test_flags_reach_the_plan_and_the_runs():
     from oelm_nb.cli import study_plan
-    from oelm_nb.experiment import get_study, resolve_spec
-    from oelm_nb.cvfp import run_settings
+    from oelm_nb.experiment import resolve_spec
+    from oelm_nb.studies import get_study
     st = get_study('cvfp')
     a = parse('--sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
     assert a.opt_sequential is True and a.opt_parallel is None and a.concurrent is True  # the runner's flag is --concurrent here
     variants, over, opts = study_plan(st, a)
-    assert variants == ['embed', 'phase1-speed', 'ODCM-n8', 'ODCM-n3']
-    assert over == {'extra.parallel': False, 'extra.dist_reg_weight': 0.5}
-    spec = resolve_spec('cvfp', 'ODCM-n3', 'tiny', 0, None, '/tmp/x/ODCM-n3-s0', 'synthetic', None, over)
-    s, cfg = run_settings(spec)
-    assert (cfg.parallel, cfg.dist_reg_weight, cfg.diversity, s['samples']) == (False, 0.5, 'ODCM', 3)
+    assert variants is None and over == {} and st.planned('tiny', 400, opts) == ['embed', 'phase1-speed', 'ODCM-n8', 'ODCM-n3']
+    spec = resolve_spec('cvfp', 'ODCM-n3', 'tiny', 0, None, '/tmp/x/ODCM-n3-s0', 'synthetic', None, over, options=opts)
+    cfg = spec.settings.config(spec.train.seed)
+    assert (cfg.parallel, cfg.dist_reg_weight, cfg.diversity, spec.settings.samples) == (False, 0.5, 'ODCM', 3)
     b = parse('--parallel')
     assert b.opt_parallel is True and b.concurrent is False
-    assert study_plan(st, b)[1] == {'extra.parallel': True}
+    assert st.variant('embed', options=study_plan(st, b)[2]).overrides['settings.parallel'] is True
     # defaults: both algorithms over init * 2^i, i < window + windows - 1
-    v, o, _ = study_plan(st, parse())
-    assert o == {} and sorted(v[2:]) == sorted(f'{alg}-n{n}' for alg in ('MCDL', 'ODCM') for n in (20, 40, 80, 160, 320))
-    v, _, _ = study_plan(st, parse('--init-samples', '5', '--multiplier', '3', '--window-size', '2', '--num-windows', '1', '--algorithms', 'MCDL'))
-    assert v[2:] == ['MCDL-n15', 'MCDL-n5']
+    v = st.planned('tiny', 400, study_plan(st, parse())[2])
+    assert sorted(v[2:]) == sorted(f'{alg}-n{n}' for alg in ('MCDL', 'ODCM') for n in (20, 40, 80, 160, 320))
+    opts = study_plan(st, parse('--init-samples', '5', '--multiplier', '3', '--window-size', '2', '--num-windows', '1', '--algorithms', 'MCDL'))[2]
+    assert st.planned('tiny', 400, opts)[2:] == ['MCDL-n15', 'MCDL-n5']
 
 
 @pytest.mark.parametrize('argv,message', [
@@ -197,7 +196,7 @@ def test_flags_reach_the_plan_and_the_runs():
     (['--samples', '4', '--init-samples', '2'], 'drop --init-samples'),
     (['--dist-reg-weight', '1.5'], 'must be in [0, 1]'),
     (['--embeddings', '/nonexistent/model'], 'no such file or directory'),
-    (['--variants', 'MCDL-n0'], 'must be positive'),
+    (['--variants', 'MCDL-n7'], "no variant 'MCDL-n7'"),  # names are labels of the planned runs, not parsed
     (['--variants', 'VICReg-n10'], "no variant 'VICReg-n10'"),
 ])
 def test_bad_flags_are_clear_errors(argv, message, tmp_path, capsys):
@@ -219,7 +218,7 @@ def tiny_data(tmp_path_factory):
 
 def test_first_stories_matches_the_token_file(tiny_data):
     from oelm_nb.core import ConfigError
-    from oelm_nb.cvfp import first_stories
+    from oelm_nb.cvfp_study import first_stories
     from oelm_nb.data import load_split
     tr = load_split(tiny_data, 'train')
     for n in (1, 7, 60):
@@ -232,14 +231,14 @@ def test_first_stories_matches_the_token_file(tiny_data):
 def test_embed_run_takes_a_hf_style_directory(tiny_data, tmp_path):
     from safetensors.torch import save_file, load_file
     from oelm_nb.core import ConfigError
-    from oelm_nb.cvfp import run_cvfp, load_embedding
+    from oelm_nb.cvfp_study import run_cvfp, load_embedding
     from oelm_nb.experiment import resolve_spec
     hf = tmp_path / 'hf-model'; hf.mkdir()
     w = torch.randn(300, 24)
     save_file({'transformer.h.0.attn.c_attn.weight': torch.randn(24, 72), 'transformer.wte.weight': w, 'lm_head.weight': torch.zeros(300, 24)},
               str(hf / 'model.safetensors'))
     (hf / 'config.json').write_text('{"model_type": "gpt2"}')
-    spec = resolve_spec('cvfp', 'embed', 'tiny', 0, None, str(tmp_path / 'b' / 'embed-s0'), str(tiny_data), None, {'extra.embeddings': str(hf)})
+    spec = resolve_spec('cvfp', 'embed', 'tiny', 0, None, str(tmp_path / 'b' / 'embed-s0'), str(tiny_data), None, {'settings.embeddings': str(hf)})
     s = run_cvfp(spec)
     assert s['status'] == 'completed' and s['trained'] is False and 'transformer.wte.weight' in s['embedding_source']
     assert torch.equal(load_file(str(tmp_path / 'b' / 'embed-s0' / 'embedding.safetensors'))['embedding'], w)
@@ -248,20 +247,20 @@ def test_embed_run_takes_a_hf_style_directory(tiny_data, tmp_path):
     save_file({'model.embed_tokens.weight': torch.randn(100, 8)}, str(tmp_path / 'small.safetensors'))
     assert load_embedding(tmp_path / 'small.safetensors')[0].shape == (100, 8)
     small = resolve_spec('cvfp', 'embed', 'tiny', 0, None, str(tmp_path / 'c' / 'embed-s0'), str(tiny_data), None,
-                         {'extra.embeddings': str(tmp_path / 'small.safetensors')})
+                         {'settings.embeddings': str(tmp_path / 'small.safetensors')})
     with pytest.raises(ConfigError, match=r'shape \(100, 8\).*one row per token of the data \(300\)'): run_cvfp(small)
     with pytest.raises(ConfigError, match='does not exist'): load_embedding(tmp_path / 'missing')
     save_file({'w': torch.randn(3, 3)}, str(tmp_path / 'noemb.safetensors'))
     with pytest.raises(ConfigError, match='no token-embedding tensor'): load_embedding(tmp_path / 'noemb.safetensors')
 
 
-def test_cvfp_run_needs_its_embed_run_and_valid_extra(tiny_data, tmp_path):
+def test_cvfp_run_needs_its_embed_run_and_valid_settings(tiny_data, tmp_path):
     from oelm_nb.core import ConfigError
-    from oelm_nb.cvfp import run_cvfp
+    from oelm_nb.cvfp_study import run_cvfp
     from oelm_nb.experiment import resolve_spec
-    spec = resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None)
+    spec = resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None, options={'samples': [2]})
     with pytest.raises(ConfigError, match="'embed' run of seed 0 must complete first"): run_cvfp(spec)
-    bad = resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None, {'extra.contxt_dim': 8})
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['contxt_dim'\]"): run_cvfp(bad)
-    with pytest.raises(ConfigError, match='RunSpec.extra.check_tokens'):
-        run_cvfp(resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'x'), str(tiny_data), None, {'extra.check_tokens': 9999}))
+    with pytest.raises(ConfigError, match=r"study 'cvfp', settings: CVFPSettings has no field\(s\) \['contxt_dim'\]"):
+        resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None, {'settings.contxt_dim': 8}, options={'samples': [2]})
+    with pytest.raises(ConfigError, match='CVFPSettings.check_tokens=9999 is invalid'):
+        resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'x'), str(tiny_data), None, {'settings.check_tokens': 9999}, options={'samples': [2]})

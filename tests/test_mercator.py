@@ -81,7 +81,7 @@ def test_presets_and_validation():
     assert mercator_config('weak').beta == 0.01 and mercator_config('strong').beta == 0.1
     assert mercator_config('high-capacity').mlp_ratio == 2.0 and mercator_config('low-capacity').mlp_ratio == 0.5
     assert all(mercator_config(k).alpha == 1.0 for k in MERCATOR_PRESETS)
-    assert MercatorConfig().projector_lr_scale == pytest.approx(20.0)
+    assert MercatorConfig().projector_lr_scale(5e-5) == pytest.approx(20.0)
     with pytest.raises(ConfigError, match='MercatorConfig.mlp_ratio'): MercatorConfig(mlp_ratio=0.0)
     with pytest.raises(ConfigError, match='MercatorConfig.loss'): MercatorConfig(loss='l1')
     with pytest.raises(ConfigError, match='MercatorConfig.dropout'): MercatorConfig(dropout=1.0)
@@ -175,12 +175,12 @@ def test_distill_with_gpt_through_trainer(tmp_path):
     data = copy_task_data(n_seqs=64, seed=0)
     teacher = GPT(model_config('tiny', vocab_size=64, block_size=32, n_layer=3, n_head=4, n_embd=32, dropout=0.0), init_seed=0)
     student = GPT(model_config('tiny', vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0), init_seed=1)
-    cfg = mercator_config('mse', lr_student=1e-3, lr_projector=1e-2)
+    cfg, lr_student = mercator_config('mse', lr_projector=1e-2), 1e-3
     proj = kv_projector(teacher, student, cfg)
-    tc = TrainConfig(max_steps=6, batch_size=4, lr=cfg.lr_student, min_lr=1e-4, warmup_steps=1, eval_every=0, eval_batches=1,
+    tc = TrainConfig(max_steps=6, batch_size=4, lr=lr_student, min_lr=1e-4, warmup_steps=1, eval_every=0, eval_batches=1,
                      log_every=1, device='cpu', progress=False)
     tr = Trainer(student, tc, data, out_dir=tmp_path, loss_fn=distill_hook(teacher, proj, layer_map(3, 2), cfg),
-                 extra_modules={'projector': (proj, cfg.projector_lr_scale)})
+                 extra_modules={'projector': (proj, cfg.projector_lr_scale(lr_student))})
     tr.fit()
     lrs = {g['name']: g['lr'] for g in tr.opt.param_groups}
     assert lrs['projector.decay'] == pytest.approx(10 * lrs['decay'])

@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from oelm_nb.core import ConfigError
-from oelm_nb.experiment import get_study, resolve_spec
-from oelm_nb.mercator import (cosine_stage, layer_map, mercator_plan, mercator_run, resolve_checkpoint, resolve_dataset,
-                              DistillSettings, load_texts)
+from oelm_nb.experiment import resolve_spec
+from oelm_nb.studies import get_study
+from oelm_nb.mercator import cosine_stage, layer_map
+from oelm_nb.mercator_study import mercator_common, mercator_run, resolve_checkpoint, resolve_dataset, MercatorSettings, load_texts
 from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
 
 TINY = tiny_args(6)
@@ -121,11 +122,11 @@ def test_report_renders_when_a_run_failed(batch, tmp_path):
 # ---------------------------------------------------------------- flags and plan
 def test_plan_flags():
     st = get_study('mercator')
-    assert st.plan is mercator_plan and set(st.options) >= {'teacher', 'student', 'dataset', 'teacher_run'}
-    assert mercator_plan({}, 'tiny') == (None, {})
-    with pytest.raises(ConfigError, match='--teacher DIR and --student DIR'): mercator_plan({'teacher': '/x'}, 'tiny')
-    with pytest.raises(ConfigError, match='--data FILE'): mercator_plan({'dataset': 'a.jsonl'}, 'tiny')
-    with pytest.raises(ConfigError, match='no config.json'): mercator_plan({'teacher_run': '/no/such/run'}, 'tiny')
+    assert set(st.options) >= {'teacher', 'student', 'dataset', 'teacher_run'}
+    assert mercator_common({}, 'tiny') == {'settings.lr_projector': 1e-2}
+    with pytest.raises(ConfigError, match='--teacher DIR and --student DIR'): st.variants('tiny', 400, {'teacher': '/x'})
+    with pytest.raises(ConfigError, match='--data FILE'): mercator_common({'dataset': 'a.jsonl'}, 'tiny')
+    with pytest.raises(ConfigError, match='no config.json'): mercator_common({'teacher_run': '/no/such/run'}, 'tiny')
 
 
 def test_missing_dir_and_offline_hub_names_fail_clearly(tmp_path, monkeypatch):
@@ -180,8 +181,8 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
     train, val = load_texts(str(data))
     assert len(train) + len(val) == 60 and len(val) == 3 and '####' in train[0]
 
-    _, planned = mercator_plan({'teacher': str(t_dir), 'student': str(s_dir), 'dataset': str(data)}, 'tiny')
-    assert planned['extra.teacher_hf'] == str(t_dir.resolve()) and planned['train.lr'] == 5e-5 and planned['extra.lr_projector'] == 1e-3
+    planned = mercator_common({'teacher': str(t_dir), 'student': str(s_dir), 'dataset': str(data)}, 'tiny')
+    assert planned['settings.teacher_hf'] == str(t_dir.resolve()) and planned['train.lr'] == 5e-5 and planned['settings.lr_projector'] == 1e-3
     assert planned['train.grad_accum'] == 16 and planned['train.batch_size'] == 2
     tiny = {**planned, 'train.grad_accum': 2, 'train.eval_batches': 2, 'train.progress': False, 'train.device': 'cpu'}
     batch = tmp_path / 'batch'
@@ -200,4 +201,4 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
     student = load_causal_lm(batch / 'mercator-b0.01-s0' / 'student')  # saved with save_pretrained
     before = load_causal_lm(s_dir)
     assert any(not torch.equal(a, b) for (n, a), (_, b) in zip(student.state_dict().items(), before.state_dict().items()) if 'k_proj' in n)
-    assert DistillSettings.of(spec).hf
+    assert spec.settings.hf and isinstance(spec.settings, MercatorSettings)

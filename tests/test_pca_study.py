@@ -13,8 +13,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from oelm_nb.core import ConfigError
-from oelm_nb.experiment import get_study, resolve_spec
-from oelm_nb.pca import LORA_TARGETS, pca_plan
+from oelm_nb.experiment import resolve_spec
+from oelm_nb.studies import get_study
+from oelm_nb.pca import LORA_TARGETS
+from oelm_nb.pca_study import pca_variants
 from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
 
 TINY = tiny_args(4)
@@ -25,21 +27,22 @@ V, D, L = 300, 64, 2
 # ====================================================================== the plan
 def test_plan_is_the_13_run_matrix():
     st = get_study('pca')
-    variants, overrides = st.plan({'ks': [64, 128, 256, 512]}, 'gpt2-124m')
-    assert len(variants) == 13 and overrides == {}
+    plan = st.variants('gpt2-124m', 10_000, {'ks': [64, 128, 256, 512]})
+    variants = list(plan)
+    assert len(variants) == 13
     assert variants[0] == 'baseline'
     for m in ('lowrank', 'pca', 'pca-lora'):
         assert [v for v in variants if v.rpartition('-k')[0] == m] == [f'{m}-k{k}' for k in (64, 128, 256, 512)]
-    assert st.plan({}, 'gpt2-124m')[0] == variants  # the seed's ks are gpt2-124m's default
-    tiny = st.plan({}, 'tiny')[0]
+    assert st.planned('gpt2-124m', 10_000) == variants  # the seed's ks are gpt2-124m's default
+    tiny = st.planned('tiny', 500)
     assert len(tiny) == 13 and all(int(v.rpartition('-k')[2]) < D for v in tiny[1:])
-    assert {u for v in variants for u in st.upstream(v)} == {'baseline'}
-    assert [v for v in variants if st.upstream(v)] == variants[5:]  # pca-* and pca-lora-* start from the baseline
+    assert {u for v in variants for u in plan[v].upstream} == {'baseline'}
+    assert [v for v in variants if plan[v].upstream] == variants[5:]  # pca-* and pca-lora-* start from the baseline
 
 
 def test_k_beyond_the_width_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r'--ks 80: k must be an integer in 1\.\.n_embd=64'): pca_plan({'ks': [8, 80]}, 'tiny')
-    with pytest.raises(ConfigError, match='n_embd_wte'): resolve_spec('pca', 'pca-lora-k80', 'tiny', 0)
+    with pytest.raises(ConfigError, match=r'--ks 80: k must be an integer in 1\.\.n_embd=64'): pca_variants('tiny', 500, {'ks': [8, 80]})
+    with pytest.raises(ConfigError, match='n_embd=64'): resolve_spec('pca', 'pca-lora-k80', 'tiny', 0, options={'ks': [80]})
     res = oelm('run', 'pca', '--ks', '8', '80', '--out', '/nonexistent/never-written', timeout=120)
     assert res.returncode == 2 and 'n_embd=64' in res.stderr and 'Traceback' not in res.stderr
     assert not Path('/nonexistent/never-written').exists()
@@ -51,15 +54,15 @@ def test_gpt2_settings_are_the_seeds():
             b.train.weight_decay, b.train.beta2, b.train.eval_every) == (10_000, 4, 4, 1e-4, 5e-6, 500, 0.1, 0.95, 500)
     assert (b.model.n_layer, b.model.n_head, b.model.n_embd, b.model.dropout, b.model.n_embd_wte) == (12, 12, 768, 0.1, None)
     lo = resolve_spec('pca', 'lowrank-k128', 'gpt2-124m', 0)
-    assert lo.model.n_embd_wte == 128 and lo.train == b.train and lo.extra == {'method': 'lowrank', 'k': 128}
+    assert lo.model.n_embd_wte == 128 and lo.train == b.train and lo.settings.method == 'lowrank'
     p = resolve_spec('pca', 'pca-k256', 'gpt2-124m', 0)
-    assert (p.model.n_embd_wte, p.model.dropout, p.extra['method']) == (256, 0.0, 'pca')
+    assert (p.model.n_embd_wte, p.model.dropout, p.settings.method) == (256, 0.0, 'pca')
     f = resolve_spec('pca', 'pca-lora-k512', 'gpt2-124m', 0)
     assert (f.train.max_steps, f.train.lr, f.train.min_lr, f.train.warmup_steps, f.train.weight_decay, f.train.eval_every,
             f.train.batch_size, f.train.grad_accum) == (5000, 5e-5, 1e-6, 100, 0.01, 200, 4, 4)
-    assert (f.extra['lora_rank'], f.extra['lora_alpha'], f.extra['lora_dropout'], tuple(f.extra['lora_targets'])) == (32, 64, 0.1, LORA_TARGETS)
+    assert (f.settings.lora_rank, f.settings.lora_alpha, f.settings.lora_dropout, f.settings.lora_targets) == (32, 64, 0.1, LORA_TARGETS)
     t = resolve_spec('pca', 'pca-lora-k8', 'tiny', 0)
-    assert t.extra['lora_alpha'] == 2 * t.extra['lora_rank'] and t.train.max_steps == resolve_spec('pca', 'baseline', 'tiny', 0).train.max_steps // 2
+    assert t.settings.lora_alpha == 2 * t.settings.lora_rank and t.train.max_steps == resolve_spec('pca', 'baseline', 'tiny', 0).train.max_steps // 2
 
 
 # ====================================================================== one batch end to end
@@ -122,7 +125,7 @@ def test_parameter_accounting_of_the_runs(batch):
     assert s['baseline']['params_embedding'] == V * D
     assert s['lowrank-k16']['params_embedding'] == s['pca-k16']['params_embedding'] == s['pca-lora-k16']['params_embedding'] == emb16
     assert s['pca-k16']['params']['total'] == s['lowrank-k16']['params']['total']
-    cfg = read_json(out / 'pca-lora-k16-s0' / 'config.json')['extra']
+    cfg = read_json(out / 'pca-lora-k16-s0' / 'config.json')['settings']
     r, k = cfg['lora_rank'], 16
     lora = r * (V + k) + r * (k + D) + r * (D + k) + L * (4 * r * (D + D) + r * (D + 4 * D) + r * (4 * D + D))
     assert s['pca-lora-k16']['params_lora'] == s['pca-lora-k16']['params']['trainable'] == lora

@@ -344,10 +344,11 @@ def test_gpu_set_of_two_trains_through_torchrun(tmp_path):
 def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_path, monkeypatch):
     "The runner adds missing upstream variants, starts dependents only after them, and records blocked runs as failed."
     from oelm_nb import runner
-    from oelm_nb.experiment import Study, register_study, STUDIES
-    register_study(Study('chain-test', variants={'base': lambda c, s: {'model.variant': 'gpt'}}, default_variants=['child-1'],
-                         train={}, data={}, families={r'child-(\d+)': lambda m, c, s: {'extra.k': int(m[1])}},
-                         requires=lambda v: [] if v == 'base' else ['base'], report=None))
+    from oelm_nb.experiment import Study, Variant, NoSettings
+    from oelm_nb.studies import STUDIES
+    variants = lambda preset, steps, opts: {'base': Variant({'model.variant': 'gpt'}), 'child-1': Variant({'model.variant': 'oelm'}, ('base',))}
+    monkeypatch.setitem(STUDIES, 'chain-test', Study('chain-test', 'a chain', NoSettings, variants, run=lambda spec, progress=None: {},
+                                                     train={}, data={}, default_variants=('child-1',), report=None))
     started = []
     def fake_execute(job, *a, **k):
         started.append(job.name); job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -355,9 +356,7 @@ def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_
         runner.write_json(job.run_dir / 'summary.json', {'status': 'completed' if ok else 'failed'})
         return 'completed' if ok else 'failed'
     monkeypatch.setattr(runner, 'execute_run', fake_execute)
-    try:
-        res = runner.run_study('chain-test', seeds=[0, 1], out_dir=tmp_path, jobs=2, overrides=OVERRIDES, report=False, log=lambda s: None)
-    finally: STUDIES.pop('chain-test')
+    res = runner.run_study('chain-test', seeds=[0, 1], out_dir=tmp_path, jobs=2, overrides=OVERRIDES, report=False, log=lambda s: None)
     assert list(res.statuses) == ['base-s0', 'base-s1', 'child-1-s0', 'child-1-s1']  # 'base' was added in front
     assert res.statuses == {'base-s0': 'completed', 'base-s1': 'failed', 'child-1-s0': 'completed', 'child-1-s1': 'failed'}
     assert started.index('child-1-s0') > started.index('base-s0') and 'child-1-s1' not in started
@@ -368,9 +367,8 @@ def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_
 
 def test_every_study_has_its_own_run_command():
     "`oelm run --help` lists the studies; each has its notebooks and its own flags."
-    from oelm_nb.experiment import all_studies
+    from oelm_nb.studies import STUDIES as studies
     from oelm_nb.runner import notebook_path
-    studies = all_studies()
     out = run_oelm('run', '--help', timeout=120).stdout
     for name, st in studies.items():
         assert name in out

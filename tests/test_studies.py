@@ -1,0 +1,141 @@
+"""The study framework from outside: typed settings per study, run names, the registry, and the verdict functions of the
+Q/K freeze and PCA studies on hand-made run directories (one seed, failed runs, missing metrics)."""
+from __future__ import annotations
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st_
+
+from oelm_nb.core import ConfigError
+from oelm_nb.experiment import parse_run_name, resolve_spec, run_name
+from oelm_nb.report import compare, load_runs
+from oelm_nb.studies import STUDIES, get_study
+from oelm_nb.qk_freeze import hypotheses
+from oelm_nb.pca_study import ppl_table, recovery_table, recovery_verdict
+from fake_runs import failed, fake_batch
+from cli_helpers import run_oelm
+
+
+# ====================================================================== settings and names
+@pytest.mark.parametrize('study', list(STUDIES))
+def test_every_study_rejects_an_unknown_settings_field_by_name(study):
+    st = get_study(study)
+    variant = st.planned()[-1]
+    with pytest.raises(ConfigError) as e: resolve_spec(study, variant, overrides={'settings.no_such_field': 1})
+    msg = str(e.value)
+    assert f"study {study!r}" in msg and "['no_such_field']" in msg and 'valid fields' in msg
+    for f in st.settings.field_names():  # the allowed values: every field is listed
+        assert f in msg
+
+
+@pytest.mark.parametrize('study,field,value,expect', [
+    ('pca', 'lora_rank', 'four', 'PCASettings.lora_rank=\'four\' is invalid: must be of type int'),
+    ('pca', 'method', 'svd', "must be one of ('baseline', 'lowrank', 'pca', 'pca-lora')"),
+    ('cvfp', 'samples', 2.5, 'CVFPSettings.samples=2.5 is invalid: must be of type int | None'),
+    ('cvfp', 'diversity', 'WMSE', 'must be one of'),
+    ('mercator', 'role', 'judge', "must be one of ('teacher', 'student')"),
+    ('mercator', 'beta', 'x', 'must be of type float'),
+])
+def test_ill_typed_settings_name_study_field_and_allowed_values(study, field, value, expect):
+    with pytest.raises(ConfigError) as e: resolve_spec(study, get_study(study).planned()[-1], overrides={f'settings.{field}': value})
+    assert f'study {study!r}, settings:' in str(e.value) and expect in str(e.value)
+
+
+def test_settings_errors_reach_the_command_line_before_anything_runs(tmp_path):
+    res = run_oelm('run', 'pca', '--ks', '8', '--set', 'settings.lora_rnak=2', '--out', str(tmp_path / 'b'), timeout=120)
+    assert res.returncode == 2 and "study 'pca', settings: PCASettings has no field(s) ['lora_rnak']" in res.stderr
+    assert not (tmp_path / 'b' / 'batch.json').exists()
+    old = run_oelm('run', 'pca', '--ks', '8', '--set', 'extra.k=2', '--out', str(tmp_path / 'c'), timeout=120)
+    assert old.returncode == 2 and 'write settings.k' in old.stderr
+
+
+@given(st_.from_regex(r'[a-z][a-z0-9.\-]{0,20}', fullmatch=True), st_.integers(0, 10_000))
+def test_run_names_round_trip(variant, seed):
+    assert parse_run_name(run_name(variant, seed)) == (variant, seed)
+
+
+def test_variant_names_are_labels_never_parsed():
+    "The numbers of a variant live in its overrides: renaming a variant changes nothing it does."
+    v = get_study('pca').variant('pca-lora-k16')
+    assert v.overrides['model.n_embd_wte'] == 16 and v.overrides['settings.method'] == 'pca-lora' and v.upstream == ('baseline',)
+    with pytest.raises(ConfigError, match="no variant 'pca-lora-k20'"): resolve_spec('pca', 'pca-lora-k20')
+
+
+# ====================================================================== Q/K freeze verdicts
+def qk_summary(ppl, tps=1000.0, trainable=1000, **more):
+    return {'status': 'completed', 'best_val_ppl': ppl, 'best_val_loss': math.log(ppl), 'tokens_per_s': tps,
+            'params': {'total': 1000, 'trainable': trainable, 'frozen': 1000 - trainable}, **more}
+
+
+def qk_batch(root, seeds=(0, 1, 2), freeze_ppl=10.2, **kw):
+    runs = {'gpt': lambda s: qk_summary(10.0 + 0.1 * s), 'oelm': lambda s: qk_summary(10.0 + 0.1 * s),
+            'oelm-freeze': lambda s: qk_summary(freeze_ppl + 0.1 * s + 0.01 * (s % 2), trainable=930)}
+    runs.update(kw)
+    return fake_batch(root, 'qk-freeze', runs, seeds)
+
+
+def test_hypotheses_on_three_seeds(tmp_path):
+    h = hypotheses(load_runs(qk_batch(tmp_path)))
+    assert list(h.index) == ['H1', 'H2', 'H3', 'H4']
+    assert h.loc['H1', 'verdict'] == 'rejected' and '7.00% fewer' in h.loc['H1', 'evidence']
+    assert h.loc['H2', 'verdict'] == 'supported' and '3 seeds' in h.loc['H2', 'evidence']
+
+
+def test_one_seed_gives_no_interval_and_no_verdict(tmp_path):
+    runs = load_runs(qk_batch(tmp_path, seeds=(0,)))
+    c = compare(runs, 'oelm-freeze', 'oelm')
+    assert c.n == 1 and c.low is None and c.high is None and not c.resolvable
+    h = hypotheses(runs)
+    for hid in ('H2', 'H3', 'H4'):
+        assert h.loc[hid, 'verdict'] == 'inconclusive (needs >= 2 seeds)'
+        assert 'inf' not in h.loc[hid, 'evidence'] and 'needs >= 2 seeds' in h.loc[hid, 'evidence']
+
+
+def test_failed_run_is_left_out_and_a_failed_variant_gives_no_data(tmp_path):
+    runs = load_runs(qk_batch(tmp_path, gpt=lambda s: failed()))
+    assert set(runs[runs.variant == 'gpt'].status) == {'failed'} and set(runs[runs.variant == 'gpt'].error) == {'RuntimeError: boom'}
+    h = hypotheses(runs)
+    assert h.loc['H4', 'verdict'] == 'no data' and h.loc['H2', 'verdict'] == 'supported'
+
+
+def test_one_failed_seed_shrinks_the_pairing(tmp_path):
+    runs = load_runs(qk_batch(tmp_path, oelm=lambda s: failed() if s == 2 else qk_summary(10.0 + 0.1 * s)))
+    assert compare(runs, 'oelm-freeze', 'oelm').n == 2
+
+
+def test_missing_metrics_give_no_data(tmp_path):
+    no_tps = {v: (lambda s, v=v: {k: x for k, x in qk_summary(10.0).items() if k != 'tokens_per_s'}) for v in ('gpt', 'oelm', 'oelm-freeze')}
+    h = hypotheses(load_runs(qk_batch(tmp_path / 'a', **no_tps)))
+    assert h.loc['H3', 'verdict'] == 'no data'
+    no_params = {v: (lambda s, v=v: {k: x for k, x in qk_summary(10.0).items() if k != 'params'}) for v in ('gpt', 'oelm', 'oelm-freeze')}
+    h = hypotheses(load_runs(qk_batch(tmp_path / 'b', **no_params)))
+    assert h.loc['H1', 'verdict'] == 'no data'
+    assert hypotheses(load_runs(fake_batch(tmp_path / 'c', 'qk-freeze', {}))).verdict.eq('no data').all()
+
+
+# ====================================================================== PCA verdicts
+PCA_PLAN = {'baseline': {'settings.method': 'baseline'},
+            **{f'{m}-k{k}': {'settings.method': m, 'model.n_embd_wte': k} for m in ('pca', 'pca-lora') for k in (8, 64)}}
+
+
+def pca_summary(method, k, loss):
+    return {'status': 'completed', 'method': method, 'k': k, 'val_loss': loss, 'best_val_loss': loss, 'best_val_ppl': math.exp(loss)}
+
+
+def test_pca_recovery_from_run_directories(tmp_path):
+    runs = {'baseline': lambda s: pca_summary('baseline', 64, 2.0), 'pca-k8': lambda s: pca_summary('pca', 8, 3.0),
+            'pca-lora-k8': lambda s: pca_summary('pca-lora', 8, 2.5), 'pca-k64': lambda s: pca_summary('pca', 64, 2.0),
+            'pca-lora-k64': lambda s: failed()}
+    table = load_runs(fake_batch(tmp_path, 'pca', runs, plan=PCA_PLAN))
+    gaps = recovery_table(table)
+    assert gaps.loc[8, 'recovered'] == pytest.approx(0.5)
+    assert gaps.loc[64, 'note'] == 'a run of this k or the baseline did not complete'  # the failed run's k comes from the plan
+    assert recovery_verdict(gaps) == '**PCA + LoRA recovers part of the gap between PCA-only and the baseline at k=8 (50%).**'
+    assert ppl_table(table).loc['PCA + LoRA', 'k=64'] == 'failed'
+
+
+def test_pca_verdict_without_a_baseline(tmp_path):
+    runs = {'baseline': lambda s: failed(), 'pca-k8': lambda s: pca_summary('pca', 8, 3.0), 'pca-lora-k8': lambda s: pca_summary('pca-lora', 8, 2.5)}
+    gaps = recovery_table(load_runs(fake_batch(tmp_path, 'pca', runs, plan=PCA_PLAN)))
+    assert recovery_verdict(gaps).startswith('**No verdict:**')
