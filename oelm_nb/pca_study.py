@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import pandas as pd
+import matplotlib.pyplot as plt
 import torch
 from torch import nn
 from .core import ConfigBase, ConfigError, check, pick_device, autocast_dtype, set_seed
@@ -20,10 +21,11 @@ from .freeze import param_report
 from .pca import (LORA_TARGETS, embedding_pca, pca_factorize, save_pca_mats, apply_lora, merge_lora, unmerge_lora)
 
 # %% auto #0
-__all__ = ['PCA_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_METHOD_LABELS', 'GAP_TOL', 'PCA_STUDY', 'PCASettings',
-           'default_ks', 'check_ks', 'lora_finetune', 'pca_variants', 'token_embedding_params', 'best_checkpoint',
-           'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table', 'recovery_table',
-           'recovery_verdict', 'best_method_per_k']
+__all__ = ['PCA_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_METHOD_LABELS', 'GAP_TOL', 'PCA_COLORS', 'PCA_STUDY',
+           'PCASettings', 'default_ks', 'check_ks', 'lora_finetune', 'pca_variants', 'token_embedding_params',
+           'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
+           'recovery_table', 'recovery_verdict', 'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k',
+           'plot_explained_variance', 'plot_tradeoff']
 
 # %% ../nbs/11a_pca_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'lowrank', 'pca', 'pca-lora')
@@ -269,6 +271,89 @@ def best_method_per_k(runs: pd.DataFrame) -> str:
         d = loss[(loss.k == k) & loss.method.isin(list(PCA_METHOD_LABELS))]
         if len(d): r = d.loc[d.val_loss.idxmin()]; best.append(f"k={int(k)}: {PCA_METHOD_LABELS[r.method]} ({r.val_loss:.4f})")
     return '; '.join(best) + '.' if best else 'No completed runs to compare.'
+
+# %% ../nbs/11a_pca_study.ipynb #a9dc7894
+def _first(df: pd.DataFrame, col: str):
+    return df[col].dropna().iloc[0] if col in df and df[col].notna().any() else np.nan
+
+def params_table(runs: pd.DataFrame) -> pd.DataFrame:
+    "Per (k, method): token-embedding parameters, saving vs the baseline's table, total, trainable and their share."
+    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    base_emb = _first(ok[ok.method == 'baseline'], 'params_embedding')
+    rows = []
+    for k in sorted({int(k) for k in runs['k'].dropna()}):
+        for m, label in PCA_METHOD_LABELS.items():
+            d = ok[(ok.method == m) & (ok.k == k)]
+            if not len(d): rows.append({'k': k, 'method': label, 'status': 'failed or missing'}); continue
+            emb, total, trainable = _first(d, 'params_embedding'), _first(d, 'params_total'), _first(d, 'params_trainable')
+            rows.append({'k': k, 'method': label, 'status': 'completed', 'token-embedding params': emb,
+                         'saving vs baseline': 1 - emb / base_emb if pd.notna(base_emb) else np.nan,
+                         'total params': total, 'trainable params': trainable, 'trainable share': trainable / total})
+    return pd.DataFrame(rows).set_index(['k', 'method']) if rows else pd.DataFrame()
+
+# %% ../nbs/11a_pca_study.ipynb #625b0e93
+def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
+    "Per k of the completed PCA + LoRA runs: adapter parameters, rank, alpha, dropout, share of the model, fine-tuning steps."
+    runs = with_method_k(runs); lr = runs[(runs.status == 'completed') & (runs.method == 'pca-lora')]
+    cols = {}
+    for k in sorted(lr.k.dropna().unique()):
+        d = lr[lr.k == k]
+        s = (read_json(Path(d.run_dir.iloc[0]) / 'config.json') or {}).get('settings', {})
+        cols[f'k={int(k)}'] = {'LoRA params': f"{_first(d, 'params_lora'):,.0f}", 'rank': s.get('lora_rank'), 'alpha': s.get('lora_alpha'),
+                               'dropout': s.get('lora_dropout'), 'share of the model': f"{_first(d, 'params_lora') / _first(d, 'params_total'):.2%}",
+                               'fine-tuning steps': f"{_first(d, 'steps'):.0f}"}
+    return pd.DataFrame(cols).astype(str)
+
+# %% ../nbs/11a_pca_study.ipynb #63ff3988
+PCA_COLORS = {'lowrank': 'tab:blue', 'pca': 'tab:red', 'pca-lora': 'tab:green', 'baseline': 'black'}
+
+def plot_vs_k(runs: pd.DataFrame):
+    "Validation loss (left) and PPL (right) against k per method; the baseline as a dashed line."
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    ks = sorted({int(k) for k in with_method_k(runs)['k'].dropna()})
+    for ax, col, name in ((axes[0], 'val_loss', 'validation loss (nats/token)'), (axes[1], 'best_val_ppl', 'validation PPL')):
+        df = method_means(runs, col)
+        for m, label in PCA_METHOD_LABELS.items():
+            d = df[df.method == m].sort_values('k')
+            if len(d): ax.plot(d.k, d[col], 'o-', color=PCA_COLORS[m], label=label)
+        base = df[df.method == 'baseline'][col].mean()
+        if pd.notna(base): ax.axhline(base, ls='--', color='black', label='baseline (full table)')
+        if ks: ax.set_xscale('log', base=2); ax.set_xticks(ks); ax.set_xticklabels(ks)
+        ax.set_xlabel('k (token-embedding width)'); ax.set_ylabel(name); ax.legend()
+    axes[1].set_yscale('log')
+    return fig
+
+# %% ../nbs/11a_pca_study.ipynb #c904754e
+def plot_explained_variance(runs: pd.DataFrame):
+    "Cumulative explained variance of each baseline's token table with the study's ks marked, and its value at each k (or None)."
+    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    evs = {r.seed: read_json(Path(r.run_dir) / 'explained_variance.json') for r in ok[ok.method == 'baseline'].itertuples()}
+    evs = {s: np.cumsum(e['ratio']) for s, e in evs.items() if e}
+    if not evs: return None, None
+    ks = sorted({int(k) for k in runs['k'].dropna()})
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for s, cum in evs.items(): ax.plot(range(1, len(cum) + 1), cum, label=f'baseline seed {s}')
+    for k in ks: ax.axvline(k, ls=':', color='gray')
+    ax.set_xlabel('k (principal directions kept)'); ax.set_ylabel('cumulative explained variance'); ax.set_ylim(0, 1.02); ax.legend()
+    return fig, pd.DataFrame({f'seed {s}': {f'k={k}': f'{cum[k - 1]:.1%}' for k in ks if k <= len(cum)} for s, cum in evs.items()}).T
+
+# %% ../nbs/11a_pca_study.ipynb #abf0d6ae
+def plot_tradeoff(runs: pd.DataFrame):
+    "Validation PPL against the token-embedding parameters (left) and the trainable parameters (right), k annotated."
+    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    agg = ok.groupby(['method', 'k'], dropna=False).agg(ppl=('best_val_ppl', 'mean'), emb=('params_embedding', 'first'),
+                                                        trainable=('params_trainable', 'first')).reset_index()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    for ax, x, name in ((axes[0], 'emb', 'token-embedding parameters'), (axes[1], 'trainable', 'trainable parameters')):
+        for m in ('baseline', *PCA_METHOD_LABELS):
+            d = agg[agg.method == m].sort_values('k')
+            if not len(d): continue
+            xs = d[x].clip(lower=1)  # a PCA run trains nothing: drawn at 1 on the log axis
+            ax.plot(xs, d.ppl, 'o-' if m != 'baseline' else '*', ms=7 if m != 'baseline' else 14, color=PCA_COLORS[m], label=PCA_METHOD_LABELS.get(m, 'baseline'))
+            for xv, yv, k in zip(xs, d.ppl, d.k):
+                if pd.notna(k): ax.annotate(f'k={int(k)}', (xv, yv), textcoords='offset points', xytext=(4, 4), fontsize=8)
+        ax.set_xscale('log'); ax.set_yscale('log'); ax.set_xlabel(name); ax.set_ylabel('validation PPL'); ax.legend()
+    return fig
 
 # %% ../nbs/11a_pca_study.ipynb #231bb5ce
 PCA_STUDY = Study(

@@ -4,13 +4,15 @@
 
 # %% ../nbs/06a_qk_freeze.ipynb #d26e07d4
 from __future__ import annotations
+import numpy as np
 import pandas as pd
 from .experiment import Study, Variant, NoSettings, launch_run, TRAIN_PRESETS, DATA_PRESETS
 from .model import model_config
-from .report import compare, Comparison
+from .report import compare, Comparison, variant_table
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'threshold_verdict', 'h1_verdict', 'hypotheses']
+__all__ = ['H1_TEXT', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'threshold_verdict', 'h1_verdict', 'hypotheses',
+           'results_table', 'pairwise_table', 'pairwise_sentence']
 
 # %% ../nbs/06a_qk_freeze.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -62,6 +64,43 @@ def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
              str(c3) + timing if c3 else 'no data'),
             ('H4', 'Freeze vs GPT val PPL gap < 10%', threshold_verdict(c4, 0.10), str(c4) if c4 else f'needs {freeze} and {base} runs')]
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
+
+# %% ../nbs/06a_qk_freeze.ipynb #cfae21ed
+def _mean_sd(m, s, f: str) -> str:
+    return (f.format(m) + (' ± ' + f.format(s) if pd.notna(s) else '')) if pd.notna(m) else 'n/a'
+
+def results_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
+    "The per-variant results the report shows: completed runs, val PPL, gap to `reference`, recall, tokens/s, PPL per M trainable."
+    vt = variant_table(runs, reference)
+    show = pd.DataFrame({'completed': vt['completed'].astype(str) + ' / ' + vt['runs'].astype(str)})
+    if 'val_ppl_mean' in vt:
+        show['best val PPL'] = [_mean_sd(m, s, '{:.3f}') for m, s in zip(vt.val_ppl_mean, vt.val_ppl_std)]
+        gap = vt.get(f'ppl_gap_vs_{reference}', pd.Series(np.nan, index=vt.index))
+        show[f'gap vs {reference}'] = gap.map(lambda x: f'{x:+.2%}' if pd.notna(x) else 'n/a')
+    if 'recall_acc_mean' in vt: show['recall acc'] = [_mean_sd(m, s, '{:.3f}') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
+    if 'tokens_per_s_mean' in vt: show['tokens/s'] = [_mean_sd(m, s, '{:,.0f}') for m, s in zip(vt.tokens_per_s_mean, vt.tokens_per_s_std)]
+    if 'ppl_per_M_trainable' in vt: show['PPL per M trainable'] = vt.ppl_per_M_trainable.map(lambda x: f'{x:.3f}' if pd.notna(x) else 'n/a')
+    return show
+
+# %% ../nbs/06a_qk_freeze.ipynb #51fedc81
+def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
+    "Every pair of variants with completed runs, paired by seed on best validation PPL, with its interval and whether it is resolvable."
+    ok = runs[runs.status == 'completed'] if len(runs) else runs
+    vs, rows = list(dict.fromkeys(ok.variant)), []
+    for i, a in enumerate(vs):
+        for b in vs[i + 1:]:
+            if not (c := compare(runs, a, b)): continue
+            rows.append({'pair': f'{a} vs {b}', 'mean PPL difference': f'{c.mean:+.2%}', 'seeds': c.n, 'resolvable': 'yes' if c.resolvable else 'no',
+                         '95% interval': f'{c.low:+.2%} .. {c.high:+.2%}' if c.low is not None else 'none (needs >= 2 seeds)'})
+    return pd.DataFrame(rows).set_index('pair') if rows else pd.DataFrame()
+
+def pairwise_sentence(pairs: pd.DataFrame) -> str:
+    "How many pairs differ resolvably, in one sentence (Markdown)."
+    if not len(pairs): return 'No completed pairs to compare.'
+    n = int((pairs.resolvable == 'yes').sum())
+    if n: return f"**{n} of {len(pairs)} pairs differ resolvably** at this run length and seed count."
+    return ("**No pair of variants differs resolvably** at this run length and seed count: the differences above are within "
+            "seed-to-seed noise, or there are too few seeds for an interval.")
 
 # %% ../nbs/06a_qk_freeze.ipynb #d54873c0
 QK_FREEZE = Study(
