@@ -16,9 +16,14 @@ from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIP
                          train_phase1, train_phase2, fit_power_law, sample_schedule, alpha_progression)
 
 # %% auto #0
-__all__ = ['CVFP_KINDS', 'EMBEDDING_KEYS', 'CVFP_OPTIONS', 'CVFP_STUDY', 'CVFPSettings', 'first_stories', 'load_embedding',
-           'phase1_evaluation', 'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp', 'sample_sizes', 'common_settings',
-           'cvfp_variants', 'batch_alpha', 'write_alpha_progression']
+__all__ = ['CVFP_KINDS', 'EMBEDDING_KEYS', 'CVFP_OPTIONS', 'SPEEDUP_TARGET', 'CHECKS', 'TIMINGS', 'CVFP_STUDY', 'CVFPSettings',
+           'first_stories', 'load_embedding', 'phase1_evaluation', 'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp',
+           'sample_sizes', 'common_settings', 'cvfp_variants', 'is_cvfp_summary', 'batch_alpha',
+           'write_alpha_progression', 'Run', 'batch_runs', 'cvfp_runs', 'fmt', 'er_text', 'rate_text', 'pass_fail',
+           'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table',
+           'speed_sentences', 'phase1_table', 'phase1_sentence', 'checks_table', 'checks_counts', 'checks_summary',
+           'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table', 'report_alpha', 'alpha_table',
+           'alpha_sentences']
 
 # %% ../nbs/12a_cvfp_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -280,12 +285,16 @@ def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
     return out
 
 # %% ../nbs/12a_cvfp_study.ipynb #29821e12
+def is_cvfp_summary(s: dict | None) -> bool:
+    "Whether `s` is a completed CVFP run's summary: it has a sample size (the embedding GPT's `samples` are generated texts)."
+    return bool(s) and s.get('status') == 'completed' and isinstance(s.get('samples'), int) and not isinstance(s.get('samples'), bool)
+
 def _alpha_points(batch_dir) -> dict:
     "algorithm -> samples -> [(train tokens, best val PPL, run folder)] of the completed CVFP runs of a batch."
     pts = {}
     for d in sorted(Path(batch_dir).iterdir()):
         s = read_json(d / 'summary.json') if d.is_dir() and parse_run_name(d.name) else None
-        if not s or s.get('status') != 'completed' or s.get('samples') is None or s.get('best_val_ppl') is None: continue
+        if not is_cvfp_summary(s) or s.get('best_val_ppl') is None: continue
         pts.setdefault(s['algorithm'], {}).setdefault(int(s['samples']), []).append((s['train_tokens'], s['best_val_ppl'], d.name))
     return pts
 
@@ -314,6 +323,226 @@ def write_alpha_progression(batch_dir, window: int = 4) -> dict:
     a = batch_alpha(batch_dir, window)
     write_json(Path(batch_dir) / 'alpha_progression.json', a)
     return a
+
+# %% ../nbs/12a_cvfp_study.ipynb #b74e1bc8
+import pandas as pd
+from typing import NamedTuple
+
+class Run(NamedTuple):
+    "A run of a batch: its folder name, variant label, seed, directory, status, error and summary (empty without one)."
+    name: str
+    variant: str
+    seed: int
+    run_dir: Path
+    status: str
+    error: str | None
+    summary: dict
+
+def batch_runs(batch_dir) -> list[Run]:
+    "Every run of a batch directory in `load_runs` order, each with its summary."
+    from oelm_nb.report import load_runs
+    df = load_runs(batch_dir)
+    return [Run(Path(r.run_dir).name, r.variant, int(r.seed), Path(r.run_dir), r.status, None if pd.isna(r.error) else r.error,
+                read_json(Path(r.run_dir) / 'summary.json') or {}) for r in df.itertuples()] if len(df) else []
+
+def _runs(runs) -> list[Run]: return runs if isinstance(runs, list) else batch_runs(runs)
+def _done(runs, key: str) -> list[Run]: return [r for r in _runs(runs) if r.status == 'completed' and r.summary.get(key) is not None]
+
+def cvfp_runs(runs) -> list[Run]:
+    "The completed CVFP runs of a batch (directory or `batch_runs` list), sorted by algorithm, sample size and seed."
+    return sorted([r for r in _runs(runs) if r.status == 'completed' and is_cvfp_summary(r.summary)],
+                  key=lambda r: (str(r.summary.get('algorithm')), r.summary['samples'], r.seed))
+
+# %% ../nbs/12a_cvfp_study.ipynb #624b3532
+def _na(*xs) -> bool: return any(x is None for x in xs)
+def fmt(x, spec: str = '') -> str:
+    "`x` formatted with `spec`, `n/a` for None."
+    return 'n/a' if x is None else format(x, spec)
+def er_text(v, d, p) -> str:
+    "Effective rank as value/dim (percent)."
+    return 'n/a' if _na(v, d, p) else f'{v:.2f}/{d} ({p:.1f}%)'
+def rate_text(p, k, n) -> str:
+    "A convergence rate with its token counts."
+    return 'n/a' if _na(p, k, n) else f'{p:.1f}% ({k:,}/{n:,} tokens)'
+def pass_fail(b) -> str: return 'n/a' if b is None else 'PASS' if b else 'FAIL'
+def small_num(x) -> str:
+    "Six decimals, or three significant digits in exponent form below 1e-4."
+    return 'n/a' if x is None else f'{x:.6f}' if abs(x) >= 1e-4 or x == 0 else f'{x:.3e}'
+
+# %% ../nbs/12a_cvfp_study.ipynb #d80c51ab
+def batch_sentence(batch_dir) -> str:
+    "The batch's study, preset, data, seeds, flags and overrides, from batch.json."
+    b = read_json(Path(batch_dir) / 'batch.json') or {}
+    opts = b.get('options') or {}
+    return (f"**Batch** `{Path(batch_dir).resolve()}`: study `{b.get('study')}`, preset `{b.get('preset')}`, data `{b.get('data')}`, "
+            f"seeds {b.get('seeds')}, flags {json.dumps(opts) if opts else 'none'}, overrides {json.dumps(b.get('overrides') or {})}.")
+
+def runs_table(runs) -> pd.DataFrame:
+    "variant, seed, status, wall time and error of every run."
+    return pd.DataFrame([{'variant': r.variant, 'seed': r.seed, 'status': r.status, 'wall_time_s': '' if r.summary.get('wall_time_s') is None
+                          else f"{r.summary['wall_time_s']:.0f}", 'error': r.error or ''} for r in _runs(runs)])
+
+def runs_sentence(runs) -> str:
+    "Which runs did not complete (they are left out of every other table), or that all did."
+    runs = _runs(runs)
+    if not runs: return '**No runs in this batch directory.**'
+    bad = [r for r in runs if r.status != 'completed']
+    if not bad: return f'All {len(runs)} runs completed.'
+    return f'**{len(bad)} of {len(runs)} run(s) did not complete:** ' + '; '.join(f'`{r.name}` ({r.status}: {r.error})' for r in bad)
+
+# %% ../nbs/12a_cvfp_study.ipynb #e5d48138
+def embed_table(runs) -> pd.DataFrame:
+    "Where each seed's frozen embedding came from, its shape, and the GPT that trained it."
+    rows = [{'seed': r.seed, 'source': s.get('embedding_source'), 'shape': f"{s.get('embedding_rows')} x {s.get('embedding_dim')}",
+             'trained here': s.get('trained'), 'GPT steps': s.get('steps'),
+             'GPT best val PPL': f"{s['best_val_ppl']:.2f}" if s.get('best_val_ppl') else 'n/a'}
+            for r in _done(runs, 'embedding_source') for s in [r.summary]]
+    return pd.DataFrame(rows).set_index('seed') if rows else pd.DataFrame()
+
+# %% ../nbs/12a_cvfp_study.ipynb #694004e5
+SPEEDUP_TARGET = 10 # the issue's speed-up of parallel over sequential Phase 1 on 6,400 tokens
+
+def speed_table(runs) -> pd.DataFrame:
+    "Sequential and parallel Phase 1 of each speed run: tokens, iterations, seconds, effective ranks, convergence."
+    rows = []
+    for r in _done(runs, 'speedup'):
+        s = r.summary; g = lambda k: s.get(k)
+        for v in ('sequential', 'parallel'):
+            rows.append({'seed': r.seed, 'version': v, 'tokens': fmt(g('tokens'), ','), 'iterations': g(f'{v}_iterations'), 'seconds': fmt(g(f'{v}_s'), '.2f'),
+                         'train ER': er_text(g(f'{v}_train_er'), g('er_dim'), g(f'{v}_train_er_percent')),
+                         f"val ER ({fmt(g('val_tokens'), ',')} tokens)": er_text(g(f'{v}_val_er'), g('er_dim'), g(f'{v}_val_er_percent')),
+                         'train convergence': rate_text(g(f'{v}_convergence_rate'), g(f'{v}_converged_tokens'), g('tokens'))})
+    return pd.DataFrame(rows).set_index(['seed', 'version']) if rows else pd.DataFrame()
+
+def speed_sentences(runs) -> list[str]:
+    "Per seed: how much faster parallel Phase 1 is, whether that meets SPEEDUP_TARGET, and the effective ranks of both."
+    out = []
+    for r in _done(runs, 'speedup'):
+        s = r.summary; e = lambda v, w: er_text(s.get(f'{v}_{w}_er'), s.get('er_dim'), s.get(f'{v}_{w}_er_percent'))
+        out.append(f"**Seed {r.seed}: parallel Phase 1 is {s['speedup']:.1f}x faster** than sequential on {fmt(s.get('tokens'), ',')} tokens "
+                   f"({fmt(s.get('sequential_s'), '.2f')} s vs {fmt(s.get('parallel_s'), '.2f')} s, {fmt(s.get('iterations'))} iterations each; "
+                   f"{'meets' if s['speedup'] >= SPEEDUP_TARGET else 'misses'} the {SPEEDUP_TARGET}x target). Effective rank, sequential vs parallel: "
+                   f"training {e('sequential', 'train')} vs {e('parallel', 'train')}, validation {e('sequential', 'val')} vs {e('parallel', 'val')}.")
+    return out
+
+# %% ../nbs/12a_cvfp_study.ipynb #5b9b0b21
+def phase1_table(runs) -> pd.DataFrame:
+    "Convergence, effective rank, CVFP loss, final diff and iterations of each CVFP run after Phase 1."
+    rows = []
+    for r in cvfp_runs(runs):
+        s = r.summary; g = s.get
+        rows.append({'run': r.name, 'algorithm': g('algorithm'), 'stories': g('samples'),
+                     'Phase 1': 'n/a' if g('parallel') is None else 'parallel' if g('parallel') else 'sequential',
+                     'train convergence': rate_text(g('train_convergence_rate'), g('train_converged_tokens'), g('train_tokens')),
+                     'val convergence': rate_text(g('val_convergence_rate'), g('val_converged_tokens'), g('check_tokens')),
+                     'train ER': er_text(g('train_er'), g('train_er_dim'), g('train_er_percent')),
+                     'val ER': er_text(g('val_er'), g('val_er_dim'), g('val_er_percent')),
+                     'CVFP loss': small_num(g('cvfp_loss')), 'final diff': small_num(g('final_diff')),
+                     'iterations': f"{fmt(g('iterations'))}/{fmt(g('max_iterations'))}", 'stopped by': fmt(g('stop_reason'))})
+    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+def phase1_sentence(runs) -> str:
+    "The validation and check sizes, the model's sizes (of the first CVFP run) and a description of each diversity loss used."
+    cv = cvfp_runs(runs)
+    if not cv: return 'No completed CVFP run.'
+    s = cv[0].summary; algs = {r.summary.get('algorithm') for r in cv}
+    return (f"Validation ER on the first {fmt(s.get('val_tokens'), ',')} validation tokens; validation convergence and the checks on the first "
+            f"{fmt(s.get('check_tokens'), ',')}. Dist-reg weight {fmt(s.get('dist_reg_weight'))}, context dim {fmt(s.get('context_dim'))}, "
+            f"embedding dim {fmt(s.get('embed_dim'))}, {fmt(s.get('num_layers'))} layer(s). "
+            + ' '.join(f'{k}: {v}' for k, v in DIVERSITY_DESCRIPTIONS.items() if k in algs))
+
+# %% ../nbs/12a_cvfp_study.ipynb #01ca6eff
+CHECKS = {'identity': 'identity', 'convergence': 'convergence', 'effective_rank': 'effective rank'} # summary key -> column of checks_table
+
+def checks_table(runs) -> pd.DataFrame:
+    "PASS/FAIL of the identity, convergence and effective-rank checks of each CVFP run, with the numbers they were decided on."
+    rows = []
+    for r in cvfp_runs(runs):
+        c = r.summary.get('checks') or {}
+        i, v, e = (c.get(k) or {} for k in CHECKS)
+        sim = 'n/a (dims differ)' if i and i.get('token_similarity') is None else fmt(i.get('token_similarity'), '.3f')
+        rows.append({'run': r.name, 'identity': pass_fail(i.get('passed')), 'zero diff / token similarity': f"{fmt(i.get('zero_diff'), '.3f')} / {sim}",
+                     'convergence': pass_fail(v.get('passed')), 'verdict': fmt(v.get('verdict')), 'final diff': small_num(v.get('final_diff')),
+                     'slope': fmt(v.get('slope'), '.2e'), 'effective rank': pass_fail(e.get('passed')), 'val ER %': fmt(e.get('val_er_percent'), '.1f')})
+    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+def checks_counts(runs) -> dict[str, tuple[int, int]]:
+    "check -> (runs that passed it, runs that ran it)."
+    t = checks_table(runs)
+    return {name: (int((t[name] == 'PASS').sum()), int(t[name].isin(['PASS', 'FAIL']).sum())) if len(t) else (0, 0) for name in CHECKS.values()}
+
+def checks_summary(runs) -> str:
+    "The three checks' rules and how many runs passed each."
+    cv = cvfp_runs(runs)
+    if not cv: return 'No completed CVFP run to check.'
+    c0 = next((r.summary['checks'] for r in cv if r.summary.get('checks')), {})
+    rules = '; '.join(f"{name} {(c0.get(k) or {}).get('rule', 'n/a')}" for k, name in CHECKS.items())
+    return f'Rules: {rules}. ' + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items()) + '.'
+
+# %% ../nbs/12a_cvfp_study.ipynb #a8e47025
+def _read_jsonl(p) -> list[dict]:
+    p = Path(p)
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+
+def _curves(runs, file: str, key: str, cols: tuple) -> pd.DataFrame:
+    rows = [{'run': r.name, 'algorithm': r.summary.get('algorithm'), **{c: x.get(c) for c in cols}}
+            for r in cvfp_runs(runs) for x in _read_jsonl(r.run_dir / file) if key in x]
+    return pd.DataFrame(rows, columns=['run', 'algorithm', *cols])
+
+def phase1_curves(runs) -> pd.DataFrame:
+    "Per CVFP run and learning iteration: training and validation effective rank (%) and the CVFP loss."
+    return _curves(runs, 'phase1.jsonl', 'cvfp', ('iteration', 'effective_rank', 'val_effective_rank', 'cvfp'))
+
+def phase2_curves(runs) -> pd.DataFrame:
+    "Per CVFP run and Phase 2 evaluation: tokens seen and validation PPL."
+    return _curves(runs, 'metrics.jsonl', 'val_ppl', ('tokens', 'val_ppl'))
+
+# %% ../nbs/12a_cvfp_study.ipynb #efe25cdc
+def phase2_table(runs) -> pd.DataFrame:
+    "Best and final validation PPL, accuracy, steps and batch size of each CVFP run's Phase 2."
+    rows = [{'run': r.name, 'algorithm': g('algorithm'), 'stories': g('samples'), 'train tokens': fmt(g('train_tokens'), ','),
+             'best val PPL': fmt(g('best_val_ppl'), '.2f'), 'final val PPL': fmt(g('final_val_ppl'), '.2f'), 'val acc': fmt(g('val_acc'), '.2%'),
+             'steps': fmt(g('phase2_steps')), 'batch (tokens)': fmt(g('phase2_batch_size')), 'batch from': fmt(g('phase2_batch_source'))}
+            for r in cvfp_runs(runs) for g in [r.summary.get]]
+    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+TIMINGS = {'Phase 1 training (s)': 'phase1_train_s', 'Phase 1 with validation (s)': 'phase1_s', 'checks (s)': 'checks_s',
+           'Phase 2 (s)': 'phase2_s', 'total (s)': 'wall_time_s'}
+
+def timing_table(runs) -> pd.DataFrame:
+    "Seconds of each part of each CVFP run."
+    rows = [{'run': r.name, 'train tokens': fmt(r.summary.get('train_tokens'), ','), **{c: fmt(r.summary.get(k), '.1f') for c, k in TIMINGS.items()}}
+            for r in cvfp_runs(runs)]
+    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+# %% ../nbs/12a_cvfp_study.ipynb #3173fe7a
+def report_alpha(batch_dir) -> dict:
+    "`write_alpha_progression` with the window size the batch was run with."
+    opts = (read_json(Path(batch_dir) / 'batch.json') or {}).get('options') or {}
+    return write_alpha_progression(batch_dir, int(opts.get('window_size') or 4))
+
+def alpha_table(alpha: dict) -> pd.DataFrame:
+    "alpha, A and R^2 of each algorithm's fit over all points and over each window, from `batch_alpha`."
+    rows = []
+    for alg, a in alpha['algorithms'].items():
+        if 'overall' not in a: continue
+        o = a['overall']
+        fits = [('all points', [a['points'][0]['samples'], a['points'][-1]['samples']], o)] + [(str(w['window']), w['samples'], w) for w in a['progression']['windows']]
+        rows += [{'algorithm': alg, 'window': name, 'stories': f'{n[0]}-{n[1]}', 'tokens': f"{f['tokens'][0]:,}-{f['tokens'][1]:,}",
+                  'alpha': f"{f['alpha']:.5f}", 'A': f"{f['A']:.3g}", 'R^2': f"{f['r2']:.4f}"} for name, n, f in fits]
+    return pd.DataFrame(rows).set_index(['algorithm', 'window']) if rows else pd.DataFrame()
+
+def alpha_sentences(alpha: dict) -> list[str]:
+    "Per algorithm: the overall alpha and R^2, and the change of the window alpha from the first window to the last."
+    out = []
+    for alg, a in alpha['algorithms'].items():
+        if 'overall' not in a: out.append(f"**{alg}**: {a['note']}."); continue
+        o, pr = a['overall'], a['progression']
+        ch = pr['alpha_change']
+        out.append(f"**{alg}**: alpha {o['alpha']:.5f} (R^2 {o['r2']:.4f}) over {len(a['points'])} sample sizes; "
+                   + (f"window alpha {pr['windows'][0]['alpha']:.5f} -> {pr['windows'][-1]['alpha']:.5f} (change {ch:+.5f}, {pr['trend']})" if ch is not None
+                      else f"one window of {pr['window']} points (no change to report)") + '.')
+    return out or ['No algorithm has completed runs to fit.']
 
 # %% ../nbs/12a_cvfp_study.ipynb #ed82c37d
 CVFP_STUDY = Study(

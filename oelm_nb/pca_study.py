@@ -272,7 +272,7 @@ def best_method_per_k(runs: pd.DataFrame) -> str:
         if len(d): r = d.loc[d.val_loss.idxmin()]; best.append(f"k={int(k)}: {PCA_METHOD_LABELS[r.method]} ({r.val_loss:.4f})")
     return '; '.join(best) + '.' if best else 'No completed runs to compare.'
 
-# %% ../nbs/11a_pca_study.ipynb #a9dc7894
+# %% ../nbs/11a_pca_study.ipynb #d78f2da4
 def _first(df: pd.DataFrame, col: str):
     return df[col].dropna().iloc[0] if col in df and df[col].notna().any() else np.nan
 
@@ -291,7 +291,7 @@ def params_table(runs: pd.DataFrame) -> pd.DataFrame:
                          'total params': total, 'trainable params': trainable, 'trainable share': trainable / total})
     return pd.DataFrame(rows).set_index(['k', 'method']) if rows else pd.DataFrame()
 
-# %% ../nbs/11a_pca_study.ipynb #625b0e93
+# %% ../nbs/11a_pca_study.ipynb #f7a672eb
 def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
     "Per k of the completed PCA + LoRA runs: adapter parameters, rank, alpha, dropout, share of the model, fine-tuning steps."
     runs = with_method_k(runs); lr = runs[(runs.status == 'completed') & (runs.method == 'pca-lora')]
@@ -304,7 +304,7 @@ def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
                                'fine-tuning steps': f"{_first(d, 'steps'):.0f}"}
     return pd.DataFrame(cols).astype(str)
 
-# %% ../nbs/11a_pca_study.ipynb #63ff3988
+# %% ../nbs/11a_pca_study.ipynb #b2fd8df4
 PCA_COLORS = {'lowrank': 'tab:blue', 'pca': 'tab:red', 'pca-lora': 'tab:green', 'baseline': 'black'}
 
 def plot_vs_k(runs: pd.DataFrame):
@@ -323,7 +323,7 @@ def plot_vs_k(runs: pd.DataFrame):
     axes[1].set_yscale('log')
     return fig
 
-# %% ../nbs/11a_pca_study.ipynb #c904754e
+# %% ../nbs/11a_pca_study.ipynb #60925bf3
 def plot_explained_variance(runs: pd.DataFrame):
     "Cumulative explained variance of each baseline's token table with the study's ks marked, and its value at each k (or None)."
     runs = with_method_k(runs); ok = runs[runs.status == 'completed']
@@ -337,7 +337,7 @@ def plot_explained_variance(runs: pd.DataFrame):
     ax.set_xlabel('k (principal directions kept)'); ax.set_ylabel('cumulative explained variance'); ax.set_ylim(0, 1.02); ax.legend()
     return fig, pd.DataFrame({f'seed {s}': {f'k={k}': f'{cum[k - 1]:.1%}' for k in ks if k <= len(cum)} for s, cum in evs.items()}).T
 
-# %% ../nbs/11a_pca_study.ipynb #abf0d6ae
+# %% ../nbs/11a_pca_study.ipynb #583060a8
 def plot_tradeoff(runs: pd.DataFrame):
     "Validation PPL against the token-embedding parameters (left) and the trainable parameters (right), k annotated."
     runs = with_method_k(runs); ok = runs[runs.status == 'completed']

@@ -65,7 +65,7 @@ def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
             ('H4', 'Freeze vs GPT val PPL gap < 10%', threshold_verdict(c4, 0.10), str(c4) if c4 else f'needs {freeze} and {base} runs')]
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
 
-# %% ../nbs/06a_qk_freeze.ipynb #cfae21ed
+# %% ../nbs/06a_qk_freeze.ipynb #07fe85ca
 def _mean_sd(m, s, f: str) -> str:
     return (f.format(m) + (' ± ' + f.format(s) if pd.notna(s) else '')) if pd.notna(m) else 'n/a'
 
@@ -82,7 +82,7 @@ def results_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
     if 'ppl_per_M_trainable' in vt: show['PPL per M trainable'] = vt.ppl_per_M_trainable.map(lambda x: f'{x:.3f}' if pd.notna(x) else 'n/a')
     return show
 
-# %% ../nbs/06a_qk_freeze.ipynb #51fedc81
+# %% ../nbs/06a_qk_freeze.ipynb #c162e358
 def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
     "Every pair of variants with completed runs, paired by seed on best validation PPL, with its interval and whether it is resolvable."
     ok = runs[runs.status == 'completed'] if len(runs) else runs

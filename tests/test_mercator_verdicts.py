@@ -1,0 +1,211 @@
+"""The Mercator report's tables and verdicts (`oelm_nb.mercator_study`) on small fake batch directories.
+
+Each test writes a batch the way the runner does (batch.json, per-run summary.json and metrics.jsonl) and checks
+the sentences the report would print. Expected intervals are recomputed here with scipy, not taken from
+`report.compare`.
+"""
+from __future__ import annotations
+import json, math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from oelm_nb.experiment import write_json
+from oelm_nb.mercator_study import (BASELINE, ONE_SEED_NOTE, agreement_table, alignment, batch_line, collapse_guard, failed_runs_note,
+                                    mercator_runs, mse_sentence, mse_table, ppl_table, runs_table, style_agreement, style_ppl,
+                                    style_runs_table, verdict)
+
+
+def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | None = None, name: str = 'batch') -> Path:
+    """A Mercator batch directory under `root`: a teacher (PPL 10) and the students of `ppl`.
+
+    `ppl` maps a variant to its best_val_ppl per seed (None: the run failed). `raw` / `centered` map a variant to its
+    final KV cosine (default 0.6 / 0.55); with `centered` given, a variant left out of it records no centered cosine.
+    """
+    out = root / name; out.mkdir(parents=True)
+    n_seeds = max((len(v) for v in ppl.values()), default=1)
+    variants = ['teacher', *ppl] if ppl else []
+    write_json(out / 'batch.json', {'study': 'mercator', 'preset': 'tiny', 'data': 'synthetic', 'variants': variants,
+                                    'seeds': list(range(n_seeds)), 'steps': 30, 'options': {}})
+    for v in variants:
+        for s in range(n_seeds):
+            d = out / f'{v}-s{s}'; d.mkdir()
+            p = 10.0 if v == 'teacher' else ppl[v][s]
+            if p is None:
+                write_json(d / 'summary.json', {'status': 'failed', 'error': 'RuntimeError: CUDA out of memory'}); continue
+            summ = {'status': 'completed', 'best_val_ppl': p, 'steps': 30, 'wall_time_s': 3.0}
+            if v != 'teacher':
+                r = (raw or {}).get(v, 0.6)
+                c = (centered or {}).get(v) if centered is not None else 0.55
+                summ['final_kv_cos'] = r
+                if c is not None: summ |= {'final_kv_cos_centered': c, 'kv_cos_centered_layers': [c - 0.1, c + 0.1]}
+            write_json(d / 'summary.json', summ)
+            (d / 'metrics.jsonl').write_text(''.join(json.dumps({'step': k, 'ce_loss': 5.0 - k, 'val_ppl': p + 5 - k}) + '\n' for k in (1, 2, 3)))
+    return out
+
+
+def t_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    "Mean and 95% t-interval of the paired relative differences a/b - 1 (independent of report.compare)."
+    rel = np.array(a) / np.array(b) - 1
+    half = stats.t.ppf(0.975, len(rel) - 1) * rel.std(ddof=1) / math.sqrt(len(rel))
+    return rel.mean(), rel.mean() - half, rel.mean() + half
+
+
+def verdict_of(tmp_path, ppl, **kw) -> str:
+    return verdict(mercator_runs(fake_batch(tmp_path, ppl, **kw)))
+
+
+# ------------------------------------------------------------------ did distillation help? one seed
+def test_one_seed_helped_has_no_interval(tmp_path):
+    v = verdict_of(tmp_path, {'mercator-b0': [30.0], 'mse': [33.0], BASELINE: [32.0]})
+    assert v == ("**Distillation helped:** 1 of 2 distilled students (mercator-b0) reached a lower validation perplexity than the "
+                 "no-distillation baseline (32.000); the best, `mercator-b0`, reached 30.000 (-6.25%); the other 1 (mse +3.12%) were worse "
+                 "than the baseline" + ONE_SEED_NOTE + '.')
+    assert 'CI' not in v and 'not tested against seed-to-seed noise' in v and 'needs >= 2 seeds' in v
+
+
+def test_one_seed_did_not_help(tmp_path):
+    v = verdict_of(tmp_path, {'mercator-b0': [34.0], 'mse': [33.0], BASELINE: [32.0]})
+    assert v.startswith("**Distillation did not help:** none of the 2 distilled students reached a lower validation perplexity than the "
+                        "no-distillation baseline (32.000); the closest, `mse`, reached 33.000 (+3.12%)")
+    assert v.endswith(ONE_SEED_NOTE + '.') and 'CI' not in v
+
+
+def test_one_seed_ppl_table_shows_no_interval(tmp_path):
+    ppl = ppl_table(mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]})))
+    assert np.isnan(ppl.loc['mercator-b0', 'low']) and ppl.loc['mercator-b0', 'paired seeds'] == 1
+    html = style_ppl(ppl).to_html()
+    assert '-6.25%' in html and 'CI' not in html and 'baseline' in html
+
+
+# ------------------------------------------------------------------ three seeds: intervals
+def test_three_seeds_helped(tmp_path):
+    a, b = [30.0, 30.5, 29.8], [32.0, 32.2, 31.9]
+    v = verdict_of(tmp_path, {'mercator-b0': a, 'mse': [32.1, 31.8, 32.3], BASELINE: b})
+    m, lo, hi = t_interval(a, b)
+    assert v.startswith("**Distillation helped:** 1 of 2 distilled students (mercator-b0) reached a lower validation perplexity than "
+                        "the no-distillation baseline (32.033) by more than seed-to-seed noise")
+    assert f"the best, `mercator-b0`, reached {np.mean(a):.3f} ({m:+.2%}, 95% CI {lo:+.2%} .. {hi:+.2%}, 3 paired seeds)." in v
+    assert 'resolvably worse' not in v and ONE_SEED_NOTE not in v
+
+
+def test_three_seeds_not_resolvably(tmp_path):
+    a, b = [30.0, 34.0, 31.0], [32.0, 32.0, 32.0]
+    v = verdict_of(tmp_path, {'mercator-b0': a, BASELINE: b})
+    m, lo, hi = t_interval(a, b)
+    assert lo < 0 < hi and m < 0
+    assert v == ("**Distillation did not help resolvably:** 1 of 1 distilled students had a lower mean validation perplexity than the "
+                 f"baseline (32.000), but no difference exceeds seed-to-seed noise; the best, `mercator-b0`, reached 31.667 ({m:+.2%}, "
+                 f"95% CI {lo:+.2%} .. {hi:+.2%}, 3 paired seeds).")
+
+
+def test_three_seeds_did_not_help_and_resolvably_worse(tmp_path):
+    v = verdict_of(tmp_path, {'mercator-b0': [33.0, 34.0, 33.5], 'mse': [32.5, 31.0, 33.0], BASELINE: [32.0, 32.0, 32.0]})
+    assert v.startswith("**Distillation did not help:** no distilled student reached a lower validation perplexity than the baseline (32.000); "
+                        "the best, `mse`, reached 32.167")
+    assert v.endswith('3 paired seeds); 1 (mercator-b0) were resolvably worse.')
+
+
+def test_three_seeds_ppl_table_interval(tmp_path):
+    a, b = [30.0, 30.5, 29.8], [32.0, 32.2, 31.9]
+    ppl = ppl_table(mercator_runs(fake_batch(tmp_path, {'mercator-b0': a, BASELINE: b})))
+    m, lo, hi = t_interval(a, b)
+    assert ppl.loc['mercator-b0', ['vs no-distill', 'low', 'high']].tolist() == pytest.approx([m, lo, hi])
+    assert f'{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%})' in style_ppl(ppl).to_html()
+
+
+# ------------------------------------------------------------------ failed runs
+def test_failed_student_run_is_listed_and_left_out(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [None], 'mse': [31.0], BASELINE: [32.0]}))
+    tab = runs_table(runs)
+    assert tab.set_index('variant').loc['mercator-b0', ['status', 'error']].tolist() == ['failed', 'RuntimeError: CUDA out of memory']
+    assert failed_runs_note(runs) == '**1 run(s) did not complete:** `mercator-b0-s0` (failed: RuntimeError: CUDA out of memory)'
+    assert 'fde0dd' in style_runs_table(tab).to_html()
+    assert 'mercator-b0' not in ppl_table(runs).index and 'mercator-b0' not in agreement_table(runs).index
+    assert verdict(runs).startswith('**Distillation helped:** 1 of 1 distilled students (mse)')
+    assert mse_sentence(mse_table(runs)) == 'The comparison needs completed `mse` and Mercator runs.'
+
+
+def test_failed_baseline_cannot_say(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], 'mse': [31.0], BASELINE: [None]}))
+    assert verdict(runs) == '**Cannot say whether distillation helped:** the no-distillation baseline did not complete.'
+    assert alignment(agreement_table(runs)) == ''
+    assert 'no-distill-s0' in failed_runs_note(runs)
+
+
+def test_failed_seed_of_the_baseline_pairs_the_rest(tmp_path):
+    "Seed 1 of the baseline failed: the comparison pairs seeds 0 and 2 only."
+    a, b = [30.0, 30.5, 29.8], [32.0, None, 31.9]
+    ppl = ppl_table(mercator_runs(fake_batch(tmp_path, {'mercator-b0': a, BASELINE: b})))
+    assert ppl.loc['mercator-b0', 'paired seeds'] == 2 and ppl.loc[BASELINE, 'seeds'] == 2
+    m, lo, hi = t_interval([30.0, 29.8], [32.0, 31.9])
+    assert ppl.loc['mercator-b0', ['low', 'high']].tolist() == pytest.approx([lo, hi])
+
+
+# ------------------------------------------------------------------ KV agreement
+def test_missing_centered_metric(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]}, centered={}))
+    assert runs.final_kv_cos_centered.isna().all()
+    tab = runs_table(runs).set_index('variant')
+    assert tab.loc['mercator-b0', 'stage (centered)'] == '' and tab.loc['mercator-b0', 'stage'] == 'Learning'
+    agree = agreement_table(runs)
+    assert agree.loc['mercator-b0', 'centered per layer'] == '' and agree.loc['mercator-b0', 'stage (centered)'] == ''
+    assert collapse_guard(agree) == "**Collapse guard:** no completed student recorded a centered cosine; the guard cannot be checked."
+    style_agreement(agree).to_html()
+    assert verdict(runs).startswith('**Distillation helped:**')
+
+
+def test_collapse_guard_fires(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], 'mse': [31.0], BASELINE: [32.0]},
+                                    raw={'mercator-b0': 0.92, 'mse': 0.8, BASELINE: 0.5}, centered={'mercator-b0': 0.4, 'mse': 0.75, BASELINE: 0.45}))
+    agree = agreement_table(runs)
+    assert agree.loc['mercator-b0', 'raw - centered'] == pytest.approx(0.52)
+    assert agree.loc['mse', 'centered per layer'] == '0.65, 0.85'
+    assert collapse_guard(agree) == ("**Collapse guard:** 1 variant(s) lose more than 0.1 of cosine to centering: `mercator-b0` raw 0.920 (Great) "
+                                     "but centered 0.400 (Adapting). Their raw agreement is largely one shared direction, not token-by-token agreement.")
+    assert alignment(agree).startswith("KV agreement: the most aligned distilled student, `mse`, reached a centered cosine of 0.750 (Good; raw 0.800) "
+                                       "against 0.450 for the probe of the undistilled student (higher: distillation did make")
+
+
+def test_collapse_guard_quiet(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]},
+                                    raw={'mercator-b0': 0.62, BASELINE: 0.5}, centered={'mercator-b0': 0.55, BASELINE: 0.52}))
+    agree = agreement_table(runs)
+    assert collapse_guard(agree) == ("**Collapse guard:** no variant loses more than 0.1 of cosine to centering; the raw cosines reflect "
+                                     "token-by-token agreement.")
+    assert 'not higher: distillation did not make' in alignment(agree.assign(**{'centered cosine': [0.5, 0.52]}))
+
+
+# ------------------------------------------------------------------ Mercator against MSE
+def test_mercator_against_mse(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0, 30.2], 'mercator-b0.1': [33.0, 33.4], 'mse': [31.0, 31.1], BASELINE: [32.0, 32.0]},
+                                    centered={'mercator-b0': 0.7, 'mercator-b0.1': 0.5, 'mse': 0.6, BASELINE: 0.4}))
+    mm = mse_table(runs)
+    m, lo, hi = t_interval([30.0, 30.2], [31.0, 31.1])
+    assert mm.loc['mercator-b0', 'PPL vs MSE'] == f'{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%})'
+    m2 = np.mean([33 / 31 - 1, 33.4 / 31.1 - 1])
+    assert mse_sentence(mm) == (f"**1 of 2 Mercator variants reached a lower validation perplexity than MSE** (mercator-b0 {m:+.2%}, "
+                                f"mercator-b0.1 {m2:+.2%}), and 1 of 2 a higher centered KV cosine (MSE 0.600).")
+
+
+# ------------------------------------------------------------------ an empty batch
+def test_empty_batch(tmp_path):
+    out = fake_batch(tmp_path, {})
+    runs = mercator_runs(out)
+    assert runs.empty
+    assert style_runs_table(runs_table(runs)).to_html()
+    assert failed_runs_note(runs) == ''
+    assert agreement_table(runs).empty and ppl_table(runs).empty and mse_table(runs).empty
+    assert verdict(runs) == '**Cannot say whether distillation helped:** the no-distillation baseline did not complete.'
+    assert alignment(agreement_table(runs)) == ''
+    assert mse_sentence(mse_table(runs)) == 'The comparison needs completed `mse` and Mercator runs.'
+    assert batch_line(out, runs).endswith('variants ; seeds [0]; steps per run n/a.')
+
+
+def test_single_paired_seed_of_one_variant_gives_no_interval(tmp_path):
+    "Two of mse's three seeds failed: the verdict names it and prints no interval for anyone."
+    v = verdict_of(tmp_path, {'mercator-b0': [30.0, 30.5, 29.8], 'mse': [31.0, None, None], BASELINE: [32.0, 32.2, 31.9]})
+    assert v.startswith('**Distillation helped:** 2 of 2 distilled students (mercator-b0, mse)')
+    assert 'CI' not in v and '(one paired seed for mse: the differences are not tested against seed-to-seed noise' in v
