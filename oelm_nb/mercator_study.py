@@ -19,15 +19,9 @@ from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, 
                              cosine, centered_cosine, cosine_stage, stage_index, extract_kv, flatten_heads, _freeze_teacher, _masked_mean, _unwrap)
 
 # %% auto #0
-__all__ = ['ROLES', 'TEACHER_DTYPES', 'HF_SETTINGS', 'OUR_FAMILY_SETTINGS', 'MERCATOR_STUDY', 'BASELINE', 'RUN_COLUMNS',
-           'RUN_TABLE_COLUMNS', 'STAGE_COLORS', 'COLLAPSE_GAP', 'ONE_SEED_NOTE', 'MercatorSettings', 'teacher_model',
+__all__ = ['ROLES', 'TEACHER_DTYPES', 'HF_SETTINGS', 'OUR_FAMILY_SETTINGS', 'MERCATOR_STUDY', 'MercatorSettings', 'teacher_model',
            'resolve_checkpoint', 'resolve_dataset', 'record_text', 'load_texts', 'DocBatches', 'distill_eval',
-           'lm_eval_batches', 'teacher_checkpoint', 'mercator_run', 'mercator_common', 'mercator_variants',
-           'mercator_runs', 'completed_runs', 'student_variants', 'distilled_variants', 'batch_line', 'stage_of',
-           'runs_table', 'style_runs_table', 'failed_runs_note', 'stage_bands', 'plot_kv_curves', 'layer_means',
-           'agreement_table', 'collapse_guard', 'style_agreement', 'plot_agreement', 'ppl_table', 'teacher_ppl',
-           'vs_baseline_text', 'style_ppl', 'plot_ppl', 'verdict_tested', 'verdict_untested', 'verdict', 'alignment',
-           'mse_table', 'style_mse', 'mse_sentence', 'plot_training_curves']
+           'lm_eval_batches', 'teacher_checkpoint', 'mercator_run', 'mercator_common', 'mercator_variants']
 
 # %% ../nbs/13a_mercator_study.ipynb #01cbcafb
 ROLES = ('teacher', 'student')
@@ -240,7 +234,7 @@ def lm_eval_batches(model: nn.Module, batches: list[tuple]) -> dict:
     loss = loss_sum / max(1, n_tok)
     return {'val_loss': loss, 'val_ppl': math.exp(min(loss, 50.0))}
 
-# %% ../nbs/13a_mercator_study.ipynb #59a11d68
+# %% ../nbs/13a_mercator_study.ipynb #f64d78fa
 def teacher_checkpoint(run_dir: Path) -> Path:
     "The checkpoint a student distils from: the teacher run's best (lowest val loss), else its final one."
     for tag in ('best', 'final'):
@@ -266,6 +260,7 @@ def _load_gpt_teacher(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, Path, d
     teacher = load_weights(GPT(tspec.model, init_seed=0), ckpt, 'model')
     return teacher, ckpt, read_json(tdir / 'summary.json') or {}
 
+# %% ../nbs/13a_mercator_study.ipynb #cca2d507
 def _student_summary(spec, ds, summary, ev, lmap, teacher_info, extra) -> dict:
     return {**summary, 'role': 'student',
             'distill': ds.distill, 'loss': ds.loss, 'alpha': ds.alpha, 'beta': ds.beta, 'kv_weight': ds.kv_weight,
@@ -295,6 +290,7 @@ def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad
     ev = next((r for r in reversed(tr.records) if 'val_kv_cos' in r), None) or eval_fn(tr.raw)
     return summary, ev, proj, lmap
 
+# %% ../nbs/13a_mercator_study.ipynb #845820c0
 def _gpt_teacher_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     run_dir = Path(spec.out_dir)
     if ds.teacher_run:  # taken from a finished run: check it, do not train
@@ -326,6 +322,7 @@ def _gpt_student_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict
     return _student_summary(spec, ds, summary, ev, lmap, tinfo, {'unigram_ppl': train_d.meta.get('unigram_ppl'),
                             'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level')})
 
+# %% ../nbs/13a_mercator_study.ipynb #039cf9ef
 def _hf_pair(spec: RunSpec, ds: MercatorSettings, device) -> tuple:
     "Teacher and student causal LMs and the student's tokenizer, checked to share a vocabulary."
     from transformers import AutoTokenizer
@@ -356,6 +353,7 @@ def _hf_data(spec: RunSpec, ds: MercatorSettings, tok, pad_id: int) -> tuple['Do
     return (DocBatches(enc(train_t), spec.train.batch_size, pad_id, spec.train.seed),
             DocBatches(enc(val_t), spec.train.batch_size, pad_id, spec.train.seed))
 
+# %% ../nbs/13a_mercator_study.ipynb #59b5d306
 def _hf_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     run_dir = Path(spec.out_dir); run_dir.mkdir(parents=True, exist_ok=True)
     spec.save_json(run_dir / 'config.json')
@@ -441,274 +439,3 @@ MERCATOR_STUDY = Study(
              'dataset': dict(metavar='NAME|FILE', help="HF mode: HF datasets name[:config] in the local cache (e.g. openai/gsm8k:main) or a local .jsonl/.txt (default: the story corpus' text)"),
              'teacher_run': dict(metavar='RUN_DIR', help='distil from this finished teacher run of our family instead of training one')},
     default_seeds=(0,))
-
-# %% ../nbs/13a_mercator_study.ipynb #b36f5e5a
-import pandas as pd
-from .mercator import STAGES, STAGE_BOUNDS
-
-BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
-RUN_COLUMNS = ('best_val_ppl', 'final_kv_cos', 'final_kv_cos_centered', 'teacher_val_ppl', 'steps', 'wall_time_s')
-
-def mercator_runs(batch_dir) -> pd.DataFrame:
-    "`report.load_runs` of a Mercator batch with every column the report reads (NaN where no run wrote it)."
-    from oelm_nb.report import load_runs
-    runs = load_runs(batch_dir)
-    for col in ('variant', 'seed', 'status', 'error', 'run_dir'):
-        if col not in runs: runs[col] = pd.Series(dtype=object)
-    for col in RUN_COLUMNS:
-        if col not in runs: runs[col] = np.nan
-    return runs
-
-def completed_runs(runs: pd.DataFrame) -> pd.DataFrame: return runs[runs.status == 'completed']
-def student_variants(runs: pd.DataFrame) -> list[str]: return [v for v in dict.fromkeys(runs.variant) if v != 'teacher']
-def distilled_variants(runs: pd.DataFrame) -> list[str]: return [v for v in student_variants(runs) if v != BASELINE]
-
-# %% ../nbs/13a_mercator_study.ipynb #6d662d64
-def batch_line(batch_dir, runs: pd.DataFrame) -> str:
-    "The report's first line (Markdown): the batch directory, its models and data, variants, seeds and steps per run."
-    batch = read_json(Path(batch_dir) / 'batch.json') or {}
-    opts = batch.get('options') or {}
-    mode = (f"HF checkpoints: teacher `{opts.get('teacher')}`, student `{opts.get('student')}`, data `{opts.get('dataset') or 'story corpus'}`"
-            if opts.get('teacher') else f"our GPT family, preset `{batch.get('preset')}`, data `{batch.get('data')}`")
-    steps = int(runs['steps'].max()) if runs['steps'].notna().any() else 'n/a'
-    return (f"**Batch** `{Path(batch_dir).resolve()}`: study `{batch.get('study')}`, {mode}; variants {', '.join(batch.get('variants', []))}; "
-            f"seeds {batch.get('seeds')}; steps per run {steps}.")
-
-# %% ../nbs/13a_mercator_study.ipynb #ffa6ebd6
-RUN_TABLE_COLUMNS = {'variant': 'variant', 'seed': 'seed', 'status': 'status', 'best_val_ppl': 'best val PPL', 'final_kv_cos': 'raw cosine',
-                     'stage': 'stage', 'final_kv_cos_centered': 'centered cosine', 'stage_centered': 'stage (centered)', 'wall_time_s': 'wall s',
-                     'error': 'error'}
-
-def stage_of(c) -> str:
-    "The seed's stage of cosine `c` (`cosine_stage`), '' when there is none."
-    return cosine_stage(c) if pd.notna(c) else ''
-
-def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "One row per run: status, best validation PPL, the final raw and centered KV cosine with their stages, wall time and error."
-    tab = runs.assign(stage=runs.final_kv_cos.map(stage_of), stage_centered=runs.final_kv_cos_centered.map(stage_of))
-    return tab[[c for c in RUN_TABLE_COLUMNS if c in tab]].rename(columns=RUN_TABLE_COLUMNS)
-
-def style_runs_table(tab: pd.DataFrame):
-    "`runs_table` for display: three decimals, runs that did not complete shaded red."
-    return (tab.style.format({'best val PPL': '{:.3f}', 'raw cosine': '{:.3f}', 'centered cosine': '{:.3f}', 'wall s': '{:.0f}'}, na_rep='')
-            .apply(lambda r: ['background-color: #fde0dd' if r.status != 'completed' else '' for _ in r], axis=1).hide(axis='index'))
-
-def failed_runs_note(runs: pd.DataFrame) -> str:
-    "A sentence (Markdown) naming the runs that did not complete, with status and error; '' when all completed."
-    bad = runs[runs.status != 'completed']
-    if not len(bad): return ''
-    return f"**{len(bad)} run(s) did not complete:** " + '; '.join(f"`{r.variant}-s{r.seed}` ({r.status}: {r.error})" for r in bad.itertuples())
-
-# %% ../nbs/13a_mercator_study.ipynb #3d6f4436
-STAGE_COLORS = ('#fde0dd', '#fee8c8', '#e5f5e0', '#c7e9c0', '#a1d99b')
-
-def stage_bands(ax, lo: float = -0.2):
-    "Shade the seed's stages (Adapting .. Excellent) behind a cosine axis, from `lo` to 1, and name them on the right."
-    for name, a, b, c in zip(STAGES, [lo, *STAGE_BOUNDS], [*STAGE_BOUNDS, 1.0], STAGE_COLORS):
-        ax.axhspan(max(a, lo), b, color=c, alpha=0.55, lw=0, zorder=0)
-        ax.text(1.01, (max(a, lo) + b) / 2, name, fontsize=8, va='center', transform=ax.get_yaxis_transform())
-
-def plot_kv_curves(curves: pd.DataFrame):
-    "Raw (left) and centered (right) validation KV cosine against step, one line per variant, over the stage bands."
-    import matplotlib.pyplot as plt, seaborn as sns
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
-    for ax, metric, title in ((axes[0], 'val_kv_cos', 'raw KV cosine (validation)'), (axes[1], 'val_kv_cos_centered', 'centered KV cosine (validation)')):
-        stage_bands(ax)
-        df = curves.dropna(subset=[metric]) if metric in curves else curves.iloc[:0]
-        if len(df): sns.lineplot(data=df, x='step', y=metric, hue='variant', errorbar='sd', marker='o', ax=ax, zorder=3)
-        else: ax.text(0.5, 0.5, 'no completed student runs', ha='center', transform=ax.transAxes)
-        ax.set_ylim(-0.2, 1.0); ax.set_title(title); ax.set_ylabel('cosine')
-    if axes[1].get_legend(): axes[1].get_legend().remove()
-    plt.tight_layout()
-    return fig
-
-# %% ../nbs/13a_mercator_study.ipynb #cbc419df
-COLLAPSE_GAP = 0.1  # raw - centered cosine above this: the raw agreement is largely one shared direction
-
-def layer_means(run_dirs) -> str:
-    "The centered cosine per student layer, mean over the runs in `run_dirs` that recorded one ('' when none did)."
-    layers = [l for d in run_dirs if (l := (read_json(Path(d) / 'summary.json') or {}).get('kv_cos_centered_layers'))]
-    return ', '.join(f'{x:.2f}' for x in np.mean(layers, axis=0)) if layers else ''
-
-def agreement_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per student variant (completed seeds): seeds, raw and centered cosine, their stages, raw - centered, centered per layer."
-    st = completed_runs(runs)[lambda d: d.variant.isin(student_variants(runs))]
-    if not len(st): return pd.DataFrame()
-    g = st.groupby('variant', sort=False)
-    agree = pd.DataFrame({'seeds': g.size(), 'raw cosine': g.final_kv_cos.mean(), 'centered cosine': g.final_kv_cos_centered.mean()})
-    agree['stage (raw)'] = agree['raw cosine'].map(stage_of); agree['stage (centered)'] = agree['centered cosine'].map(stage_of)
-    agree['raw - centered'] = agree['raw cosine'] - agree['centered cosine']
-    agree['centered per layer'] = [layer_means(st[st.variant == v].run_dir) for v in agree.index]
-    return agree
-
-# %% ../nbs/13a_mercator_study.ipynb #6787eb01
-def collapse_guard(agree: pd.DataFrame, gap: float = COLLAPSE_GAP) -> str:
-    "The collapse guard's sentence (Markdown): the variants whose raw cosine exceeds the centered one by more than `gap`."
-    if not len(agree) or agree['centered cosine'].isna().all():
-        return "**Collapse guard:** no completed student recorded a centered cosine; the guard cannot be checked."
-    col = agree[agree['raw - centered'] > gap]
-    if not len(col):
-        return f"**Collapse guard:** no variant loses more than {gap:g} of cosine to centering; the raw cosines reflect token-by-token agreement."
-    return (f"**Collapse guard:** {len(col)} variant(s) lose more than {gap:g} of cosine to centering: " + ', '.join(
-        f"`{v}` raw {r['raw cosine']:.3f} ({r['stage (raw)']}) but centered {r['centered cosine']:.3f} ({r['stage (centered)']})" for v, r in col.iterrows())
-        + '. Their raw agreement is largely one shared direction, not token-by-token agreement.')
-
-def style_agreement(agree: pd.DataFrame):
-    "`agreement_table` for display: three decimals, the gap signed."
-    return agree.style.format({'raw cosine': '{:.3f}', 'centered cosine': '{:.3f}', 'raw - centered': '{:+.3f}'})
-
-def plot_agreement(agree: pd.DataFrame):
-    "Raw and centered final cosine per variant as bars, with the stage bounds dotted."
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    agree[['raw cosine', 'centered cosine']].plot.bar(ax=ax, rot=0, color=['tab:blue', 'tab:red'])
-    ax.set_ylim(min(-0.1, float(agree[['raw cosine', 'centered cosine']].min().min()) - 0.05), 1.0); ax.set_ylabel('cosine'); ax.set_xlabel('')
-    for b in STAGE_BOUNDS: ax.axhline(b, color='grey', lw=0.6, ls=':')
-    plt.tight_layout()
-    return fig
-
-# %% ../nbs/13a_mercator_study.ipynb #604fd79c
-def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per student variant: seeds, best val PPL, relative difference to the baseline (mean, low, high: NaN without an interval), paired seeds."
-    from oelm_nb.report import compare
-    ok, rows = completed_runs(runs), []
-    for v in student_variants(runs):
-        sub = ok[ok.variant == v]
-        if not len(sub): continue
-        c = compare(runs, v, BASELINE) if v != BASELINE else None
-        tested = c is not None and c.low is not None
-        rows.append({'variant': v, 'seeds': len(sub), 'best val PPL': sub.best_val_ppl.mean(), 'vs no-distill': c.mean if c else np.nan,
-                     'low': c.low if tested else np.nan, 'high': c.high if tested else np.nan, 'paired seeds': c.n if c else np.nan})
-    return pd.DataFrame(rows).set_index('variant') if rows else pd.DataFrame()
-
-def teacher_ppl(runs: pd.DataFrame) -> float:
-    "The teacher's best validation PPL, mean over completed seeds (NaN without one)."
-    t = completed_runs(runs)[lambda d: d.variant == 'teacher']
-    return float(t.best_val_ppl.mean()) if len(t) else np.nan
-
-# %% ../nbs/13a_mercator_study.ipynb #df5baf8b
-def vs_baseline_text(v: str, row) -> str:
-    "The PPL table's text for `v` against the baseline: the relative difference, its interval when there is one."
-    if pd.isna(row['vs no-distill']): return 'baseline' if v == BASELINE else 'n/a'
-    return f"{row['vs no-distill']:+.2%}" + (f" (95% CI {row.low:+.2%} .. {row.high:+.2%})" if pd.notna(row.low) else '')
-
-def style_ppl(ppl: pd.DataFrame):
-    "`ppl_table` for display: seeds, best val PPL and the difference to the baseline as text."
-    show = ppl[['seeds', 'best val PPL']].copy()
-    show['vs no-distill'] = [vs_baseline_text(v, r) for v, r in ppl.iterrows()]
-    return show.style.format({'best val PPL': '{:.3f}'})
-
-def plot_ppl(ppl: pd.DataFrame, teacher: float = np.nan):
-    "Best val PPL per student (green: below the baseline, orange: not), the baseline and the teacher as lines; log scale."
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    below = lambda v: BASELINE in ppl.index and ppl.loc[v, 'best val PPL'] < ppl.loc[BASELINE, 'best val PPL']
-    ax.bar(ppl.index, ppl['best val PPL'], color=['tab:gray' if v == BASELINE else 'tab:green' if below(v) else 'tab:orange' for v in ppl.index])
-    if BASELINE in ppl.index: ax.axhline(ppl.loc[BASELINE, 'best val PPL'], color='tab:gray', ls='-', lw=1, label='no-distill')
-    if pd.notna(teacher): ax.axhline(teacher, color='k', ls='--', lw=1, label=f'teacher ({teacher:.2f})')
-    for i, y in enumerate(ppl['best val PPL']): ax.text(i, y, f'{y:.2f}', ha='center', va='bottom', fontsize=8)
-    lo_y = min(ppl['best val PPL'].min(), teacher if pd.notna(teacher) else np.inf)
-    ax.set_yscale('log'); ax.set_ylim(lo_y * 0.9, ppl['best val PPL'].max() * 1.15)
-    ax.set_ylabel('best val PPL (log scale)'); ax.legend(fontsize=8); plt.tight_layout()
-    return fig
-
-# %% ../nbs/13a_mercator_study.ipynb #35852f5f
-def _cannot_say(why: str) -> str: return f"**Cannot say whether distillation helped:** {why}."
-
-def verdict_tested(d: pd.DataFrame, cmp: dict, base: float) -> str:
-    "The verdict when every distilled student has an interval against the baseline; `d`: their `ppl_table` rows by best PPL."
-    done = list(cmp)
-    better = [v for v in done if d.loc[v, 'best val PPL'] < base]
-    sure, worse = [v for v in done if cmp[v].high < 0], [v for v in done if cmp[v].low > 0]
-    if sure: head = (f"**Distillation helped:** {len(sure)} of {len(done)} distilled students ({', '.join(sure)}) reached a lower validation "
-                     f"perplexity than the no-distillation baseline ({base:.3f}) by more than seed-to-seed noise")
-    elif better: head = (f"**Distillation did not help resolvably:** {len(better)} of {len(done)} distilled students had a lower mean validation "
-                         f"perplexity than the baseline ({base:.3f}), but no difference exceeds seed-to-seed noise")
-    else: head = f"**Distillation did not help:** no distilled student reached a lower validation perplexity than the baseline ({base:.3f})"
-    best = d.index[0]; c = cmp[best]
-    return (head + f"; the best, `{best}`, reached {d.loc[best, 'best val PPL']:.3f} ({c.mean:+.2%}, 95% CI {c.low:+.2%} .. {c.high:+.2%}, "
-            f"{min(c.n for c in cmp.values())} paired seeds)" + (f"; {len(worse)} ({', '.join(worse)}) were resolvably worse" if worse else '') + '.')
-
-# %% ../nbs/13a_mercator_study.ipynb #a5494799
-ONE_SEED_NOTE = (' (one seed per variant: the differences are not tested against seed-to-seed noise, which needs >= 2 seeds; '
-                 'run more seeds with --seeds 0 1 2)')
-
-def verdict_untested(d: pd.DataFrame, cmp: dict, base: float) -> str:
-    "The verdict when some distilled student has a single paired seed: lower or not, no interval."
-    done, single = list(cmp), [v for v, c in cmp.items() if c.low is None]
-    note = ONE_SEED_NOTE if len(single) == len(done) else ONE_SEED_NOTE.replace('one seed per variant', f"one paired seed for {', '.join(single)}")
-    better = [v for v in done if d.loc[v, 'best val PPL'] < base]
-    best = d.index[0]; b = d.loc[best]
-    if not better:
-        return (f"**Distillation did not help:** none of the {len(done)} distilled students reached a lower validation perplexity than the "
-                f"no-distillation baseline ({base:.3f}); the closest, `{best}`, reached {b['best val PPL']:.3f} ({b['vs no-distill']:+.2%}){note}.")
-    worse = [v for v in done if v not in better]
-    hurt = (f"; the other {len(worse)} (" + ', '.join(f"{v} {d.loc[v, 'vs no-distill']:+.2%}" for v in worse) + ") were worse than the baseline") if worse else ''
-    return (f"**Distillation helped:** {len(better)} of {len(done)} distilled students ({', '.join(better)}) reached a lower validation perplexity "
-            f"than the no-distillation baseline ({base:.3f}); the best, `{best}`, reached {b['best val PPL']:.3f} ({b['vs no-distill']:+.2%}){hurt}{note}.")
-
-# %% ../nbs/13a_mercator_study.ipynb #ffb3981c
-def verdict(runs: pd.DataFrame) -> str:
-    "Did distillation help? One Markdown sentence from the completed students' best validation PPL against the baseline's."
-    from oelm_nb.report import compare
-    ppl = ppl_table(runs)
-    if not len(ppl) or BASELINE not in ppl.index: return _cannot_say('the no-distillation baseline did not complete')
-    cmp = {v: c for v in distilled_variants(runs) if v in ppl.index and (c := compare(runs, v, BASELINE)) is not None}
-    if not cmp: return _cannot_say('no distilled student completed')
-    d, base = ppl.loc[list(cmp)].sort_values('best val PPL'), ppl.loc[BASELINE, 'best val PPL']
-    if all(c.low is not None for c in cmp.values()): return verdict_tested(d, cmp, base)
-    return verdict_untested(d, cmp, base)
-
-# %% ../nbs/13a_mercator_study.ipynb #a46661d1
-def alignment(agree: pd.DataFrame) -> str:
-    "One Markdown sentence: the most aligned distilled student's centered cosine against the no-distill probe's ('' without both)."
-    if not len(agree) or BASELINE not in agree.index: return ''
-    done = [v for v in agree.index if v != BASELINE]
-    if not done: return ''
-    base_c = agree.loc[BASELINE, 'centered cosine']
-    best = max(done, key=lambda v: agree.loc[v, 'centered cosine'])
-    c = agree.loc[best, 'centered cosine']
-    return (f"KV agreement: the most aligned distilled student, `{best}`, reached a centered cosine of {c:.3f} ({stage_of(c)}; raw "
-            f"{agree.loc[best, 'raw cosine']:.3f}) against {base_c:.3f} for the probe of the undistilled student "
-            f"({'higher' if c > base_c else 'not higher'}: distillation {'did' if c > base_c else 'did not'} make the student's keys and values "
-            "more like the teacher's beyond what a projector finds by itself).")
-
-# %% ../nbs/13a_mercator_study.ipynb #01421151
-def mse_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per Mercator variant with completed `mse` and own runs: PPL and cosines next to MSE's, the paired PPL difference (`_d`, and as text)."
-    from oelm_nb.report import compare
-    ppl, agree, rows = ppl_table(runs), agreement_table(runs), []
-    for v in [v for v in distilled_variants(runs) if v.startswith('mercator')]:
-        c = compare(runs, v, 'mse')
-        if c is None or 'mse' not in agree.index or v not in agree.index: continue
-        rows.append({'Mercator variant': v, 'val PPL': ppl.loc[v, 'best val PPL'], 'MSE val PPL': ppl.loc['mse', 'best val PPL'],
-                     'PPL vs MSE': f'{c.mean:+.2%}' + (f' (95% CI {c.low:+.2%} .. {c.high:+.2%})' if c.low is not None else ''),
-                     'centered cosine': agree.loc[v, 'centered cosine'], 'MSE centered cosine': agree.loc['mse', 'centered cosine'],
-                     'raw cosine': agree.loc[v, 'raw cosine'], 'MSE raw cosine': agree.loc['mse', 'raw cosine'], '_d': c.mean})
-    return pd.DataFrame(rows).set_index('Mercator variant') if rows else pd.DataFrame()
-
-def style_mse(mm: pd.DataFrame):
-    "`mse_table` for display, without the numeric `_d`."
-    return mm.drop(columns='_d').style.format({c: '{:.3f}' for c in ('val PPL', 'MSE val PPL', 'centered cosine', 'MSE centered cosine', 'raw cosine', 'MSE raw cosine')})
-
-def mse_sentence(mm: pd.DataFrame) -> str:
-    "How many Mercator variants beat MSE on PPL and on centered cosine (Markdown)."
-    if not len(mm): return 'The comparison needs completed `mse` and Mercator runs.'
-    n_better, n_align = int((mm._d < 0).sum()), int((mm['centered cosine'] > mm['MSE centered cosine']).sum())
-    return (f"**{n_better} of {len(mm)} Mercator variants reached a lower validation perplexity than MSE** "
-            f"({', '.join(f'{v} {d:+.2%}' for v, d in mm._d.items())}), and {n_align} of {len(mm)} a higher centered KV cosine "
-            f"(MSE {mm['MSE centered cosine'].iloc[0]:.3f}).")
-
-# %% ../nbs/13a_mercator_study.ipynb #5be0f952
-def plot_training_curves(curves: pd.DataFrame, students: list[str]):
-    "Training cross-entropy (left) and validation PPL (right, log scale) against step for the `students`."
-    import matplotlib.pyplot as plt, seaborn as sns
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
-    for ax, metric, title in ((axes[0], 'ce_loss', 'student training cross-entropy'), (axes[1], 'val_ppl', 'validation perplexity')):
-        df = curves[curves.variant.isin(students)].dropna(subset=[metric]) if metric in curves else curves.iloc[:0]
-        if len(df): sns.lineplot(data=df, x='step', y=metric, hue='variant', errorbar='sd', ax=ax, marker='o' if metric == 'val_ppl' else None)
-        else: ax.text(0.5, 0.5, f'no {metric} records', ha='center', transform=ax.transAxes)
-        if metric == 'val_ppl' and len(df): ax.set_yscale('log')
-        ax.set_title(title)
-    plt.tight_layout()
-    return fig

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from oelm_nb.experiment import write_json
-from oelm_nb.mercator_study import (BASELINE, ONE_SEED_NOTE, agreement_table, alignment, batch_line, collapse_guard, failed_runs_note,
+from oelm_nb.mercator_analysis import (BASELINE, ONE_SEED_NOTE, agreement_table, alignment, batch_line, collapse_guard, failed_runs_note,
                                     mercator_runs, mse_sentence, mse_table, ppl_table, runs_table, style_agreement, style_ppl,
                                     style_runs_table, verdict)
 
