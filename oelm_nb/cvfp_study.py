@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from .core import ConfigError, check, pick_device
-from .experiment import Study, Variant, RunSpec, train_run, write_json, read_json, write_summary, parse_run_name, TRAIN_PRESETS, DATA_PRESETS
+from .experiment import Study, Variant, RunSpec, train_run, write_json, read_json, write_summary, TRAIN_PRESETS, DATA_PRESETS
+from .train import read_metrics
 from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, CVFPModel, EffectiveRank, Phase1Result,
                          effective_rank, val_effective_rank, identity_check, cvfp_convergence_check, build_context_cache,
                          train_phase1, train_phase2, fit_power_law, sample_schedule, alpha_progression)
@@ -18,12 +19,11 @@ from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIP
 # %% auto #0
 __all__ = ['CVFP_KINDS', 'EMBEDDING_KEYS', 'CVFP_OPTIONS', 'SPEEDUP_TARGET', 'CHECKS', 'TIMINGS', 'CVFP_STUDY', 'CVFPSettings',
            'first_stories', 'load_embedding', 'phase1_evaluation', 'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp',
-           'sample_sizes', 'common_settings', 'cvfp_variants', 'is_cvfp_summary', 'batch_alpha',
-           'write_alpha_progression', 'Run', 'batch_runs', 'cvfp_runs', 'fmt', 'er_text', 'rate_text', 'pass_fail',
-           'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table',
-           'speed_sentences', 'phase1_table', 'phase1_sentence', 'checks_table', 'checks_counts', 'checks_summary',
-           'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table', 'report_alpha', 'alpha_table',
-           'alpha_sentences']
+           'sample_sizes', 'common_settings', 'cvfp_variants', 'is_cvfp_summary', 'Run', 'batch_runs', 'cvfp_runs',
+           'fmt', 'er_text', 'rate_text', 'pass_fail', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence',
+           'embed_table', 'speed_table', 'speed_sentences', 'phase1_table', 'phase1_sentence', 'checks_table',
+           'checks_counts', 'checks_summary', 'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table',
+           'batch_alpha', 'write_alpha_progression', 'report_alpha', 'alpha_table', 'alpha_sentences']
 
 # %% ../nbs/12a_cvfp_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -289,41 +289,6 @@ def is_cvfp_summary(s: dict | None) -> bool:
     "Whether `s` is a completed CVFP run's summary: it has a sample size (the embedding GPT's `samples` are generated texts)."
     return bool(s) and s.get('status') == 'completed' and isinstance(s.get('samples'), int) and not isinstance(s.get('samples'), bool)
 
-def _alpha_points(batch_dir) -> dict:
-    "algorithm -> samples -> [(train tokens, best val PPL, run folder)] of the completed CVFP runs of a batch."
-    pts = {}
-    for d in sorted(Path(batch_dir).iterdir()):
-        s = read_json(d / 'summary.json') if d.is_dir() and parse_run_name(d.name) else None
-        if not is_cvfp_summary(s) or s.get('best_val_ppl') is None: continue
-        pts.setdefault(s['algorithm'], {}).setdefault(int(s['samples']), []).append((s['train_tokens'], s['best_val_ppl'], d.name))
-    return pts
-
-def batch_alpha(batch_dir, # a batch directory of `oelm run cvfp`
-                window: int = 4, # points per sliding window
-               ) -> dict:
-    "Power-law fits of validation PPL against training tokens per algorithm, from the run directories' summaries."
-    pts = _alpha_points(batch_dir)
-    out = {'window': window, 'fit': 'log(PPL) = log(A) + alpha * log(tokens), least squares', 'algorithms': {}}
-    for alg, by_n in pts.items():
-        ns = sorted(by_n)
-        points = [{'samples': n, 'tokens': by_n[n][0][0], 'ppl': float(np.mean([p for _, p, _ in by_n[n]])),
-                   'runs': [r for _, _, r in by_n[n]]} for n in ns]
-        a = {'points': points}
-        if len(points) >= 2:
-            toks, ppl = [p['tokens'] for p in points], [p['ppl'] for p in points]
-            f = fit_power_law(toks, ppl)
-            a['overall'] = {'alpha': f.alpha, 'A': f.A, 'r2': f.r2, 'tokens': [toks[0], toks[-1]]}
-            a['progression'] = alpha_progression(ns, ppl, min(window, len(points)), toks).to_dict()
-        else: a['note'] = f'{len(points)} completed point(s): a fit needs at least 2'
-        out['algorithms'][alg] = a
-    return out
-
-def write_alpha_progression(batch_dir, window: int = 4) -> dict:
-    "Compute `batch_alpha` and write it to <batch_dir>/alpha_progression.json."
-    a = batch_alpha(batch_dir, window)
-    write_json(Path(batch_dir) / 'alpha_progression.json', a)
-    return a
-
 # %% ../nbs/12a_cvfp_study.ipynb #b74e1bc8
 import pandas as pd
 from typing import NamedTuple
@@ -480,13 +445,9 @@ def checks_summary(runs) -> str:
     return f'Rules: {rules}. ' + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items()) + '.'
 
 # %% ../nbs/12a_cvfp_study.ipynb #a8e47025
-def _read_jsonl(p) -> list[dict]:
-    p = Path(p)
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
-
 def _curves(runs, file: str, key: str, cols: tuple) -> pd.DataFrame:
     rows = [{'run': r.name, 'algorithm': r.summary.get('algorithm'), **{c: x.get(c) for c in cols}}
-            for r in cvfp_runs(runs) for x in _read_jsonl(r.run_dir / file) if key in x]
+            for r in cvfp_runs(runs) for x in read_metrics(r.run_dir, file) if key in x]
     return pd.DataFrame(rows, columns=['run', 'algorithm', *cols])
 
 def phase1_curves(runs) -> pd.DataFrame:
@@ -514,6 +475,42 @@ def timing_table(runs) -> pd.DataFrame:
     rows = [{'run': r.name, 'train tokens': fmt(r.summary.get('train_tokens'), ','), **{c: fmt(r.summary.get(k), '.1f') for c, k in TIMINGS.items()}}
             for r in cvfp_runs(runs)]
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+# %% ../nbs/12a_cvfp_study.ipynb #d111b1c0
+def _alpha_points(batch_dir) -> dict:
+    "algorithm -> samples -> [(train tokens, best val PPL, run folder)] of the completed CVFP runs of a batch."
+    pts = {}
+    for r in cvfp_runs(batch_dir):
+        s = r.summary
+        if s.get('best_val_ppl') is None: continue
+        pts.setdefault(s['algorithm'], {}).setdefault(int(s['samples']), []).append((s['train_tokens'], s['best_val_ppl'], r.name))
+    return pts
+
+def batch_alpha(batch_dir, # a batch directory of `oelm run cvfp`
+                window: int = 4, # points per sliding window
+               ) -> dict:
+    "Power-law fits of validation PPL against training tokens per algorithm, from the run directories' summaries."
+    pts = _alpha_points(batch_dir)
+    out = {'window': window, 'fit': 'log(PPL) = log(A) + alpha * log(tokens), least squares', 'algorithms': {}}
+    for alg, by_n in pts.items():
+        ns = sorted(by_n)
+        points = [{'samples': n, 'tokens': by_n[n][0][0], 'ppl': float(np.mean([p for _, p, _ in by_n[n]])),
+                   'runs': [r for _, _, r in by_n[n]]} for n in ns]
+        a = {'points': points}
+        if len(points) >= 2:
+            toks, ppl = [p['tokens'] for p in points], [p['ppl'] for p in points]
+            f = fit_power_law(toks, ppl)
+            a['overall'] = {'alpha': f.alpha, 'A': f.A, 'r2': f.r2, 'tokens': [toks[0], toks[-1]]}
+            a['progression'] = alpha_progression(ns, ppl, min(window, len(points)), toks).to_dict()
+        else: a['note'] = f'{len(points)} completed point(s): a fit needs at least 2'
+        out['algorithms'][alg] = a
+    return out
+
+def write_alpha_progression(batch_dir, window: int = 4) -> dict:
+    "Compute `batch_alpha` and write it to <batch_dir>/alpha_progression.json."
+    a = batch_alpha(batch_dir, window)
+    write_json(Path(batch_dir) / 'alpha_progression.json', a)
+    return a
 
 # %% ../nbs/12a_cvfp_study.ipynb #3173fe7a
 def report_alpha(batch_dir) -> dict:

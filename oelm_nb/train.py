@@ -267,9 +267,9 @@ def close(self: MetricsLog):
     if self.wandb: self.wandb.finish()
 
 # %% ../nbs/05_train.ipynb #cafd0c53
-def read_metrics(run_dir) -> list[dict]:
-    "The records of a run's metrics.jsonl."
-    p = Path(run_dir) / 'metrics.jsonl'
+def read_metrics(run_dir, file: str = 'metrics.jsonl') -> list[dict]:
+    "The records of a run's metrics.jsonl (or of another JSON-lines file of the run, e.g. phase1.jsonl)."
+    p = Path(run_dir) / file
     return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
 
 # %% ../nbs/05_train.ipynb #701f0fd9
