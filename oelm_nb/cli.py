@@ -122,13 +122,21 @@ def cmd_report(args) -> int:
     return 0
 
 def cmd_bench(args) -> int:
-    from oelm_nb.bench import bench, bench_table
-    rows = bench(args.preset, args.variants.split(','), args.steps, args.warmup, args.batch_size, args.block_size, args.device,
+    from oelm_nb.bench import bench, bench_table, numerics_check
+    import pandas as pd
+    overrides = {(k if '.' in k else f'model.{k}'): v for k, v in _overrides(args.set).items()}  # bare keys are model fields
+    variants = args.variants.split(',') if args.variants else None
+    if args.numerics:
+        t = numerics_check(args.numerics, seeds=args.seeds, variants=variants, steps=args.train_steps)
+        with pd.option_context('display.width', 200, 'display.max_columns', 30): print(t.to_string())
+        print(f'[oelm bench] numerics: {args.numerics}/numerics.json, {args.numerics}/numerics.png')
+        return 0
+    rows = bench(args.preset, variants or ['oelm', 'oelm-freeze'], args.steps, args.warmup, args.batch_size, args.block_size, args.device,
+                 dtypes=args.dtypes.split(','), reference=not args.no_reference, overrides=overrides, memory=not args.no_memory,
                  log=None if args.json else (lambda s: print(s, file=sys.stderr)))
     t = bench_table(rows)
     if args.json: print(t.reset_index().to_json(orient='records', indent=1))
     else:
-        import pandas as pd
         with pd.option_context('display.width', 200, 'display.max_columns', 30): print(t.T.to_string())
     return 0
 
@@ -187,10 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
 
     b = sub.add_parser('bench', help='FLOPs, optimizer state and interleaved step time per variant')
-    b.add_argument('--preset', default='tiny', choices=list(PRESETS)); b.add_argument('--variants', default='oelm,oelm-freeze')
+    b.add_argument('--preset', default='tiny', choices=list(PRESETS))
+    b.add_argument('--variants', default=None, help='comma-separated (default: oelm,oelm-freeze; with --numerics: all of the study)')
     b.add_argument('--steps', type=int, default=12); b.add_argument('--warmup', type=int, default=2)
     b.add_argument('--batch-size', type=int, default=1); b.add_argument('--block-size', type=int, default=None)
-    b.add_argument('--device', default='auto'); b.add_argument('--json', action='store_true'); b.set_defaults(fn=cmd_bench)
+    b.add_argument('--device', default='auto'); b.add_argument('--json', action='store_true')
+    b.add_argument('--dtypes', default='auto', help="comma-separated precisions to time, e.g. auto,float32 (speed-up of one over the other in one run)")
+    b.add_argument('--set', action='append', metavar='KEY=VALUE', help='shape overrides, e.g. --set n_embd=256 --set n_layer=4 (bare keys are model.*)')
+    b.add_argument('--no-reference', action='store_true', help='do not time the nanoGPT-structured reference')
+    b.add_argument('--no-memory', action='store_true', help='CPU: skip the peak-RSS measurement (a fresh process per entry)')
+    b.add_argument('--numerics', metavar='DIR', default=None, help='instead of timing: train the study in fp32 and bf16 into DIR and compare')
+    b.add_argument('--seeds', type=int, nargs='+', default=[0, 1], help='--numerics: seeds (at least 2)')
+    b.add_argument('--train-steps', type=int, default=None, help="--numerics: steps per run (default: the preset's)")
+    b.set_defaults(fn=cmd_bench)
     return p
 
 def main(argv: list[str] | None = None) -> int:

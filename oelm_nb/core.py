@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #65097adb
 from __future__ import annotations
-import contextlib, dataclasses, json, os, random
+import contextlib, dataclasses, functools, json, os, random, time
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,8 @@ import torch
 
 # %% auto #0
 __all__ = ['VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'ConfigBase', 'ModelConfig', 'TrainConfig', 'DataConfig',
-           'set_seed', 'pick_device', 'autocast_dtype', 'autocast']
+           'set_seed', 'pick_device', 'bf16_matmul_speedup', 'cpu_has_native_bf16', 'autocast_dtype', 'precision_note',
+           'autocast']
 
 # %% ../nbs/00_core.ipynb #f0c64d3e
 class ConfigError(ValueError):
@@ -170,7 +171,7 @@ class TrainConfig(ConfigBase):
     keep_last: int = 3 # periodic checkpoints kept besides best and final
     seed: int = 0
     device: str = 'auto' # auto | cpu | cuda | cuda:N | mps
-    dtype: str = 'auto' # autocast dtype: auto (bf16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16
+    dtype: str = 'auto' # autocast dtype: auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | float32 | bfloat16 | float16
     compile: bool = False # torch.compile the model
     loggers: tuple = () # extra loggers besides metrics.jsonl: 'tensorboard', 'wandb'
     progress: bool = True # tqdm progress bar
@@ -246,13 +247,49 @@ def pick_device(pref: str = 'auto', # auto | cpu | cuda | cuda:N | mps
         raise ConfigError(f"TrainConfig.device={pref!r} is invalid: MPS is not available here; use device='auto' or 'cpu'")
     return dev
 
+# %% ../nbs/00_core.ipynb #d6444504
+def bf16_matmul_speedup(n: int = 512, # matrix size of the probe
+                        reps: int = 5, # timed repeats per dtype (the best counts)
+                       ) -> float:
+    "fp32 time / bf16 time of an n x n matmul on this CPU: above 1 where bf16 is computed natively."
+    a = torch.randn(n, n); b = torch.randn(n, n)
+    def best(x, y):
+        x @ y  # warm up
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter(); x @ y; ts.append(time.perf_counter() - t0)
+        return min(ts)
+    return best(a, b) / best(a.bfloat16(), b.bfloat16())
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    "Whether this CPU computes bf16 natively: from torch's CPU report on x86, else from `bf16_matmul_speedup` (once per process)."
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()): return False
+    try: caps = torch._C._cpu._get_cpu_capability()
+    except (AttributeError, RuntimeError): caps = {}
+    if caps.get('architecture') in ('x86_64', 'x86', 'i386') or 'avx512_bf16' in caps:
+        return bool(caps.get('avx512_bf16') or caps.get('amx_bf16'))
+    return bf16_matmul_speedup() >= 1.5
+
+# %% ../nbs/00_core.ipynb #6ecffef1
 def autocast_dtype(device: torch.device, pref: str = 'auto') -> torch.dtype | None:
-    "The autocast dtype for `device` (None: plain fp32). 'auto' is bf16 on CUDA GPUs that support it."
+    "The autocast dtype for `device` (None: plain fp32). 'auto' is bf16 on CUDA GPUs that support it and on CPUs with native bf16."
     if pref == 'float32': return None
     if pref == 'auto':
-        if device.type == 'cuda' and torch.cuda.is_bf16_supported(): return torch.bfloat16
+        if device.type == 'cuda': return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+        if device.type == 'cpu': return torch.bfloat16 if cpu_has_native_bf16() else None
         return None
     return getattr(torch, pref)
+
+def precision_note(device: torch.device, pref: str = 'auto') -> str:
+    "One line saying which precision `pref` gives on `device`, and why."
+    amp = autocast_dtype(device, pref)
+    chosen = 'float32' if amp is None else f'{str(amp).removeprefix("torch.")} autocast (fp32 weights and loss)'
+    if pref != 'auto': return f'{chosen}, as configured (dtype={pref!r})'
+    if device.type == 'cpu': why = 'this CPU computes bf16 natively' if amp else 'this CPU has no native bf16'
+    elif device.type == 'cuda': why = 'the GPU supports bf16' if amp else 'the GPU has no bf16'
+    else: why = f'no autocast on {device.type}'
+    return f"{chosen} (dtype='auto': {why}; dtype='float32' for plain fp32)"
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     "An autocast context for `device` and `dtype`, or a no-op when `dtype` is None."

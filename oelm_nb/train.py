@@ -19,7 +19,7 @@ from safetensors.torch import save_file, load_file, save_model, load_model
 from tqdm.auto import tqdm
 from fastcore.basics import patch
 
-from .core import ModelConfig, TrainConfig, ConfigError, set_seed, pick_device, autocast_dtype, autocast
+from .core import ModelConfig, TrainConfig, ConfigError, set_seed, pick_device, autocast_dtype, autocast, precision_note
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
 from .data import TokenData, batch as make_batch
@@ -28,7 +28,7 @@ from .data import TokenData, batch as make_batch
 __all__ = ['LossFn', 'lr_at', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss', 'evaluate',
            'CheckpointError', 'save_checkpoint', 'list_checkpoints', 'read_checkpoint_meta', 'load_weights',
            'prune_checkpoints', 'MetricsLog', 'read_metrics', 'DistInfo', 'init_distributed', 'all_mean',
-           'TrainingDiverged', 'Trainer', 'copy_task_data']
+           'TrainingDiverged', 'Trainer', 'runtime_info', 'copy_task_data']
 
 # %% ../nbs/05_train.ipynb #df8a6e64
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -330,7 +330,7 @@ class Trainer:
         self.out_dir = Path(self.out_dir) if self.out_dir else None
         self.dist = init_distributed(self.cfg.device)
         self.device = pick_device(self.cfg.device) if not (self.dist.enabled and torch.cuda.is_available() and self.cfg.device != 'cpu') else torch.device('cuda', self.dist.local_rank)
-        self.amp = autocast_dtype(self.device, self.cfg.dtype)
+        self.amp = autocast_dtype(self.device, self.cfg.dtype)  # None: plain fp32
         self.raw = self.model.to(self.device)
         for mod, _ in self.extra_modules.values(): mod.to(self.device)
         cfg_m = getattr(self.raw, 'cfg', None)
@@ -464,6 +464,7 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
     if self.out_dir and self.dist.is_main: self.out_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(self.out_dir if self.dist.is_main else None, cfg.loggers, self.run_name, self.run_config)
     log.truncate_after(self.step)  # a restart (with or without a checkpoint) never duplicates records
+    if self.dist.is_main: print(f'[train] {self.run_name}: {self.device}, {precision_note(self.device, cfg.dtype)}, {torch.get_num_threads()} CPU threads', flush=True)
     return log
 
 # %% ../nbs/05_train.ipynb #1c972168
@@ -504,6 +505,12 @@ def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoin
     return self.summary(log.records, speeds, time.time() - t_start)
 
 # %% ../nbs/05_train.ipynb #4d89fbbe
+def runtime_info(device: torch.device, amp: torch.dtype | None, cfg: TrainConfig) -> dict:
+    "Where and how a run computed: device, precision actually used (and as configured), threads, compile, torch version."
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
+    return {'device': str(device), 'device_name': name, 'dtype': 'float32' if amp is None else str(amp).removeprefix('torch.'),
+            'dtype_config': cfg.dtype, 'threads': torch.get_num_threads(), 'compile': cfg.compile, 'torch': torch.__version__}
+
 @patch
 def summary(self: Trainer, records: list[dict], speeds: list[float], wall: float) -> dict:
     "The run's summary: losses, recall, throughput, parameter accounting (computed from records and the model)." 
@@ -516,7 +523,8 @@ def summary(self: Trainer, records: list[dict], speeds: list[float], wall: float
             'best_val_ppl': self.best.get('val_ppl'), 'best_step': self.best['step'],
             'recall_acc': last.get('recall_acc'), 'final_train_loss': records[-1]['train_loss'] if records else None,
             'tokens_per_s': _median_speed(records),
-            'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen}}
+            'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen},
+            'runtime': runtime_info(self.device, self.amp, self.cfg)}
 
 # %% ../nbs/05_train.ipynb #a1a4434e
 def copy_task_data(n_seqs: int = 512, half: int = 16, vocab: int = 64, seed: int = 0) -> TokenData:

@@ -89,7 +89,7 @@ def test_bench_counts_flops_and_optimizer_state_exactly():
                          '--block-size', '32', '--json'),
                         ('bench', '--preset', 'tiny', '--variants', 'oelm,oelm-freeze', '--steps', '5', '--block-size', '32', '--json'))
     rows = {r['variant']: r for r in ok_json(good)}
-    assert list(rows) == ['oelm', 'oelm-freeze']
+    assert list(rows) == ['oelm', 'oelm-freeze', 'reference']  # the nanoGPT-structured yardstick is timed alongside
     from oelm_nb.model import PRESETS  # the tiny preset's shape (the bench code is what is under test)
     n_layer, d = PRESETS['tiny']['n_layer'], PRESETS['tiny']['n_embd']
     tokens = 1 * 32  # default --batch-size 1 x --block-size 32
@@ -107,6 +107,16 @@ def test_bench_counts_flops_and_optimizer_state_exactly():
         for k in ('step_time_median_s', 'tokens_per_s'):
             assert isinstance(r[k], (int, float)) and np.isfinite(r[k]) and r[k] > 0, (r['variant'], k, r[k])
         assert r['step_time_iqr_s'] >= 0
+    from oelm_nb.core import autocast_dtype
+    import torch
+    dtype = 'float32' if autocast_dtype(torch.device('cpu')) is None else 'bfloat16'  # the default precision, resolved
+    ref = rows['reference']
+    assert np.isclose(ref['flops_per_step'], ref['achieved_flops_per_s'] * ref['step_time_median_s'])
+    for r in rows.values():
+        assert r['dtype'] == dtype and r['peak_source'].startswith('measured')
+        assert 0 < r['fraction_of_peak'] and np.isclose(r['fraction_of_peak'], r['achieved_flops_per_s'] / r['peak_flops_per_s'])
+        assert r['ratio_to_reference_median'] > 0 and r['peak_memory_bytes'] > 50 * 2**20  # CPU: peak RSS of its own process
+    assert ref['ratio_to_reference_median'] == 1.0
 
     err = usage_error(few, 'bench')
     assert 'steps=5' in err and 'too few' in err

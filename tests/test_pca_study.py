@@ -5,7 +5,7 @@ papermill runs and the report. Checks compare against independent sources: the P
 baseline's checkpoint, parameter counts from arithmetic on the config fields, the baseline's own summary.
 """
 from __future__ import annotations
-import json, shutil
+import json, os, shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,7 @@ from oelm_nb.pca import LORA_TARGETS
 from oelm_nb.pca_study import pca_variants
 from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
 
-TINY = tiny_args(4)
+TINY = tiny_args(4) + ['--set', 'train.dtype=float32']  # exact comparisons below: plain fp32
 KS = (16, 64)  # 64 = d of the tiny preset: PCA keeps every direction there
 V, D, L = 300, 64, 2
 
@@ -98,6 +98,8 @@ def test_pca_runs_start_from_the_baseline_checkpoint(batch):
     full = read_json(out / f'pca-k{D}-s0' / 'summary.json')
     # k = d keeps every direction: the baseline's own best checkpoint, evaluated on the same sample
     assert abs(full['val_loss'] - base['best_val_loss']) < 1e-4 and abs(full['explained_variance_k'] - 1) < 1e-9
+    # the runner gave each of the 2 concurrent runs its share of the cores, and the pinned precision is recorded
+    assert base['runtime']['threads'] == max(1, (os.cpu_count() or 1) // 2) and base['runtime']['dtype'] == 'float32'
     assert Path(full['baseline_checkpoint']).parent == (out / 'baseline-s0' / 'checkpoints').resolve()
     # the PCA table recomputed with NumPy from the checkpoint the run names (columns up to sign)
     w = load_file(str(Path(full['baseline_checkpoint']) / 'model.safetensors'))

@@ -74,6 +74,47 @@ RESUME_CASES = {
     'freeze-unfreeze3-until2': (dict(variant='oelm-freeze', unfreeze_at=(3,), dropout=0.2), 2),
 }
 
+# ====================================================================== precision
+def test_bf16_runs_are_bitwise_reproducible_with_fp32_weights_state_and_loss(tmp_path):
+    train, val = copy_data()
+    trainers = [Trainer(GPT(mcfg(dropout=0.1), init_seed=0), tcfg(dtype='bfloat16'), train, val, out_dir=tmp_path / f'bf16-{i}')
+                for i in range(2)]
+    sums = [t.fit() for t in trainers]
+    assert len(losses(tmp_path / 'bf16-0')) == 8 and losses(tmp_path / 'bf16-0') == losses(tmp_path / 'bf16-1')
+    assert_same_tensors(tensors_of(tmp_path / 'bf16-0/checkpoints/final'), tensors_of(tmp_path / 'bf16-1/checkpoints/final'))
+    t = trainers[0]  # autocast computes in bf16; what is kept stays fp32
+    assert all(p.dtype == torch.float32 for p in t.raw.parameters())
+    assert all(v.dtype == torch.float32 for st in t.opt.state.values() for k, v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    with T.autocast(t.device, t.amp): assert t.raw(x, x)[1].dtype == torch.float32
+    assert sums[0]['runtime']['dtype'] == 'bfloat16' and sums[0]['runtime']['dtype_config'] == 'bfloat16'
+    # negative control: the same run in plain fp32 gives other losses, so bf16 was really in use above
+    f32 = Trainer(GPT(mcfg(dropout=0.1), init_seed=0), tcfg(dtype='float32'), train, val, out_dir=tmp_path / 'fp32').fit()
+    assert f32['runtime']['dtype'] == 'float32' and losses(tmp_path / 'fp32') != losses(tmp_path / 'bf16-0')
+
+
+@pytest.mark.parametrize('caps, speedup, native', [
+    ({'architecture': 'x86_64', 'avx512_bf16': True, 'amx_bf16': False}, 0.1, True),    # torch's report decides on x86
+    ({'architecture': 'x86_64', 'avx512_bf16': False, 'amx_bf16': True}, 0.1, True),
+    ({'architecture': 'x86_64', 'avx512_bf16': False, 'amx_bf16': False}, 9.0, False),  # emulated bf16: fp32
+    ({'architecture': 'aarch64'}, 2.5, True),                                          # no report: the timing probe
+    ({'architecture': 'aarch64'}, 0.8, False),
+])
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, caps, speedup, native):
+    import oelm_nb.core as core
+    monkeypatch.setattr(torch._C._cpu, '_get_cpu_capability', lambda: caps)
+    monkeypatch.setattr(core, 'bf16_matmul_speedup', lambda *a, **k: speedup)
+    core.cpu_has_native_bf16.cache_clear()
+    try:
+        cpu = torch.device('cpu')
+        assert core.cpu_has_native_bf16() is native
+        assert core.autocast_dtype(cpu, 'auto') == (torch.bfloat16 if native else None)
+        assert core.autocast_dtype(cpu, 'float32') is None  # one flag away, whatever the CPU
+        assert ('computes bf16 natively' if native else 'no native bf16') in core.precision_note(cpu)
+    finally:
+        core.cpu_has_native_bf16.cache_clear()
+
+
 @pytest.mark.parametrize('case', list(RESUME_CASES))
 def test_exact_resume(tmp_path, case):
     mkw, until = RESUME_CASES[case]
@@ -235,7 +276,8 @@ def ddp_spec(stories: Path, out_dir: Path, batch_size: int):
                         overrides={'model.vocab_size': 320, 'model.block_size': 32, 'model.n_layer': 2, 'model.n_head': 2,
                                    'model.n_embd': 32, 'model.dropout': 0.0, 'train.batch_size': batch_size,
                                    'train.eval_every': 5, 'train.eval_batches': 2, 'train.log_every': 1,
-                                   'train.lr': 1e-2, 'train.min_lr': 1e-3, 'train.device': 'cpu', 'train.progress': False})
+                                   'train.lr': 1e-2, 'train.min_lr': 1e-3, 'train.device': 'cpu', 'train.progress': False,
+                                   'train.dtype': 'float32'})  # the tolerance below is fp32 rounding
 
 @pytest.fixture(scope='module')
 def ddp_runs(stories, tmp_path_factory):
