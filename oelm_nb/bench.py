@@ -21,8 +21,9 @@ from .freeze import param_report
 
 # %% auto #0
 __all__ = ['GPU_PEAK_BF16_TFLOPS', 'REFERENCE', 'NUMERICS_DTYPES', 'train_step_flops', 'optimizer_state_bytes', 'RefAttention',
-           'RefBlock', 'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops', 'peak_rss_bytes',
-           'BenchRow', 'cpu_peak_memory', 'bench', 'bench_table', 'numerics_table', 'plot_numerics', 'numerics_check']
+           'RefBlock', 'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops', 'reset_peak_rss',
+           'peak_rss_bytes', 'BenchRow', 'cpu_peak_memory', 'bench', 'bench_table', 'numerics_table', 'plot_numerics',
+           'numerics_check']
 
 # %% ../nbs/09_bench.ipynb #6818645a
 def _step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
@@ -48,7 +49,7 @@ def optimizer_state_bytes(model: GPT, device=None) -> int:
     _, loss = model(x[:, :8], y[:, :8]); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
 
-# %% ../nbs/09_bench.ipynb #456c9aa3
+# %% ../nbs/09_bench.ipynb #d985c3bc
 class RefAttention(nn.Module):
     "Causal self-attention with one fused QKV projection (nanoGPT's layout)."
     def __init__(self, cfg: ModelConfig):
@@ -110,7 +111,7 @@ def device_peak_flops(name: str) -> float | None:
     hits = [k for k in GPU_PEAK_BF16_TFLOPS if k.lower() in name.lower()]
     return GPU_PEAK_BF16_TFLOPS[max(hits, key=len)] * 1e12 if hits else None
 
-# %% ../nbs/09_bench.ipynb #d72ed03d
+# %% ../nbs/09_bench.ipynb #d02d1c18
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, # None: fp32
                       n: int = 2048, reps: int = 5) -> float:
     "FLOP/s of the best of `reps` n x n matmuls on `device` in `dtype`: the practical ceiling for this dtype."
@@ -130,15 +131,24 @@ def peak_flops(device: torch.device, dtype: torch.dtype | None) -> tuple[float, 
         if sheet: return sheet, 'data sheet'
     return matmul_peak_flops(device, dtype), 'measured 2048x2048 matmul'
 
+def reset_peak_rss() -> bool:
+    "Start the peak-RSS count afresh (Linux: /proc/self/clear_refs), so start-up spikes such as imports do not count."
+    try: Path('/proc/self/clear_refs').write_text('5'); return True
+    except OSError: return False
+
 def peak_rss_bytes() -> int | None:
     "Peak resident set size of this process so far (None where the OS does not report it)."
+    status = Path('/proc/self/status')  # Linux: VmHWM starts afresh at exec, unlike ru_maxrss, which a spawned child inherits
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith('VmHWM:'): return int(line.split()[1]) * 1024
     try: import resource
     except ImportError: return None
     import sys
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB on Linux
+    return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB elsewhere
 
-# %% ../nbs/09_bench.ipynb #4ede3303
+# %% ../nbs/09_bench.ipynb #5333ad5b
 @dataclass
 class BenchRow:
     "Benchmark results of one entry (a variant or the reference) in one dtype."
@@ -180,12 +190,13 @@ def _timed_step(model, opt, x, y, device, amp) -> float:
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     sync(); return time.perf_counter() - t0
 
-# %% ../nbs/09_bench.ipynb #691000d3
+# %% ../nbs/09_bench.ipynb #e0e131ff
 def _rss_probe(study, preset, variant, block_size, overrides, batch_size, dtype) -> int | None:
-    "Run in a fresh process: two training steps of one entry; its peak resident set size."
+    "Run in a fresh process: two training steps of one entry; the peak resident set size during them."
     dev = torch.device('cpu'); amp = autocast_dtype(dev, dtype)
     m = _build(variant, _bench_config(study, preset, variant, block_size, overrides), dev)
     opt = build_optimizer(m, TrainConfig(lr=1e-4))
+    reset_peak_rss()  # count from here: interpreter, torch and the model resident, import spikes forgotten
     for i in range(2): _timed_step(m, opt, *_step_inputs(m, batch_size, dev, seed=i), dev, amp)
     return peak_rss_bytes()
 
@@ -195,7 +206,7 @@ def cpu_peak_memory(study, preset, variant, block_size, overrides, batch_size, d
     with ctx.Pool(1) as pool:
         return pool.apply(_rss_probe, (study, preset, variant, block_size, overrides, batch_size, dtype))
 
-# %% ../nbs/09_bench.ipynb #3f7d62c5
+# %% ../nbs/09_bench.ipynb #cb01b584
 def _dtype_label(device, pref: str) -> str:
     amp = autocast_dtype(device, pref)
     return 'float32' if amp is None else str(amp).removeprefix('torch.')
@@ -245,7 +256,7 @@ def _row(e, first, times, counts, tokens, peak, memory, reference) -> BenchRow:
     return BenchRow(e[0], e[1], tokens, fl, ob, tr, float(med), float(q3 - q1), tokens / float(med), float(rmed), float(rq3 - rq1),
                     ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory)
 
-# %% ../nbs/09_bench.ipynb #6c885903
+# %% ../nbs/09_bench.ipynb #ba6a328b
 def bench_table(rows: list[BenchRow]):
     "The benchmark rows as a DataFrame indexed by (variant, dtype), with FLOP and optimizer-state differences to the first row."
     import pandas as pd
@@ -255,7 +266,7 @@ def bench_table(rows: list[BenchRow]):
     df['optimizer_bytes_saved_vs_first'] = df.optimizer_state_bytes.iloc[0] - df.optimizer_state_bytes
     return df
 
-# %% ../nbs/09_bench.ipynb #d8824509
+# %% ../nbs/09_bench.ipynb #6fee80aa
 NUMERICS_DTYPES = ('float32', 'bfloat16')
 
 def numerics_table(out_dir) -> 'pd.DataFrame':
@@ -290,7 +301,7 @@ def plot_numerics(out_dir, ax=None):
     ax.set(xlabel='step', ylabel='validation loss', title='fp32 (solid) vs bf16 autocast (dashed)'); ax.legend(fontsize=8)
     return ax
 
-# %% ../nbs/09_bench.ipynb #0fe5dbd0
+# %% ../nbs/09_bench.ipynb #49671c9f
 def numerics_check(out_dir, study: str = 'qk-freeze', preset: str = 'tiny', seeds: list[int] = (0, 1),
                    variants: list[str] | None = None, steps: int | None = None, log=print) -> 'pd.DataFrame':
     "Train the study in fp32 and in bf16 with the same seeds (into out_dir/float32, out_dir/bfloat16), then compare."

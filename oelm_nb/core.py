@@ -247,7 +247,7 @@ def pick_device(pref: str = 'auto', # auto | cpu | cuda | cuda:N | mps
         raise ConfigError(f"TrainConfig.device={pref!r} is invalid: MPS is not available here; use device='auto' or 'cpu'")
     return dev
 
-# %% ../nbs/00_core.ipynb #d6444504
+# %% ../nbs/00_core.ipynb #8222f6b6
 def bf16_matmul_speedup(n: int = 512, # matrix size of the probe
                         reps: int = 5, # timed repeats per dtype (the best counts)
                        ) -> float:
@@ -271,7 +271,7 @@ def cpu_has_native_bf16() -> bool:
         return bool(caps.get('avx512_bf16') or caps.get('amx_bf16'))
     return bf16_matmul_speedup() >= 1.5
 
-# %% ../nbs/00_core.ipynb #6ecffef1
+# %% ../nbs/00_core.ipynb #2597e72e
 def autocast_dtype(device: torch.device, pref: str = 'auto') -> torch.dtype | None:
     "The autocast dtype for `device` (None: plain fp32). 'auto' is bf16 on CUDA GPUs that support it and on CPUs with native bf16."
     if pref == 'float32': return None

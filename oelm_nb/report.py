@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import matplotlib.pyplot as plt
-import seaborn as sns
 
 from .experiment import read_json, parse_run_name, run_name
 from .train import read_metrics
 
 # %% auto #0
-__all__ = ['load_runs', 'load_curves', 'variant_table', 'Comparison', 'compare', 'plot_curves', 'RunExplorer']
+__all__ = ['load_runs', 'load_curves', 'variant_table', 'Comparison', 'compare', 'plot_curves', 'safe_markdown', 'safe_table',
+           'RunExplorer']
 
 # %% ../nbs/08_report.ipynb #6fcf8801
 def _expected(batch_dir: Path) -> list[tuple[str, int]]:
@@ -25,12 +25,14 @@ def _expected(batch_dir: Path) -> list[tuple[str, int]]:
     return [(v, int(s)) for v in b.get('variants', []) for s in b.get('seeds', [])]
 
 def _run_row(d: Path, variant: str, seed: int) -> dict:
-    "One run's row: identity, status, error and the summary's scalars (text too; parameter counts as params_*)."
+    "One run's row: identity, status, error and the summary's scalars (text too; parameter counts as params_*, device and precision as runtime_*)."
     s = read_json(d / 'summary.json') or {'status': 'partial' if any(d.iterdir()) else 'missing'}
     row = {'variant': variant, 'seed': seed, 'run_dir': str(d), 'status': s.get('status'), 'error': s.get('error')}
     for k, v in s.items():
         if isinstance(v, (int, float, str)) and not isinstance(v, bool) and k not in row and k not in ('study', 'preset'): row[k] = v
     for k, v in (s.get('params') or {}).items(): row[f'params_{k}'] = v
+    for k, v in (s.get('runtime') or {}).items():  # where and how it computed: device, dtype, threads, ...
+        if isinstance(v, (int, float, str, bool)): row[f'runtime_{k}'] = v
     return row
 
 def load_runs(batch_dir) -> pd.DataFrame:
@@ -79,8 +81,6 @@ def variant_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
     return t.loc[[v for v in runs.variant.unique()]]
 
 # %% ../nbs/08_report.ipynb #47183d12
-from scipy import stats as _stats
-
 @dataclass
 class Comparison:
     "Paired relative difference (a / b - 1) of a metric between two variants over common seeds."
@@ -110,7 +110,8 @@ def compare(runs: pd.DataFrame, a: str, b: str, metric: str = 'best_val_ppl') ->
     m = float(rel.mean())
     per_seed = {int(k): float(v) for k, v in rel.items()}
     if len(rel) < 2: return Comparison(metric, a, b, per_seed, m, None, None)
-    half = float(_stats.t.ppf(0.975, len(rel) - 1) * rel.std(ddof=1) / math.sqrt(len(rel)))
+    from scipy import stats  # imported here: training processes load this module but never compare
+    half = float(stats.t.ppf(0.975, len(rel) - 1) * rel.std(ddof=1) / math.sqrt(len(rel)))
     return Comparison(metric, a, b, per_seed, m, m - half, m + half)
 
 # %% ../nbs/08_report.ipynb #1513d976
@@ -123,19 +124,39 @@ def plot_curves(curves: pd.DataFrame, metric: str = 'val_ppl', x: str = 'step', 
     if seeds is not None: df = df[df.seed.isin(seeds)]
     if df.empty:
         ax.text(0.5, 0.5, f'no {metric} records', ha='center', transform=ax.transAxes); return ax
+    import seaborn as sns  # imported on first plot: a training process never draws
     sns.lineplot(data=df, x=x, y=metric, hue='variant', errorbar='sd', marker='o' if metric.startswith(('val', 'recall')) else None, ax=ax)
     if logy if logy is not None else metric.endswith('ppl'): ax.set_yscale('log')
     ax.set_xlabel(x); ax.set_ylabel(metric); ax.grid(alpha=.3)
     return ax
 
-# %% ../nbs/08_report.ipynb #bd6164c5
-import ipywidgets as widgets
+# %% ../nbs/08_report.ipynb #b8e2f4a6
+import html
+import mistune
+from IPython.display import HTML
+from pandas.io.formats.style import Styler
 
+def safe_markdown(text: str) -> HTML:
+    "Markdown `text` as HTML (mistune, escape=True): raw HTML in it shows as text, javascript: and data: links are dropped."
+    return HTML(mistune.create_markdown(escape=True)(text))
+
+def _is_text(v) -> bool: return not (v is None or isinstance(v, (int, float, np.number, np.bool_)))
+def _as_text(v) -> str: return html.escape(str(v))
+
+def safe_table(t: pd.DataFrame | Styler) -> pd.DataFrame | Styler:
+    "`t` for display with its text HTML-escaped: a DataFrame's HTML escapes already; a Styler's text cells and labels are escaped here."
+    if isinstance(t, pd.DataFrame): return t
+    text = [c for j, c in enumerate(t.data.columns) if t.data.iloc[:, j].map(_is_text).any()]  # columns of numbers keep their formats
+    if text: t = t.format(_as_text, subset=text, na_rep='')
+    return t.format_index(escape='html', axis=0).format_index(escape='html', axis=1)
+
+# %% ../nbs/08_report.ipynb #bd6164c5
 class RunExplorer:
     "Interactive view of a batch directory: pick variants, seeds and a metric; the plot redraws."
     METRICS = ('val_ppl', 'val_loss', 'train_loss', 'recall_acc', 'tokens_per_s', 'lr', 'grad_norm')
 
     def __init__(self, batch_dir):
+        import ipywidgets as widgets
         self.batch_dir = Path(batch_dir)
         self.variants = widgets.SelectMultiple(description='variants', rows=6)
         self.seeds = widgets.SelectMultiple(description='seeds', rows=6)

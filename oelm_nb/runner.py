@@ -17,9 +17,9 @@ from .studies import get_study
 from .data import prepare_data
 
 # %% auto #0
-__all__ = ['notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'Batch', 'execute_run', 'run_digest', 'schedule',
-           'BatchResult', 'with_upstream', 'plan_batch', 'write_batch_json', 'pending_jobs', 'run_study',
-           'render_report']
+__all__ = ['NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'Batch', 'execute_run',
+           'run_digest', 'schedule', 'BatchResult', 'with_upstream', 'plan_batch', 'write_batch_json', 'pending_jobs',
+           'run_study', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -259,6 +259,8 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     return res
 
 # %% ../nbs/07_runner.ipynb #04375c48
+NO_SCRIPTS = '<meta http-equiv="Content-Security-Policy" content="script-src \'none\'; object-src \'none\'; base-uri \'none\'">'
+
 def render_report(run_dir: str | Path, study: str | None = None, log=print) -> Path:
     "Execute the study's report notebook on `run_dir` and write report.ipynb and report.html there."
     run_dir = Path(run_dir).resolve()
@@ -273,5 +275,7 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
     res = subprocess.run([sys.executable, '-m', 'nbconvert', '--to', 'html', '--no-input', '--TemplateExporter.exclude_raw=True', '--output', 'report.html', str(nb_out)],
                          capture_output=True, text=True)
     if res.returncode != 0: raise RuntimeError(f"converting {nb_out} to HTML failed:\n{res.stderr[-2000:]}")
+    page = run_dir / 'report.html'  # defence in depth behind the escaping: the page runs no script at all
+    page.write_text(page.read_text(encoding='utf-8').replace('<head>', '<head>\n' + NO_SCRIPTS, 1), encoding='utf-8')
     log(f'[oelm run] report: {run_dir / "report.html"}')
     return run_dir / 'report.html'
