@@ -171,7 +171,7 @@ class TrainConfig(ConfigBase):
     keep_last: int = 3 # periodic checkpoints kept besides best and final
     seed: int = 0
     device: str = 'auto' # auto | cpu | cuda | cuda:N | mps
-    dtype: str = 'auto' # autocast dtype: auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | float32 | bfloat16 | float16
+    dtype: str = 'auto' # autocast dtype: auto (bf16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16
     compile: bool = False # torch.compile the model
     loggers: tuple = () # extra loggers besides metrics.jsonl: 'tensorboard', 'wandb'
     progress: bool = True # tqdm progress bar
@@ -273,12 +273,10 @@ def cpu_has_native_bf16() -> bool:
 
 # %% ../nbs/00_core.ipynb #2597e72e
 def autocast_dtype(device: torch.device, pref: str = 'auto') -> torch.dtype | None:
-    "The autocast dtype for `device` (None: plain fp32). 'auto' is bf16 on CUDA GPUs that support it and on CPUs with native bf16."
+    "The autocast dtype for `device` (None: plain fp32). 'auto' is bf16 on CUDA GPUs that support it, fp32 elsewhere."
     if pref == 'float32': return None
-    if pref == 'auto':
-        if device.type == 'cuda': return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-        if device.type == 'cpu': return torch.bfloat16 if cpu_has_native_bf16() else None
-        return None
+    if pref == 'auto':  # CPUs stay fp32: bf16 moved results beyond the seed spread in the numerics check (see above)
+        return torch.bfloat16 if device.type == 'cuda' and torch.cuda.is_bf16_supported() else None
     return getattr(torch, pref)
 
 def precision_note(device: torch.device, pref: str = 'auto') -> str:
@@ -286,10 +284,12 @@ def precision_note(device: torch.device, pref: str = 'auto') -> str:
     amp = autocast_dtype(device, pref)
     chosen = 'float32' if amp is None else f'{str(amp).removeprefix("torch.")} autocast (fp32 weights and loss)'
     if pref != 'auto': return f'{chosen}, as configured (dtype={pref!r})'
-    if device.type == 'cpu': why = 'this CPU computes bf16 natively' if amp else 'this CPU has no native bf16'
+    if device.type == 'cpu':
+        why = ("CPUs stay fp32; this one computes bf16 natively, so dtype='bfloat16' is about 2x faster on wide models"
+               if cpu_has_native_bf16() else 'CPUs stay fp32; this one has no native bf16')
     elif device.type == 'cuda': why = 'the GPU supports bf16' if amp else 'the GPU has no bf16'
     else: why = f'no autocast on {device.type}'
-    return f"{chosen} (dtype='auto': {why}; dtype='float32' for plain fp32)"
+    return f"{chosen} (dtype='auto': {why})"
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     "An autocast context for `device` and `dtype`, or a no-op when `dtype` is None."
