@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_cli.ipynb #3f0e91f4
 from __future__ import annotations
-import argparse, json, sys
+import argparse, json, shutil, sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -56,7 +56,11 @@ def cmd_params(args) -> int:
 def cmd_data_prepare(args) -> int:
     from oelm_nb.data import prepare_data
     cfg = DataConfig.from_dict({'source': args.source, **config_overrides(args, DataConfig)})
-    out = prepare_data(cfg, args.out, progress=not args.quiet)
+    created = not Path(args.out).exists()
+    try: out = prepare_data(cfg, args.out, progress=not args.quiet)
+    except BaseException:
+        if created: shutil.rmtree(args.out, ignore_errors=True)  # a failed call leaves no half-made folder behind
+        raise
     print(json.dumps(json.loads((Path(out) / 'meta.json').read_text()), indent=1, default=str) if args.verbose else f'prepared {out}')
     return 0
 
@@ -106,7 +110,7 @@ def cmd_run(args) -> int:
     variants, overrides, options = study_plan(study, args)
     res = run_study(args.study, args.preset, args.data, variants, args.seeds or list(study.default_seeds), args.steps,
                     args.out or f'runs/{args.study}', args.gpus, args.concurrent, args.jobs, overrides,
-                    report=not args.no_report, options=options)
+                    report=not args.no_report, options=options, restart=args.restart)
     print_batch_summary(res.out_dir)
     n_ok = sum(s == 'completed' for s in res.statuses.values())
     print(f'[oelm run] {n_ok}/{len(res.statuses)} runs completed in {res.out_dir}' + (f'; report: {res.report}' if res.report else ''))
@@ -141,6 +145,16 @@ def cmd_bench(args) -> int:
     return 0
 
 # %% ../nbs/10_cli.ipynb #993527e0
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1: raise argparse.ArgumentTypeError(f'{text} is not a positive integer')
+    return n
+
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0: raise argparse.ArgumentTypeError(f'{text} is negative')
+    return n
+
 def add_study_parser(sub, study, presets):
     "`oelm run <study>`: the flags every study shares, then the study's own."
     r = sub.add_parser(study.name, help=study.description or study.name, description=study.description)
@@ -148,15 +162,17 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--data', default='synthetic', help='synthetic | tinystories | DIR or file')
     r.add_argument('--variants', default=None, help='comma-separated, among those the flags below plan (default: '
                    + (','.join(study.default_variants) if study.default_variants else 'all of them') + ')')
-    r.add_argument('--seeds', type=int, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
-    r.add_argument('--steps', type=int, default=None, help="optimizer steps per run (default: the study's for the preset)")
+    r.add_argument('--seeds', type=_non_negative, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
+    r.add_argument('--steps', type=_positive, default=None, help="optimizer steps per run (default: the study's for the preset)")
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun)")
     conc = ['--concurrent'] if 'parallel' in study.options else ['--parallel', '--concurrent']
     r.add_argument(*conc, dest='concurrent', action='store_true', help='run GPU sets (or CPU jobs) concurrently')
     r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
     r.add_argument('--set', action='append', metavar='KEY=VALUE', help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
-    r.add_argument('--no-report', action='store_true')
+    r.add_argument('--no-report', action='store_true', help='do not render report.html at the end')
+    r.add_argument('--restart', action='store_true', help='set existing runs of this invocation aside (renamed <run>.replaced-N) and train them '
+                   'afresh; needed to rerun a batch directory with another configuration')
     if study.options:
         g = r.add_argument_group(f'{study.name} options')
         for flag, kw in study.options.items():
@@ -214,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     "Entry point of the `oelm` console script."
     args = build_parser().parse_args(argv)
     from oelm_nb.data import DataError
+    from oelm_nb.rundir import RunLocked
     try: return args.fn(args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, RunLocked) as e:
         print(f'oelm {args.command}: error: {e}', file=sys.stderr); return 2
 
 # %% ../nbs/10_cli.ipynb #afc920a1

@@ -5,6 +5,7 @@
 # %% ../nbs/06_experiment.ipynb #1153f946
 from __future__ import annotations
 import json, os, subprocess, sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, init_distributed
 from .data import prepare_data, load_split, load_tokenizer, TokenData
+from .rundir import run_lock, check_same_run, fingerprint, child_env
 
 # %% auto #0
 __all__ = ['Overrides', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'SAMPLE_PROMPTS', 'run_name', 'parse_run_name', 'NoSettings',
@@ -170,6 +172,8 @@ def apply_overrides(spec: dict, overrides: dict) -> dict:
         if section == 'extra': raise ConfigError(f"override {key!r}: extra.* is now settings.*; write settings.{name}")
         if not name:
             if section not in out: raise ConfigError(f"override {key!r}: unknown key; use 'model.X', 'train.X', 'data.X', 'settings.X' or one of {list(out)}")
+            if section in SECTIONS and not isinstance(val, dict):
+                raise ConfigError(f"override {key!r}={val!r}: the {section} section takes a JSON object; to change one field write {section}.FIELD=VALUE")
             out[section] = val; continue
         if section not in SECTIONS: raise ConfigError(f"override {key!r}: section must be one of {', '.join(SECTIONS)}")
         out.setdefault(section, {})[name] = val
@@ -212,8 +216,8 @@ def read_json(path) -> dict | None:
     except (FileNotFoundError, json.JSONDecodeError): return None
 
 def write_summary(spec: RunSpec, summary: dict) -> dict:
-    "Write `summary` with the run's identity block to <run dir>/summary.json; return what was written."
-    out = {**summary, **spec.identity}
+    "Write `summary` with the run's identity block and configuration fingerprint to <run dir>/summary.json; return what was written."
+    out = {**summary, **spec.identity, 'fingerprint': fingerprint(spec.to_dict())}
     write_json(Path(spec.out_dir) / 'summary.json', out)
     return out
 
@@ -235,10 +239,11 @@ SAMPLE_PROMPTS = ['Once upon a time, there was a', 'One day,']
 
 # %% ../nbs/06_experiment.ipynb #32a49585
 def prepare_run(spec: RunSpec, info=None) -> tuple[Path, TokenData, TokenData]:
-    "Create the run directory, prepare (or reuse) the data, record config.json; return (run dir, train, val) splits."
+    "Create the run directory (refusing one trained with another configuration), prepare (or reuse) the data, record config.json; return (run dir, train, val) splits."
     run_dir, data_dir = Path(spec.out_dir), spec.resolved_data_dir
     if info is None or info.is_main:  # under torchrun only rank 0 writes
         run_dir.mkdir(parents=True, exist_ok=True)
+        check_same_run(run_dir, spec.to_dict())  # resume only into the same configuration
         prepare_data(spec.data, data_dir, progress=False)
         spec.save_json(run_dir / 'config.json')
     if info is not None and info.enabled: torch.distributed.barrier()
@@ -250,8 +255,12 @@ def prepare_run(spec: RunSpec, info=None) -> tuple[Path, TokenData, TokenData]:
 
 # %% ../nbs/06_experiment.ipynb #5357c4c8
 def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
-    "Prepare data, build the model, train it, and write config.json and summary.json into the run directory."
+    "Under the run directory's lock: prepare data, build the model, train it, and write config.json and summary.json."
     info = init_distributed(spec.train.device)
+    with run_lock(spec.out_dir) if info.is_main else nullcontext():  # one writer per run directory
+        return _train_locked(spec, info, progress)
+
+def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
     run_dir, train_d, val_d = prepare_run(spec, info)
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     model = GPT(spec.model, init_seed=spec.train.seed)
@@ -267,13 +276,15 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
 def launch_run(spec: RunSpec, nproc: int = 1, progress: bool | None = None) -> dict:
     "Train `spec` in this process (nproc=1) or through torchrun with `nproc` processes; returns the summary."
     if nproc <= 1: return train_run(spec, progress)
-    run_dir = Path(spec.out_dir); run_dir.mkdir(parents=True, exist_ok=True)
-    prepare_data(spec.data, spec.resolved_data_dir, progress=False)
-    spec.save_json(run_dir / 'config.json')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-           '-m', 'oelm_nb.cli', 'train', '--config', str(run_dir / 'config.json')]
-    res = subprocess.run(cmd, cwd=run_dir, capture_output=True, text=True)
-    (run_dir / 'torchrun.log').write_text(res.stdout + res.stderr)
+    run_dir = Path(spec.out_dir)
+    with run_lock(run_dir):  # the torchrun processes work under this lock
+        check_same_run(run_dir, spec.to_dict())
+        prepare_data(spec.data, spec.resolved_data_dir, progress=False)
+        spec.save_json(run_dir / 'config.json')
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+               '-m', 'oelm_nb.cli', 'train', '--config', str(run_dir / 'config.json')]
+        res = subprocess.run(cmd, cwd=run_dir, capture_output=True, text=True, env=child_env())
+        (run_dir / 'torchrun.log').write_text(res.stdout + res.stderr)
     if res.returncode != 0:
         raise RuntimeError(f"torchrun exited with {res.returncode}; see {run_dir / 'torchrun.log'}:\n{res.stderr[-2000:]}")
     return read_json(run_dir / 'summary.json')

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import json, os, subprocess, sys, time
+import json, os, shutil, socket, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass, field
 from graphlib import TopologicalSorter, CycleError
@@ -12,13 +12,17 @@ from pathlib import Path
 from typing import Callable
 
 from .core import ConfigError, TrainConfig
-from .experiment import Study, resolve_spec, train_settings, write_json, read_json, run_name, run_identity
+from .experiment import Study, resolve_spec, train_settings, write_json, read_json, run_name, parse_run_name, run_identity
 from .studies import get_study
 from .data import prepare_data
+from .train import list_checkpoints
+from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_with_parent, describe_holder,
+                            recorded_config, config_diff, describe_diff, fingerprint, read_holder)
 
 # %% auto #0
-__all__ = ['NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'run_status', 'set_aside', 'Batch', 'execute_run',
-           'run_digest', 'schedule', 'BatchResult', 'with_upstream', 'plan_batch', 'write_batch_json', 'pending_jobs',
+__all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
+           'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'schedule', 'BatchResult',
+           'with_upstream', 'plan_batch', 'check_memory', 'write_batch_json', 'record_outcome', 'pending_jobs',
            'run_study', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
@@ -45,7 +49,24 @@ def parse_gpu_sets(gpus: str | None) -> list[list[str]]:
     sets = [[g.strip() for g in s.split(',') if g.strip()] for s in gpus.split(';') if s.strip()]
     bad = [g for s in sets for g in s if not g.isdigit()]
     if bad: raise ConfigError(f"--gpus {gpus!r}: {bad} are not GPU indices; write sets like '0,1;2,3'")
+    flat = [g for s in sets for g in s]
+    if len(set(flat)) < len(flat): raise ConfigError(f"--gpus {gpus!r}: a GPU appears twice; each GPU belongs to one set")
     return sets
+
+CPU_SETS_ENV = 'OELM_GPU_SETS_ON_CPU' # =1: GPU sets on a machine without CUDA train on the CPU (tests of the multi-process path)
+
+def check_gpus(sets: list[list[str]], cuda_available: bool | None = None, device_count: int | None = None, log=print):
+    "Refuse GPU sets this machine cannot run: no CUDA at all, or indices beyond its GPUs."
+    if not sets: return
+    import torch
+    ok = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if not ok and os.environ.get(CPU_SETS_ENV) == '1':
+        log(f'[oelm run] note: no CUDA GPU; {CPU_SETS_ENV}=1, so each GPU set trains on the CPU (one process per listed GPU, gloo)'); return
+    if not ok: raise ConfigError(f"--gpus {';'.join(','.join(s) for s in sets)!r}: torch {torch.__version__} sees no CUDA GPU on this machine; "
+                                 "drop --gpus to train on the CPU")
+    n = torch.cuda.device_count() if device_count is None else device_count
+    high = [g for s in sets for g in s if int(g) >= n]
+    if high: raise ConfigError(f"--gpus: GPU(s) {high} do not exist; this machine has {n} (indices 0..{n - 1})")
 
 def run_status(run_dir: Path) -> str:
     "'completed' (trained and its notebook fully executed), 'failed', 'partial' (started, not finished) or 'missing'."
@@ -55,10 +76,11 @@ def run_status(run_dir: Path) -> str:
     if s: return s.get('status', 'failed')
     return 'partial' if Path(run_dir).exists() else 'missing'
 
-def set_aside(run_dir: Path) -> Path:
-    "Rename a failed run directory to `<name>.failed-N` (kept for inspection) so the run can start afresh."
+def set_aside(run_dir: Path, why: str = 'failed') -> Path:
+    "Rename a run directory to `<name>.<why>-N` (kept for inspection) so the run can start afresh; refused while another process writes it."
+    with run_lock(run_dir): pass  # raises RunLocked, naming the writer, if one is alive
     n = 1
-    while (aside := run_dir.with_name(f'{run_dir.name}.failed-{n}')).exists(): n += 1
+    while (aside := run_dir.with_name(f'{run_dir.name}.{why}-{n}')).exists(): n += 1
     os.replace(run_dir, aside)
     return aside
 
@@ -89,6 +111,27 @@ class Batch:
         return resolve_spec(self.study, variant, self.preset, seed, self.steps, str(self.out / run_name(variant, seed)), self.data,
                             str(self.data_dir or self.out / 'data'), self.overrides, options=self.options)
 
+# %% ../nbs/07_runner.ipynb #ea258356
+PLACE_KEYS = {'out_dir': '--out', 'data_dir': '--out (the data lives in <out>/data) or --data DIR', 'name': '--variants',
+              'study': 'the STUDY argument', 'preset': '--preset', 'train.seed': '--seeds', 'train.max_steps': '--steps',
+              'data.source': '--data'}
+
+def _dupes(xs) -> list: return sorted({x for x in xs if list(xs).count(x) > 1}, key=str)
+
+def check_batch_flags(seeds, steps: int | None = None, overrides: dict | None = None, variants: list[str] | None = None):
+    "Refuse what a batch cannot honour: repeated or negative seeds, repeated variants, steps < 1, --set of a run's place or identity."
+    seeds = list(seeds)
+    if not seeds: raise ConfigError("no seeds: pass --seeds 0 1 ...")
+    bad = [s for s in seeds if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+    if bad: raise ConfigError(f"--seeds {bad}: seeds are non-negative integers (they seed torch and numpy)")
+    if _dupes(seeds): raise ConfigError(f"--seeds lists {_dupes(seeds)} more than once; each (variant, seed) is one run, trained once")
+    if _dupes(variants or []): raise ConfigError(f"--variants lists {_dupes(variants)} more than once")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ConfigError(f"--steps {steps!r}: give a positive number of optimizer steps, or leave it out for the study's default")
+    for key in overrides or {}:
+        if key in PLACE_KEYS: raise ConfigError(f"--set {key}=...: {key} is not set with --set; use {PLACE_KEYS[key]}")
+        if key in ('model', 'train', 'data', 'settings'): raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
+
 # %% ../nbs/07_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
     try: nb = json.loads(path.read_text())
@@ -99,17 +142,21 @@ def _error_from_notebook(path: Path) -> str | None:
     return None
 
 def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, threads: int | None = None, log=print) -> str:
-    "Execute the experiment notebook for `job` in a child process; returns the run's final status."
-    job.run_dir.mkdir(parents=True, exist_ok=True)
+    "Execute the experiment notebook for `job` in a child process, under the run's lock; returns the run's final status."
+    with run_lock(job.run_dir) as lock:  # RunLocked, naming the holder, when another process writes this run
+        if lock.recovered: log(f"[oelm run] {job.name}: recovered the lock of {describe_holder(lock.recovered)}, which is gone")
+        return _execute_locked(job, batch, gpu_set, threads, log)
+
+def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     (job.run_dir / '.running').write_text(str(os.getpid()))  # the notebook's summary is not final until papermill is done
     params = dict(study=batch.study, variant=job.variant, preset=batch.preset, data=batch.data, seed=job.seed, steps=batch.steps or 0,
                   out_dir=str(job.run_dir.resolve()), data_dir=str(Path(batch.data_dir).resolve()), overrides=json.dumps(batch.overrides),
                   options=json.dumps(batch.options), nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(batch.study).notebook)
     nb_out = job.run_dir / nb_in.name
-    cmd = [sys.executable, '-m', 'papermill', str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
-           '--cwd', str(job.run_dir), '--no-progress-bar', '-y', json.dumps(params)]
-    env = dict(os.environ)
+    cmd = die_with_parent(['-m', 'papermill', str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
+                           '--cwd', str(job.run_dir), '--no-progress-bar', '-y', json.dumps(params)])
+    env = child_env()  # the child works under this process's lock of the run
     if gpu_set: env['CUDA_VISIBLE_DEVICES'] = ','.join(gpu_set)
     if threads: env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(threads)
     t0 = time.time()
@@ -209,21 +256,57 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
     return names, plan
 
-def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus: str | None):
-    "Record the batch: its flags, runs and each variant's overrides and upstream runs."
-    write_json(batch.out / 'batch.json', {'study': batch.study, 'preset': batch.preset, 'data': batch.data, 'variants': variants,
-               'seeds': list(seeds), 'steps': batch.steps, 'overrides': batch.overrides, 'gpus': gpus, 'options': batch.options,
-               'plan': {v: {'overrides': plan[v].overrides, 'upstream': list(plan[v].upstream)} for v in variants}})
+def check_memory(batch: Batch, variants: list[str], device: str = 'cpu'):
+    "Refuse, before anything runs, a variant whose training step cannot fit in memory (`bench.check_step_memory`)."
+    from oelm_nb.bench import check_step_memory
+    for v in variants:
+        spec = batch.spec(v)
+        try: check_step_memory(spec.model, spec.train.batch_size, spec.model.block_size, device, spec.train.grad_accum)
+        except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
+
+def _now() -> str: return time.strftime('%Y-%m-%dT%H:%M:%S%z')
+
+def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus: str | None, restart: bool = False) -> int:
+    "Append this invocation (flags, runs and their fingerprints, who ran it) to batch.json; returns its index there."
+    path = batch.out / 'batch.json'
+    old = read_json(path) or {}
+    history = list(old.get('invocations') or ([{k: v for k, v in old.items() if k != 'plan'}] if old else []))
+    flags = {'study': batch.study, 'preset': batch.preset, 'data': batch.data, 'steps': batch.steps, 'overrides': batch.overrides,
+             'gpus': gpus, 'options': batch.options}
+    fps = {run_name(v, s): fingerprint(batch.spec(v, s).to_dict()) for v in variants for s in seeds}
+    from oelm_nb import __version__
+    history.append({**flags, 'variants': variants, 'seeds': list(seeds), 'restart': restart, 'fingerprints': fps, 'started': _now(),
+                    'host': socket.gethostname(), 'command': ' '.join(sys.argv)[:300], 'oelm_nb': __version__})
+    planned = {**(old.get('plan') or {}), **{v: {'overrides': plan[v].overrides, 'upstream': list(plan[v].upstream)} for v in variants}}
+    write_json(path, {**flags, 'variants': list(dict.fromkeys([*old.get('variants', []), *variants])),
+                      'seeds': sorted(set(old.get('seeds', [])) | set(seeds)), 'plan': planned, 'invocations': history})
+    return len(history) - 1
+
+def record_outcome(out: Path, index: int, statuses: dict):
+    "Add the runs' final statuses to invocation `index` of batch.json."
+    b = read_json(Path(out) / 'batch.json') or {}
+    inv = (b.get('invocations') or [])
+    if index < len(inv): inv[index].update(statuses=statuses, finished=_now()); write_json(Path(out) / 'batch.json', b)
 
 # %% ../nbs/07_runner.ipynb #090d891f
-def pending_jobs(batch: Batch, variants: list[str], seeds, log=print) -> tuple[list[Job], list[Job]]:
-    "(all jobs, those still to run): completed runs are skipped; a failed run is set aside and starts afresh."
+def pending_jobs(batch: Batch, variants: list[str], seeds, restart: bool = False, log=print) -> tuple[list[Job], list[Job]]:
+    "(all jobs, those still to run). A run trained with another configuration stops the batch (unless `restart`); completed runs are skipped; failed ones, and with `restart` all, are set aside."
     all_jobs = [Job(v, s, batch.out / run_name(v, s)) for v in variants for s in seeds]
+    existing = [j for j in all_jobs if j.run_dir.exists()]
+    if not restart:
+        stale = [(j, d) for j in existing if run_status(j.run_dir) != 'failed' and (old := recorded_config(j.run_dir)) is not None
+                 and (d := config_diff(old, batch.spec(j.variant, j.seed).to_dict()))]
+        if stale:
+            lines = '\n'.join(f'  {j.name}: {describe_diff(d)}' for j, d in stale)
+            raise RunMismatch(f"{len(stale)} run(s) in {batch.out} were trained with another configuration; they are neither resumed nor skipped:\n"
+                              f"{lines}\nUse another --out for the new configuration, or add --restart to set these runs aside "
+                              "(renamed <run>.replaced-N, kept) and train them afresh.")
+    for j in existing:
+        if restart: log(f'[oelm run] {j.name}: --restart, moved to {set_aside(j.run_dir, "replaced").name}, starting afresh')
+        elif run_status(j.run_dir) == 'failed': log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
     todo = [j for j in all_jobs if run_status(j.run_dir) != 'completed']
     for j in all_jobs:
-        if j not in todo: log(f'[oelm run] {j.name}: already completed, skipped')
-    for j in todo:  # a partial run resumes from its checkpoint
-        if run_status(j.run_dir) == 'failed': log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
+        if j not in todo: log(f'[oelm run] {j.name}: already completed, skipped (same configuration)')
     return all_jobs, todo
 
 # %% ../nbs/07_runner.ipynb #1f4f3a15
@@ -231,30 +314,50 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
               variants: list[str] | None = None, seeds: list[int] = (0, 1), steps: int | None = None,
               out_dir: str | Path = 'runs/qk-freeze', gpus: str | None = None, parallel: bool = False,
               jobs: int = 1, overrides: dict | None = None, report: bool = True, options: dict | None = None,
+              restart: bool = False, # set existing runs of this invocation aside and train them afresh
               log=print) -> BatchResult:
-    "Run every (variant, seed) of a study through papermill, upstream runs first, then render its report."
+    "Run every (variant, seed) of a study through papermill, upstream runs first, under the batch's lock; then render its report."
     out = Path(out_dir)
+    check_batch_flags(seeds, steps, overrides, variants)
+    if jobs < 1: raise ConfigError(f"--jobs {jobs}: give at least 1 concurrent run")
     batch = Batch(study, out, preset, data, steps, dict(options or {}), dict(overrides or {}))
     names, plan = plan_batch(batch, variants, log)
-    out.mkdir(parents=True, exist_ok=True)
+    sets = parse_gpu_sets(gpus); check_gpus(sets)
+    check_memory(batch, names, 'cuda' if sets else 'cpu')
+    workers = (sets if parallel else sets[:1]) if sets else [None] * jobs
+    created = not out.exists()
+    try:
+        with run_lock(out, 'batch') as lock:  # RunLocked, naming the holder, when another `oelm run` writes this batch
+            if lock.recovered: log(f"[oelm run] recovered the batch lock of {describe_holder(lock.recovered)}, which is gone")
+            return _run_batch(batch, names, plan, list(seeds), gpus, workers, restart, report, log)
+    except BaseException:
+        if created and out.exists() and not any(parse_run_name(p.name) for p in out.iterdir()): shutil.rmtree(out, ignore_errors=True)
+        raise
+
+def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, log) -> BatchResult:
+    out, study = batch.out, batch.study
     spec0 = batch.spec(names[0])
     log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
     batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)  # a prepared source directory is used in place
-    write_batch_json(batch, names, seeds, plan, gpus)
-    all_jobs, todo = pending_jobs(batch, names, seeds, log)
-    sets = parse_gpu_sets(gpus)
-    workers = (sets if parallel else sets[:1]) if sets else [None] * max(1, jobs)
-    threads = None if sets else max(1, (os.cpu_count() or 1) // len(workers))
+    all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
+    index = write_batch_json(batch, names, seeds, plan, gpus, restart)
+    threads = None if workers[0] else max(1, (os.cpu_count() or 1) // len(workers))
     def run_job(j, gpu_set):
-        log(f'[oelm run] {j.name}: started' + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
-        return execute_run(j, batch, gpu_set, threads, log)
+        cks = list_checkpoints(j.run_dir / 'checkpoints')
+        log(f'[oelm run] {j.name}: started' + (f' (resuming from step {int(cks[-1].name.removeprefix("step_"))})' if cks else '')
+            + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
+        try: return execute_run(j, batch, gpu_set, threads, log)
+        except RunLocked as e: log(f'[oelm run] {j.name}: not run: {e}'); return 'locked'
     def blocked(j, why):
-        j.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(j.run_dir / 'summary.json', {'status': 'failed', **run_identity(study, j.variant, preset, j.seed), 'error': why})
+        try:
+            with run_lock(j.run_dir):
+                write_json(j.run_dir / 'summary.json', {'status': 'failed', **run_identity(study, j.variant, batch.preset, j.seed), 'error': why})
+        except RunLocked as e: why += f' (and its directory is locked: {e})'
         log(f'[oelm run] {j.name}: {why}')
     statuses = schedule(todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream],
                         {j.name: 'completed' for j in all_jobs if j not in todo}, run_job, workers, blocked)
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
+    record_outcome(out, index, res.statuses)
     if report and get_study(study).report: res.report = render_report(out, study)
     return res
 
