@@ -20,10 +20,11 @@ from .train import build_optimizer
 from .freeze import param_report
 
 # %% auto #0
-__all__ = ['GPU_PEAK_BF16_TFLOPS', 'REFERENCE', 'NUMERICS_DTYPES', 'train_step_flops', 'optimizer_state_bytes', 'RefAttention',
-           'RefBlock', 'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops', 'reset_peak_rss',
-           'peak_rss_bytes', 'BenchRow', 'cpu_peak_memory', 'bench', 'bench_table', 'numerics_table', 'plot_numerics',
-           'numerics_check']
+__all__ = ['GPU_PEAK_BF16_TFLOPS', 'GiB', 'REFERENCE', 'NUMERICS_DTYPES', 'train_step_flops', 'optimizer_state_bytes',
+           'RefAttention', 'RefBlock', 'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops',
+           'reset_peak_rss', 'peak_rss_bytes', 'param_counts', 'StepMemory', 'step_memory', 'available_memory',
+           'check_step_memory', 'BenchRow', 'cpu_peak_memory', 'bench', 'bench_table', 'numerics_table',
+           'plot_numerics', 'numerics_check']
 
 # %% ../nbs/09_bench.ipynb #6818645a
 def _step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
@@ -148,6 +149,127 @@ def peak_rss_bytes() -> int | None:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB elsewhere
 
+# %% ../nbs/09_bench.ipynb #0dece4b8
+GiB = 2 ** 30
+def _gib(n: float) -> str: return f'{n / GiB:.2f} GiB'
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    "(total, trainable) weights of a `GPT` built from `cfg`, counted from its shape (frozen Q/K are buffers: in total only)."
+    C, F, k, V = cfg.n_embd, cfg.ff_dim, cfg.wte_dim, cfg.vocab_size
+    lin = lambda i, o, bias: i * o + (o if bias else 0)  # a Linear's weight and bias
+    ln = C * (2 if cfg.bias else 1)  # a LayerNorm's weight and bias
+    layer = 2 * ln + 4 * lin(C, C, cfg.attn_bias) + lin(C, F, cfg.bias) + lin(F, C, cfg.bias)
+    total = V * k + cfg.block_size * C + cfg.n_layer * layer + ln  # wte (tied to lm_head), wpe, blocks, ln_f
+    if cfg.factorized: total += lin(k, C, cfg.bias) + lin(C, k, cfg.bias)  # scale_up, scale_down
+    return total, total - 2 * C * C * len(cfg.frozen_layers)
+
+@dataclass
+class StepMemory:
+    "Estimated bytes of one training step, by part (see the formula above); `total` is their sum."
+    weights: int # parameters and buffers, fp32
+    grads: int # one fp32 gradient per trainable weight
+    adam: int # AdamW's two fp32 moments per trainable weight
+    blocks: int # activations the transformer blocks keep for backward, one micro-batch
+    logits: int # logits, log-softmax and their gradients
+    other: int # embeddings and the final LayerNorm
+    @property
+    def total(self) -> int: return self.weights + self.grads + self.adam + self.blocks + self.logits + self.other
+
+def _device_type(device) -> str:
+    return pick_device('auto').type if isinstance(device, str) and device == 'auto' else torch.device(device).type
+
+def step_memory(model_cfg: ModelConfig, # the model's shape
+                batch_size: int, # B, sequences per micro-batch
+                block_size: int | None = None, # T, tokens per sequence (None: model_cfg.block_size)
+                device='cpu', # where the step runs (on a CPU with dropout, attention weights are materialized)
+               ) -> StepMemory:
+    "Estimate the bytes one training step of a `GPT` of `model_cfg` needs, from the shapes alone."
+    c, B, T = model_cfg, batch_size, block_size or model_cfg.block_size
+    total, trainable = param_counts(c)
+    layer = 4 * B * T * (9 * c.n_embd + 2 * c.ff_dim)
+    if c.dropout > 0 and _device_type(device) != 'cuda': layer += 16 * B * c.n_head * T * T
+    base = 2 * c.n_embd ** 2 * c.n_layer if c.variant == 'oelm-learnable' else 0  # the orthogonal parametrization's base
+    return StepMemory(4 * (total + base), 4 * trainable, 8 * trainable, c.n_layer * layer, 16 * B * T * c.vocab_size,
+                      4 * B * T * (4 * c.n_embd + 2 * c.wte_dim))
+
+# %% ../nbs/09_bench.ipynb #4dd171c4
+def _cgroup_room() -> int | None:
+    "Bytes left under this process's cgroup memory limit (reclaimable page cache counted as free), or None without one."
+    for limit, usage, cache in (('memory.max', 'memory.current', 'inactive_file'),
+                                ('memory/memory.limit_in_bytes', 'memory/memory.usage_in_bytes', 'total_inactive_file')):
+        base = Path('/sys/fs/cgroup')
+        try: lim, used = (base / limit).read_text().strip(), int((base / usage).read_text())
+        except (OSError, ValueError): continue
+        if lim == 'max' or int(lim) >= 2 ** 60: return None
+        try: stat = dict(l.split() for l in (base / limit).with_name('memory.stat').read_text().splitlines())
+        except (OSError, ValueError): stat = {}
+        return max(0, int(lim) - used + int(stat.get(cache, 0)))
+    return None
+
+def available_memory(device='cpu') -> tuple[int, str]:
+    "(bytes a step can still allocate on `device`, where that number comes from)."
+    dev = pick_device(str(device))
+    if dev.type == 'cuda':
+        return torch.cuda.mem_get_info(dev)[0], f'{dev} ({torch.cuda.get_device_name(dev)}, free memory)'
+    import psutil
+    avail, where = psutil.virtual_memory().available, f'{dev.type} (system memory)'
+    room = _cgroup_room()
+    if room is not None and room < avail: avail, where = room, f"{dev.type} (room left under this container's memory limit)"
+    return avail, where
+
+def _max_batch(cfg: ModelConfig, block_size, device, avail: int) -> int:
+    "The largest batch size whose step fits in `avail` bytes (0: not even one sequence); the estimate is linear in it."
+    one, two = step_memory(cfg, 1, block_size, device).total, step_memory(cfg, 2, block_size, device).total
+    return max(0, (avail - (2 * one - two)) // (two - one))
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+def _positive_int(name: str, v, what: str):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ConfigError(f'{name}={v!r} is invalid: {what} must be a positive integer')
+
+def _memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, grad_accum: int, avail: int, where: str,
+                    fix: str | None = None, what: str = 'needs about') -> str:
+    "Why a step does not fit (the numbers) and what to change (`fix`, or smaller micro-batches with more accumulation)."
+    need, T = step_memory(cfg, batch_size, block_size, device), block_size or cfg.block_size
+    acts = need.blocks + need.logits + need.other
+    msg = (f'one training step at batch_size={batch_size} x block_size={T} ({cfg.n_layer} layers, n_embd={cfg.n_embd}, '
+           f'vocab_size={cfg.vocab_size}) {what} {_gib(need.total)} (weights, gradients and AdamW moments '
+           f'{_gib(need.weights + need.grads + need.adam)}; activations of one micro-batch {_gib(acts)}, '
+           f'{_gib(need.logits)} of it logits), but only {_gib(avail)} is available on {where}. ')
+    bmax = min(_max_batch(cfg, T, device, avail), batch_size - 1)
+    if bmax < 1:
+        return msg + (f'Even batch_size=1 needs about {_gib(step_memory(cfg, 1, T, device).total)}: shorten block_size, '
+                      'choose a smaller model, free memory, or run on a device with more of it')
+    if fix: return msg + fix.format(max_batch=bmax)
+    seqs = batch_size * grad_accum
+    b = max(d for d in _divisors(seqs) if d <= bmax)
+    return msg + (f'Lower batch_size and raise train.grad_accum to keep the {seqs} sequences (x {T} tokens) per step: e.g. '
+                  f'train.batch_size={b} with train.grad_accum={seqs // b} needs about '
+                  f'{_gib(step_memory(cfg, b, T, device).total)}')
+
+def check_step_memory(model_cfg: ModelConfig, # the model's shape
+                      batch_size: int, # sequences per micro-batch
+                      block_size: int | None = None, # tokens per sequence (None: model_cfg.block_size)
+                      device='cpu', # 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'
+                      grad_accum: int = 1, # micro-batches per optimizer step (for the suggested fix)
+                     ) -> int:
+    "Estimated bytes of one training step (`step_memory`); a `ConfigError` with the numbers and the fix when they exceed what is available."
+    _positive_int('batch_size', batch_size, 'the number of sequences per micro-batch')
+    if block_size is not None: _positive_int('block_size', block_size, 'the number of tokens per sequence')
+    _positive_int('grad_accum', grad_accum, 'the number of micro-batches per step')
+    need = step_memory(model_cfg, batch_size, block_size, device).total
+    avail, where = available_memory(device)
+    if need > avail: raise ConfigError(_memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
+    return need
+
+def _is_oom(e: BaseException) -> bool:
+    "Whether `e` is an allocation failure (CUDA out of memory, or the CPU allocator's)."
+    msg = str(e).lower()
+    return (isinstance(e, (MemoryError, getattr(torch, 'OutOfMemoryError', MemoryError))) or
+            isinstance(e, RuntimeError) and ("can't allocate memory" in msg or 'out of memory' in msg))
+
 # %% ../nbs/09_bench.ipynb #5333ad5b
 @dataclass
 class BenchRow:
@@ -202,9 +324,14 @@ def _rss_probe(study, preset, variant, block_size, overrides, batch_size, dtype)
 
 def cpu_peak_memory(study, preset, variant, block_size, overrides, batch_size, dtype) -> int | None:
     "Peak RSS of a fresh process that trains only this entry (spawned, so other entries' memory does not count)."
-    ctx = multiprocessing.get_context('spawn')
-    with ctx.Pool(1) as pool:
-        return pool.apply(_rss_probe, (study, preset, variant, block_size, overrides, batch_size, dtype))
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn')) as ex:
+        try: return ex.submit(_rss_probe, study, preset, variant, block_size, overrides, batch_size, dtype).result()
+        except BrokenProcessPool:  # a multiprocessing.Pool would wait forever for a worker the kernel killed
+            raise ConfigError(f'the process measuring the peak memory of {variant!r} at batch_size={batch_size} died '
+                              '(killed by the system, most likely out of memory): lower --batch-size or --block-size, '
+                              'or skip the measurement with --no-memory') from None
 
 # %% ../nbs/09_bench.ipynb #cb01b584
 def _dtype_label(device, pref: str) -> str:
@@ -220,15 +347,67 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
           log=None) -> list[BenchRow]:
     "Count FLOPs and optimizer state, then time training steps of every (entry, dtype), interleaved round by round."
     if steps < 10: raise ConfigError(f"steps={steps} is too few for a median on a noisy machine; use at least 10")
-    if batch_size < 1: raise ConfigError(f"batch_size={batch_size} is invalid: use at least 1 sequence per step")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} is invalid: use at least 1 sequence per step")
+    if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1):
+        raise ConfigError(f"block_size={block_size!r} is invalid: give a positive number of tokens per sequence, or "
+                          "leave it out for the preset's")
     for d in dtypes:
         if d not in DTYPES: raise ConfigError(f"dtype {d!r} is invalid: choose among {DTYPES}")
     dev = pick_device(device)
     labels = list(dict.fromkeys(_dtype_label(dev, d) for d in dtypes))
     entries = [(v, d) for d in labels for v in [*variants, *([REFERENCE] if reference else [])]]
-    models, opts, counts, cfgs = {}, {}, {}, {}
+    names = list(dict.fromkeys(v for v, _ in entries))
+    if block_size is not None: _check_block_size(study, preset, names, block_size, overrides)
+    cfgs = {v: _bench_config(study, preset, v, block_size, overrides) for v in names}
+    avail, where, estimate = _check_bench_memory(cfgs, entries, batch_size, dev)
+    try: return _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides,
+                           memory, reference, log)
+    except (RuntimeError, MemoryError) as e:
+        if not _is_oom(e): raise
+        first = (str(e).strip().splitlines() or [''])[0][:200]
+        T = next(iter(cfgs.values())).block_size
+        raise ConfigError(f'out of memory at batch_size={batch_size} x block_size={T} on {dev} ({type(e).__name__}: {first}): '
+                          f'the bench estimated {_gib(estimate)} for its {len(entries)} models and one step, of the '
+                          f'{_gib(avail)} available on {where} when it started (other processes may have taken memory since, and the '
+                          'estimate can be 15% off). Lower --batch-size or --block-size, or time fewer models at once '
+                          '(--variants, --dtypes, --no-reference)') from None
+
+_BENCH_FIX = ('Lower --batch-size (at most {max_batch} fits) or --block-size, or time fewer models at once '
+              '(--variants, --dtypes, --no-reference); tokens/s and the ratios between variants stay comparable')
+
+def _check_block_size(study, preset, names, block_size, overrides):
+    "Refuse a sequence longer than the learned position table of the preset's model (see the message)."
+    table = min(_bench_config(study, preset, v, None, overrides).block_size for v in names)
+    if block_size > table:
+        raise ConfigError(
+            f"block_size={block_size} is too long: the learned position table (wpe) of the {preset!r} model has "
+            f"block_size={table} rows, one per position, so a sequence can have at most {table} tokens. The bench "
+            f"builds the table at the length it times, so a longer one would time a model with {block_size - table} "
+            f"more positions than the one the study trains. Use --block-size in 1..{table}, or, to time a longer "
+            f"context on purpose, grow the table with it: --set block_size={block_size} (in Python: "
+            f"overrides={{'model.block_size': {block_size}}}); the memory check then says whether a step fits")
+
+def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tuple[int, str, int]:
+    "Check each shape's step, then all the models the bench holds at once; (bytes available, where from, bytes estimated)."
+    avail, where = available_memory(dev)
+    need = {v: step_memory(c, batch_size, None, dev) for v, c in cfgs.items()}
+    for v, c in cfgs.items():
+        if need[v].total > avail:
+            raise ConfigError(f'variant {v!r}: ' + _memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX))
+    # every (entry, dtype) keeps its weights and AdamW state; gradients and activations exist for one step at a time
+    total = (sum(need[v].weights + need[v].adam for v, _ in entries) +
+             max(n.grads + n.blocks + n.logits + n.other for n in need.values()))
+    if total > avail:
+        raise ConfigError(f'the bench holds {len(entries)} models with their optimizers at once '
+                          f'({", ".join(f"{v}/{d}" for v, d in entries)}), which with one step at batch_size={batch_size} '
+                          f'need about {_gib(total)}, but only {_gib(avail)} is available on {where}. Time fewer at once (--variants, '
+                          '--dtypes, --no-reference) or lower --batch-size')
+    return avail, where, total
+
+def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides, memory, reference, log):
+    models, opts, counts = {}, {}, {}
     for v, d in entries:
-        cfgs[v] = cfgs.get(v) or _bench_config(study, preset, v, block_size, overrides)
         m = models[v, d] = _build(v, cfgs[v], dev)
         if v not in counts: counts[v] = (train_step_flops(m, batch_size), optimizer_state_bytes(m), param_report(m).trainable)
         opts[v, d] = build_optimizer(m, TrainConfig(lr=1e-4))

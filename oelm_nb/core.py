@@ -149,6 +149,7 @@ class ModelConfig(ConfigBase):
 # %% ../nbs/00_core.ipynb #12989f41
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 LOGGERS = ('tensorboard', 'wandb')
+_F32_MAX = float(np.finfo(np.float32).max)  # a larger lr is inf in float32
 
 @dataclass
 class TrainConfig(ConfigBase):
@@ -185,7 +186,11 @@ class TrainConfig(ConfigBase):
         for name in ('warmup_steps', 'eval_every', 'ckpt_every', 'keep_last', 'seed'):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 0, c, name, v, 'must be a non-negative integer')
-        check(self.lr > 0, c, 'lr', self.lr, 'must be positive (e.g. 3e-4)')
+        for name in ('lr', 'min_lr', 'weight_decay', 'beta1', 'beta2', 'eps', 'grad_clip'):  # NaN and inf pass `>` checks
+            v = getattr(self, name)
+            check(bool(np.isfinite(v)), c, name, v, 'must be a finite number, not NaN or inf')
+        check(0 < self.lr <= _F32_MAX, c, 'lr', self.lr,
+              f'must be positive and representable in float32 (at most {_F32_MAX:.3g}; the optimizer computes in float32), e.g. 3e-4')
         check(0 <= self.min_lr <= self.lr, c, 'min_lr', self.min_lr, f'must be in [0, lr={self.lr}]')
         check(self.weight_decay >= 0, c, 'weight_decay', self.weight_decay, 'must be non-negative')
         check(0 <= self.beta1 < 1, c, 'beta1', self.beta1, 'must be in [0, 1)')

@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_data.ipynb #4dac5955
 from __future__ import annotations
-import bisect, functools, hashlib, itertools, json, os, re, socket, tempfile
+import bisect, functools, hashlib, itertools, json, math, os, re, shlex, socket, tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,14 +160,32 @@ def recall_positions(story: Story, # a generated story
     return out
 
 # %% ../nbs/04_data.ipynb #a11255dd
+_UTF8_BOM = b'\xef\xbb\xbf'
+
+def _decode_text(path: Path, data: bytes) -> str:
+    "`data` (the bytes of `path`) as UTF-8 text; a `DataError` at the first NUL byte or invalid UTF-8 sequence."
+    q, fixed = shlex.quote(str(path)), shlex.quote(str(path.with_name(f'{path.stem}.utf8{path.suffix}')))
+    nul = data.find(b'\x00')
+    if nul >= 0:
+        bom = ' (it starts with a UTF-16 byte-order mark)' if data[:2] in (b'\xff\xfe', b'\xfe\xff') else ''
+        raise DataError(f'{path} holds a NUL byte (0x00) at byte offset {nul}: it looks binary or UTF-16 encoded{bom}, '
+                        f'not UTF-8 text. Convert it to UTF-8 text, e.g. `iconv -f UTF-16 -t UTF-8 {q} > {fixed}` for '
+                        'UTF-16, or export the text again as UTF-8 from the program that wrote it')
+    skip = len(_UTF8_BOM) if data.startswith(_UTF8_BOM) else 0
+    try: return data[skip:].decode('utf-8')
+    except UnicodeDecodeError as e:
+        at = skip + e.start; line = data.count(b'\n', 0, at) + 1
+        raise DataError(f'{path} is not valid UTF-8 text: byte offset {at} (line {line}) holds '
+                        f'{data[at:at + 4]!r} ({e.reason}). Convert it to UTF-8, e.g. `iconv -f CP1252 -t UTF-8 {q} > '
+                        f'{fixed}` for Windows/Latin-1 text (or `-f UTF-16` for UTF-16)') from None
+
 def read_documents(path) -> list[str]:
-    "The documents of a local `.txt` (blank-line or <|endoftext|> separated) or `.jsonl` (`text` field) file."
+    "The documents of a local `.txt` (blank-line or <|endoftext|> separated) or `.jsonl` (`text` field) UTF-8 file."
     path = Path(path)
     if path.suffix not in ('.txt', '.jsonl'):
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; give a .txt or .jsonl file")
-    try: raw = path.read_text(encoding='utf-8')
+    try: raw = _decode_text(path, path.read_bytes())
     except FileNotFoundError: raise DataError(f'{path} does not exist') from None
-    except UnicodeDecodeError as e: raise DataError(f'{path} is not UTF-8 text ({e}); re-encode it as UTF-8') from None
     if path.suffix == '.txt':
         parts = raw.split(EOT) if EOT in raw else re.split(r'\n[ \t]*\n', raw)
         return [d.strip() for d in parts if d.strip()]
@@ -253,7 +271,7 @@ def _fingerprint(cfg: DataConfig, kind: str, files) -> str:
 def _cached_meta(out: Path, fingerprint: str) -> dict | None:
     "The meta of a complete dataset in `out` prepared with `fingerprint`, else None."
     try:
-        meta = json.loads((out / 'meta.json').read_text())
+        meta = _check_meta(json.loads((out / 'meta.json').read_bytes()), out / 'meta.json')
         if meta.get('fingerprint') != fingerprint or not (out / 'tokenizer.json').exists(): return None
         size = np.dtype(meta['dtype']).itemsize
         for split in SPLITS:
@@ -367,6 +385,57 @@ def prepare_data(cfg: DataConfig, # what to prepare
     os.replace(_tmp(out / 'meta.json'), out / 'meta.json')  # written last: its presence marks a complete dataset
     return out
 
+# %% ../nbs/04_data.ipynb #b434723d
+def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+def _is_num(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _shown(v, n: int = 60) -> str:
+    r = repr(v); return r if len(r) <= n else r[:n - 3] + '...'
+
+def _meta_error(path: Path, field: str, value, expected: str, missing: bool = False) -> DataError:
+    "A `DataError` naming meta.json, the field, its value and type, what was expected, and the fix."
+    got = 'is missing' if missing else f'is {_shown(value)} ({type(value).__name__})'
+    return DataError(f'{path}: field {field} {got}; expected {expected}. meta.json is damaged or was edited by hand: '
+                     f're-run `oelm data prepare --out {shlex.quote(str(path.parent))}` with the options it was prepared '
+                     'with (or prepare_data(DataConfig(...), out_dir)) to rewrite it')
+
+_MISSING = object()
+_RECALL_SPLIT = dict(positions=(_is_int, 'a non-negative integer'), max_distance=(_is_int, 'a non-negative integer'),
+                     distinct_targets=(_is_int, 'a non-negative integer'), mean_distance=(_is_num, 'a non-negative number'))
+
+def _check_meta(meta, path: Path) -> dict:
+    "`meta` (parsed from `path`) with `dtype` filled in, after checking every field loading and training read."
+    path = Path(path)
+    if not isinstance(meta, dict): raise _meta_error(path, '(the whole file)', meta, 'a JSON object {"vocab_size": ..., ...}')
+    def need(field, v, ok, expected):
+        if v is _MISSING: raise _meta_error(path, field, None, expected, missing=True)
+        if not ok(v): raise _meta_error(path, field, v, expected)
+        return v
+    V = need('vocab_size', meta.get('vocab_size', _MISSING), lambda v: _is_int(v) and v > 0,
+             "a positive integer (the tokenizer's vocabulary size)")
+    dtype = meta.setdefault('dtype', token_dtype(V).name)
+    need('dtype', dtype, lambda v: v in ('uint16', 'uint32'), '"uint16" or "uint32" (the integer type of the token files)')
+    need('dtype', dtype, lambda v: v == 'uint32' or V - 1 <= 65_535,
+         f'"uint32": vocab_size={V} has token ids up to {V - 1}, which uint16 cannot hold')
+    if 'n_tokens' in meta:
+        nt = need('n_tokens', meta['n_tokens'], lambda v: isinstance(v, dict),
+                  'an object {"train": n, "val": n} with the token count of each split')
+        for s in SPLITS: need(f'n_tokens.{s}', nt.get(s, _MISSING), lambda v: _is_int(v) and v >= 0,
+                            f'a non-negative integer (the number of tokens in {s}.bin)')
+    if 'eot_id' in meta: need('eot_id', meta['eot_id'], lambda v: _is_int(v) and 0 <= v < V, f'an integer id in 0..{V - 1}')
+    if meta.get('unigram_ppl') is not None: need('unigram_ppl', meta['unigram_ppl'], lambda v: _is_num(v) and v > 0, 'a positive number')
+    rec = meta.get('recall')
+    if rec is not None:
+        need('recall', rec, lambda v: isinstance(v, dict),
+             'null, or the object of recall statistics prepare_data writes for the story corpus')
+        for s in SPLITS:
+            sp = need(f'recall.{s}', rec.get(s, _MISSING), lambda v: isinstance(v, dict),
+                      'an object {"positions": ..., "mean_distance": ..., "max_distance": ..., "distinct_targets": ...}')
+            for k, (ok, what) in _RECALL_SPLIT.items(): need(f'recall.{s}.{k}', sp.get(k, _MISSING), lambda v: ok(v) and v >= 0, what)
+        need('recall.chance_token', rec.get('chance_token', _MISSING), lambda v: _is_int(v) and 0 <= v < V, f'an integer id in 0..{V - 1}')
+        need('recall.chance_token_text', rec.get('chance_token_text', _MISSING), lambda v: isinstance(v, str), 'a string')
+        need('recall.chance_level', rec.get('chance_level', _MISSING), lambda v: _is_num(v) and 0 <= v <= 1, 'a number in [0, 1]')
+    return meta
+
 # %% ../nbs/04_data.ipynb #8c9ed177
 @dataclass
 class TokenData:
@@ -378,20 +447,19 @@ class TokenData:
     def __len__(self): return len(self.tokens)
 
 def read_meta(data_dir) -> dict:
-    "meta.json of a data directory, checked for `vocab_size` and `dtype`."
+    "meta.json of a data directory, every field that loading and training read checked (see `_check_meta`)."
     path = Path(data_dir) / 'meta.json'
     if not path.exists():
         raise DataError(f'{path} is missing: a data directory needs meta.json next to train.bin/val.bin; run '
                         f'prepare_data(DataConfig(...), {str(data_dir)!r}), or for nanoGPT-style files write '
                         '{"vocab_size": V, "dtype": "uint16"} into it')
-    try: meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e: raise DataError(f'{path} is not valid JSON ({e}); re-run prepare_data') from None
-    V = meta.get('vocab_size') if isinstance(meta, dict) else None
-    if not isinstance(V, int) or V <= 0: raise DataError(f'{path}: vocab_size={V!r} must be a positive integer')
-    meta.setdefault('dtype', token_dtype(V).name)
-    if meta['dtype'] not in ('uint16', 'uint32'):
-        raise DataError(f"{path}: dtype={meta['dtype']!r} is not supported; use 'uint16' or 'uint32'")
-    return meta
+    try: meta = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f'{e.msg} at line {e.lineno} column {e.colno}' if isinstance(e, json.JSONDecodeError) else str(e)
+        raise DataError(f'{path} is not valid JSON ({where}): the file is truncated or damaged; re-run '
+                        f'`oelm data prepare --out {shlex.quote(str(path.parent))}` with the options it was prepared '
+                        'with (or prepare_data(DataConfig(...), out_dir)) to rewrite it') from None
+    return _check_meta(meta, path)
 
 def _checked_memmap(path: Path, dtype, what: str) -> np.memmap:
     if not path.exists(): raise DataError(f'{path} is missing: {what}; re-run prepare_data')
@@ -411,10 +479,10 @@ def load_split(data_dir, # a prepared data directory
     meta = read_meta(d)
     V, path = meta['vocab_size'], d / f'{split}.bin'
     tokens = _checked_memmap(path, meta['dtype'], 'the token stream of this split')
-    n = meta.get('n_tokens', {}).get(split)
+    n = meta['n_tokens'][split] if 'n_tokens' in meta else None
     if n is not None and n != len(tokens):
-        raise DataError(f'{path} holds {len(tokens)} tokens but meta.json says {n}: the file was changed after '
-                        'prepare_data; re-run it')
+        raise DataError(f'{path} holds {len(tokens)} tokens but meta.json says n_tokens.{split}={n}: the file was '
+                        'changed after prepare_data; re-run it')
     mx = int(tokens.max())
     if mx >= V:
         pos = int(np.argmax(tokens >= V))

@@ -256,13 +256,17 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
     return names, plan
 
-def check_memory(batch: Batch, variants: list[str], device: str = 'cpu'):
-    "Refuse, before anything runs, a variant whose training step cannot fit in memory (`bench.check_step_memory`)."
-    from oelm_nb.bench import check_step_memory
+def check_memory(batch: Batch, variants: list[str], concurrent: int = 1):
+    "Refuse, before anything runs, CPU runs whose training step cannot fit in memory (`bench.check_step_memory`), `concurrent` at a time."
+    from oelm_nb.bench import check_step_memory, available_memory, GiB
     for v in variants:
         spec = batch.spec(v)
-        try: check_step_memory(spec.model, spec.train.batch_size, spec.model.block_size, device, spec.train.grad_accum)
+        try: need = check_step_memory(spec.model, spec.train.batch_size, spec.model.block_size, 'cpu', spec.train.grad_accum)
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
+        avail, where = available_memory('cpu')
+        if need * concurrent > avail:
+            raise ConfigError(f"variant {v!r}: {concurrent} concurrent runs need about {need * concurrent / GiB:.2f} GiB, but only "
+                              f"{avail / GiB:.2f} GiB is available ({where}); lower --jobs to {max(1, int(avail // need))}")
 
 def _now() -> str: return time.strftime('%Y-%m-%dT%H:%M:%S%z')
 
@@ -323,8 +327,8 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     batch = Batch(study, out, preset, data, steps, dict(options or {}), dict(overrides or {}))
     names, plan = plan_batch(batch, variants, log)
     sets = parse_gpu_sets(gpus); check_gpus(sets)
-    check_memory(batch, names, 'cuda' if sets else 'cpu')
     workers = (sets if parallel else sets[:1]) if sets else [None] * jobs
+    if not sets: check_memory(batch, names, min(len(workers), len(names) * len(list(seeds))))  # on GPUs the trainer names an out-of-memory step (no CUDA context here)
     created = not out.exists()
     try:
         with run_lock(out, 'batch') as lock:  # RunLocked, naming the holder, when another `oelm run` writes this batch

@@ -4,8 +4,8 @@
 
 # %% ../nbs/05_train.ipynb #103c9165
 from __future__ import annotations
-import json, math, os, shutil, time, statistics
-from contextlib import nullcontext
+import errno, json, math, os, re, shutil, time, statistics, warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -15,20 +15,23 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 import torch.distributed as dist
-from safetensors.torch import save_file, load_file, save_model, load_model
+from safetensors.torch import save_file, load_file, save_model
 from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .core import ModelConfig, TrainConfig, ConfigError, set_seed, pick_device, autocast_dtype, autocast, precision_note
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
-from .data import TokenData, batch as make_batch
+from .data import TokenData, DataError, batch as make_batch
+from .rundir import run_lock, config_diff, describe_diff, RunMismatch
 
 # %% auto #0
-__all__ = ['LossFn', 'lr_at', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss', 'evaluate',
-           'CheckpointError', 'save_checkpoint', 'list_checkpoints', 'read_checkpoint_meta', 'load_weights',
-           'prune_checkpoints', 'MetricsLog', 'read_metrics', 'DistInfo', 'init_distributed', 'all_mean',
-           'TrainingDiverged', 'Trainer', 'runtime_info', 'copy_task_data']
+__all__ = ['LossFn', 'LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'lr_at', 'build_optimizer', 'set_lr',
+           'train_starts', 'eval_starts', 'lm_loss', 'evaluate', 'CheckpointError', 'RecoveryWarning',
+           'save_checkpoint', 'list_checkpoints', 'read_checkpoint_meta', 'check_trainer_meta', 'load_weights',
+           'prune_checkpoints', 'clean_leftovers', 'MetricsLog', 'MetricsError', 'read_metrics', 'DistInfo',
+           'init_distributed', 'all_mean', 'TrainingDiverged', 'step_divergence', 'param_rms', 'param_divergence',
+           'TrainingOutOfMemory', 'oom_message', 'Trainer', 'runtime_info', 'copy_task_data']
 
 # %% ../nbs/05_train.ipynb #df8a6e64
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -117,7 +120,10 @@ def evaluate(model: nn.Module, data: TokenData, block_size: int, batch_size: int
 
 # %% ../nbs/05_train.ipynb #887c8d36
 class CheckpointError(RuntimeError):
-    "A checkpoint is missing or unreadable."
+    "A checkpoint is missing, unreadable or could not be written: the message names the file, the problem and the fix."
+
+class RecoveryWarning(UserWarning):
+    "Something an interrupted run left behind (a cut-off metrics line, a damaged checkpoint) was dropped or set aside."
 
 def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     sd = opt.state_dict()
@@ -150,6 +156,9 @@ def _set_rng_state(st: dict, rank: int = 0):
     if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
 # %% ../nbs/05_train.ipynb #23612124
+_TMP_DIR = re.compile(r'\.tmp-(?:old-)?(?P<name>step_\d+)-(?P<pid>\d+)')  # a checkpoint being written (or an old copy moved aside)
+_TMP_FILE = re.compile(r'\.(?P<name>.+)\.tmp(?P<pid>\d+)')                # a file or link being replaced
+
 def _fsync_dir(path: Path):
     try:
         fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.close(fd)
@@ -157,8 +166,11 @@ def _fsync_dir(path: Path):
 
 def _write_atomic(path: Path, text: str):
     tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
-    with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True); raise
 
 def _point(link: Path, target: str):
     "Atomically make `link` a symlink to `target` (a sibling directory name)."
@@ -167,62 +179,172 @@ def _point(link: Path, target: str):
     os.symlink(target, tmp); os.replace(tmp, link)
 
 # %% ../nbs/05_train.ipynb #8b2d188e
+def _latest_note(ckpt_root: Path) -> str:
+    "Which complete checkpoint `ckpt_root` holds now, in words."
+    cks = list_checkpoints(ckpt_root)
+    return f"the latest complete checkpoint is still {cks[-1]} (step {int(cks[-1].name[5:])})" if cks else f"no complete checkpoint exists in {ckpt_root} yet"
+
 def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], opt: torch.optim.Optimizer | None,
                     meta: dict, rank_rng: list | None = None) -> Path:
-    "Write checkpoint `step` under `ckpt_root` atomically; returns its directory."
+    "Write checkpoint `step` under `ckpt_root` atomically; returns its directory. A failed write leaves nothing behind."
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f'step_{step:07d}'
-    final, tmp = ckpt_root / name, ckpt_root / f'.tmp-{name}-{os.getpid()}'
-    if tmp.exists(): shutil.rmtree(tmp)
-    tmp.mkdir()
-    for key, mod in modules.items(): save_model(mod, str(tmp / f'{key}.safetensors'))
-    if opt is not None:
-        tensors, ometa = _optimizer_to_flat(opt)
-        save_file(tensors, str(tmp / 'optimizer.safetensors')); meta = {**meta, 'optimizer': ometa}
-    save_file(_rng_state(rank_rng), str(tmp / 'rng.safetensors'))
-    _write_atomic(tmp / 'meta.json', json.dumps({**meta, 'step': step}, indent=1, default=str))
-    for f in tmp.iterdir():
-        with open(f, 'rb') as fh: os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    old = None
-    if final.exists():  # move the complete old copy aside first: never a half-deleted step_* directory
-        old = ckpt_root / f'.tmp-old-{name}-{os.getpid()}'; os.replace(final, old)
-    os.replace(tmp, final); _fsync_dir(ckpt_root)
+    final, tmp, old = ckpt_root / name, ckpt_root / f'.tmp-{name}-{os.getpid()}', None
+    try:
+        if tmp.exists(): shutil.rmtree(tmp)
+        tmp.mkdir()
+        for key, mod in modules.items(): save_model(mod, str(tmp / f'{key}.safetensors'))
+        if opt is not None:
+            tensors, ometa = _optimizer_to_flat(opt)
+            save_file(tensors, str(tmp / 'optimizer.safetensors')); meta = {**meta, 'optimizer': ometa}
+        save_file(_rng_state(rank_rng), str(tmp / 'rng.safetensors'))
+        _write_atomic(tmp / 'meta.json', json.dumps({**meta, 'step': step}, indent=1, default=str))
+        for f in tmp.iterdir():
+            with open(f, 'rb') as fh: os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # move the complete old copy aside first: never a half-deleted step_* directory
+            old = ckpt_root / f'.tmp-old-{name}-{os.getpid()}'; os.replace(final, old)
+        os.replace(tmp, final); _fsync_dir(ckpt_root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists(): os.replace(old, final)  # the rename failed: put the old copy back
+        if not isinstance(e, OSError): raise
+        space = getattr(e, 'errno', None) in (errno.ENOSPC, getattr(errno, 'EDQUOT', -1))
+        fix = f"free disk space in {ckpt_root}" if space else f"check that {ckpt_root} is writable"
+        raise CheckpointError(f"writing the checkpoint of step {step} failed: {e}. Its partial files ({tmp.name}) were removed "
+                              f"and {_latest_note(ckpt_root)}. Fix: {fix} (or set another out_dir) and run again; "
+                              "fit() resumes from that checkpoint") from e
     if old is not None: shutil.rmtree(old, ignore_errors=True)
     return final
 
 # %% ../nbs/05_train.ipynb #fb73d49e
+_STEP_DIR = re.compile(r'step_(\d+)')
+
+def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    "Complete checkpoint directories, oldest first (temporary leftovers are ignored)."
+    "Complete checkpoint directories `step_N` (those with a meta.json), oldest first; temporary and set-aside (`corrupt-*`) directories are ignored."
     if not ckpt_root.exists(): return []
-    return sorted(p for p in ckpt_root.glob('step_*') if p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists())
+    cks = [p for p in ckpt_root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
+    return sorted(cks, key=lambda p: int(p.name[5:]))
 
 def read_checkpoint_meta(ckpt: Path) -> dict:
-    ckpt = Path(ckpt)
-    try: return json.loads((ckpt / 'meta.json').read_text())
+    "A checkpoint's meta.json: a JSON object with an integer `step` (else a `CheckpointError` naming the file)."
+    ckpt = Path(ckpt); path = ckpt / 'meta.json'
+    try: meta = json.loads(path.read_text())
     except FileNotFoundError: raise CheckpointError(f"{ckpt} is not a checkpoint: meta.json is missing") from None
-    except json.JSONDecodeError as e: raise CheckpointError(f"{ckpt}/meta.json is corrupt ({e}); resume from an earlier checkpoint") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupt ({e}); resume from an earlier checkpoint") from None
+    if not (isinstance(meta, dict) and _is_int(meta.get('step'))):
+        raise CheckpointError(f"{path} is corrupt: expected a JSON object with an integer 'step', got {str(meta)[:80]}; "
+                              "resume from an earlier checkpoint")
+    return meta
+
+# %% ../nbs/05_train.ipynb #442e4329
+def _is_num(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _finite(v) -> bool: return _is_num(v) and math.isfinite(v)
+
+def _optimizer_meta_ok(o) -> bool:
+    return (isinstance(o, dict) and isinstance(o.get('scalars'), dict) and all(re.fullmatch(r'\d+\..+', k) for k in o['scalars'])
+            and isinstance(o.get('param_groups'), list)
+            and all(isinstance(g, dict) and isinstance(g.get('params'), list) and all(map(_is_int, g['params'])) for g in o['param_groups']))
+
+def _divergence_meta_ok(d) -> bool:
+    return (isinstance(d, dict) and isinstance(d.get('recent_losses'), list) and all(map(_finite, d['recent_losses']))
+            and (d.get('ref_rms') is None or (_finite(d['ref_rms']) and d['ref_rms'] >= 0)))
+
+def check_trainer_meta(meta: dict, # a checkpoint's meta.json, as read by `read_checkpoint_meta`
+                       path: Path, # where it was read from (for the message)
+                      ) -> dict:
+    "Check the fields a `Trainer` reads back from meta.json; a `CheckpointError` names the first bad one."
+    best = meta.get('best')
+    rules = [('step', _is_int(meta.get('step')) and meta['step'] >= 0, 'a non-negative integer'),
+             ('tokens', _is_int(meta.get('tokens')) and meta['tokens'] >= 0, 'a non-negative integer'),
+             ('best', isinstance(best, dict) and _is_num(best.get('val_loss')) and (best.get('step') is None or _is_int(best['step'])),
+              "an object {'val_loss': number, 'step': integer or null}")]
+    if 'optimizer' in meta:
+        rules.append(('optimizer', _optimizer_meta_ok(meta['optimizer']),
+                      "an object {'param_groups': [{'params': [integers], ...}], 'scalars': {'<index>.<name>': value}}"))
+    if 'divergence' in meta:
+        rules.append(('divergence', _divergence_meta_ok(meta['divergence']),
+                      "an object {'recent_losses': [finite numbers], 'ref_rms': a finite number >= 0 or null}"))
+    for key, ok, want in rules:
+        if not ok: raise CheckpointError(f"{path}: field {key!r} must be {want}, got {str(meta.get(key, '<missing>'))[:80]}; "
+                                         "the checkpoint is damaged or was not written by a Trainer")
+    m = _STEP_DIR.fullmatch(Path(path).parent.name)
+    if m and int(m[1]) != meta['step']:
+        raise CheckpointError(f"{path}: 'step' is {meta['step']} but the directory is {Path(path).parent.name}; the checkpoint is damaged")
+    return meta
 
 # %% ../nbs/05_train.ipynb #c9e2aac5
-def load_weights(module: nn.Module, ckpt: Path, key: str = 'model'):
-    "Load `key.safetensors` of checkpoint `ckpt` into `module` (strict)."
-    path = Path(ckpt) / f'{key}.safetensors'
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    "Every tensor of a safetensors file, read completely; a `CheckpointError` names the file if it is missing or cut off."
     if not path.exists(): raise CheckpointError(f"{path} does not exist")
-    try: missing, unexpected = load_model(module, str(path), strict=False)
-    except Exception as e: raise CheckpointError(f"cannot load {path}: {e}") from None
-    if missing or unexpected:
-        raise CheckpointError(f"{path} does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}; "
-                              "was it saved from another variant or preset?")
+    try: return load_file(str(path))
+    except Exception as e: raise CheckpointError(f"{path} is unreadable ({e}): it is truncated or damaged") from None
+
+def _match_module(module: nn.Module, tensors: dict, path: Path):
+    "Check that `tensors` (read from `path`) fit `module`: the same names (tied tensors stored once), the same shapes, finite parameters."
+    sd = module.state_dict()
+    stored = {sd[k].data_ptr() for k in tensors if k in sd and sd[k].numel()}
+    missing = sorted(k for k in sd if k not in tensors and not (sd[k].numel() and sd[k].data_ptr() in stored))
+    unexpected = sorted(k for k in tensors if k not in sd)
+    shapes = sorted(f'{k} {tuple(tensors[k].shape)} vs {tuple(sd[k].shape)}' for k in tensors if k in sd and tensors[k].shape != sd[k].shape)
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes "
+                              f"(file vs model) {shapes[:3]}; was it saved from another variant or preset?")
+    names = {n for n, _ in module.named_parameters()}
+    bad = [k for k, v in tensors.items() if k in names and v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad: raise CheckpointError(f"{path} holds non-finite weights ({bad[:5]}): a diverged run wrote it; resume from an earlier checkpoint")
+
+def load_weights(module: nn.Module, ckpt: Path, key: str = 'model'):
+    "Load `key.safetensors` of checkpoint `ckpt` into `module` (strict: the same names and shapes, finite weights)."
+    path = Path(ckpt) / f'{key}.safetensors'
+    tensors = _read_tensors(path); _match_module(module, tensors, path)
+    module.load_state_dict(tensors, strict=False)  # tied tensors are stored once: their other names are not in the file
     return module
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int):
-    "Delete periodic checkpoints beyond the newest `keep_last`, sparing those `best`/`final`/`latest` point to."
+    "Delete periodic checkpoints beyond the newest `keep_last`, sparing those `best`/`final`/`latest` point to, and this process's temporary directories."
     keep = {os.path.realpath(ckpt_root / n) for n in ('best', 'final', 'latest') if (ckpt_root / n).is_symlink()}
     ckpts = list_checkpoints(ckpt_root)
     for p in ckpts[:max(0, len(ckpts) - keep_last)]:
         if os.path.realpath(p) not in keep: shutil.rmtree(p)
-    for p in ckpt_root.glob('.tmp-*'):
-        if p.is_dir(): shutil.rmtree(p, ignore_errors=True)
+    for p in ckpt_root.glob('.tmp-*'):  # another process's may be a write in progress: `clean_leftovers` decides about those
+        m = _TMP_DIR.fullmatch(p.name)
+        if m and int(m['pid']) == os.getpid() and p.is_dir() and not p.is_symlink(): shutil.rmtree(p, ignore_errors=True)
+
+# %% ../nbs/05_train.ipynb #d801fb4d
+def _pid_alive(pid: int) -> bool:
+    "Whether a process with id `pid` exists on this machine (another user's counts)."
+    if pid <= 0: return False
+    if os.name == 'nt':  # os.kill would terminate it there
+        try: import psutil
+        except ImportError: return True  # cannot tell: keep its files
+        return psutil.pid_exists(pid)
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+def clean_leftovers(run_dir: Path | str) -> list[str]:
+    "Remove the temporary files of interrupted writes in `run_dir` and its checkpoints folder whose process is gone (or is this one); returns what was done."
+    run_dir, me, done = Path(run_dir), os.getpid(), []
+    stale = lambda pid: pid == me or not _pid_alive(pid)
+    root = run_dir / 'checkpoints'
+    for folder in (root, run_dir):
+        if not folder.is_dir(): continue
+        for p in sorted(folder.iterdir()):  # '.tmp-old-*' sorts before '.tmp-step_*'
+            m = _TMP_DIR.fullmatch(p.name) if folder == root else None
+            if m and p.is_dir() and not p.is_symlink():
+                if not stale(int(m['pid'])): continue
+                final = root / m['name']
+                if p.name.startswith('.tmp-old-') and not final.exists() and (p / 'meta.json').exists():
+                    os.replace(p, final); done.append(f'restored {final.name} from {p.name}')
+                else: shutil.rmtree(p, ignore_errors=True); done.append(f'removed {p.name}')
+            elif (m := _TMP_FILE.fullmatch(p.name)) and (p.is_symlink() or p.is_file()) and stale(int(m['pid'])):
+                p.unlink(); done.append(f'removed {p.name}')
+    return done
 
 # %% ../nbs/05_train.ipynb #6aa33897
 class MetricsLog:
@@ -242,14 +364,37 @@ class MetricsLog:
             os.environ.setdefault('WANDB_MODE', 'offline')
             self.wandb = wandb.init(project='oelm_nb', name=run_name, dir=str(out_dir), config=config or {}, reinit=True)
 
+# %% ../nbs/05_train.ipynb #64d60fef
+class MetricsError(DataError):
+    "A JSON-lines file of a run (metrics.jsonl, ...) is damaged: the message names the file, the line and the fix."
+
+def _read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, dict]]:
+    "(text, record) of each non-blank line of `path`; a cut-off last line is dropped with a warning, any other bad line raises `MetricsError`."
+    lines = [(no, l) for no, l in enumerate(path.read_bytes().decode('utf-8', errors='replace').split('\n'), 1) if l.strip()]
+    out = []
+    for j, (no, line) in enumerate(lines):
+        try: rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if j == len(lines) - 1:
+                warnings.warn(f"{path}: line {no} is cut off ({e}), as a writer killed mid-line leaves it; the line is dropped",
+                              RecoveryWarning, stacklevel=3)
+                break
+            raise MetricsError(f"{path}: line {no} is not valid JSON ({e}); only the last line can be cut off by an interrupted "
+                               f"write, so the file was damaged otherwise. Fix: repair or delete line {no}") from None
+        if not (isinstance(rec, dict) and (step_key is None or _is_int(rec.get(step_key)))):
+            want = f"a JSON object with an integer {step_key!r}" if step_key else 'a JSON object'
+            raise MetricsError(f"{path}: line {no} is not a record: expected {want}, got {line[:80]!r}. Fix: repair or delete line {no}")
+        out.append((line, rec))
+    return out
+
 # %% ../nbs/05_train.ipynb #8b5684b9
 @patch
 def truncate_after(self: MetricsLog, step: int):
-    "Drop records beyond `step` (a resumed run re-logs them)."
+    "Drop records beyond `step` (a resumed run re-logs them) and a cut-off last line; the file is rewritten whole lines only."
     if not (self.path and self.path.exists()): return
-    keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)['step'] <= step]
-    _write_atomic(self.path, ''.join(l + '\n' for l in keep))
-    self.records = [json.loads(l) for l in keep]
+    keep = [(l, r) for l, r in _read_jsonl(self.path, 'step') if r['step'] <= step]
+    _write_atomic(self.path, ''.join(l + '\n' for l, _ in keep))
+    self.records = [r for _, r in keep]
 
 @patch
 def log(self: MetricsLog, record: dict):
@@ -268,9 +413,9 @@ def close(self: MetricsLog):
 
 # %% ../nbs/05_train.ipynb #cafd0c53
 def read_metrics(run_dir, file: str = 'metrics.jsonl') -> list[dict]:
-    "The records of a run's metrics.jsonl (or of another JSON-lines file of the run, e.g. phase1.jsonl)."
+    "The records of a run's metrics.jsonl (or of another JSON-lines file of the run, e.g. phase1.jsonl); a cut-off last line is dropped with a warning."
     p = Path(run_dir) / file
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+    return [r for _, r in _read_jsonl(p, 'step' if file == 'metrics.jsonl' else None)] if p.exists() else []
 
 # %% ../nbs/05_train.ipynb #701f0fd9
 @dataclass
@@ -306,8 +451,74 @@ def _median_speed(records: list[dict]) -> float | None:
     tps = [r['tokens_per_s'] for r in records if r.get('tokens_per_s') is not None and math.isfinite(r['tokens_per_s'])]
     return statistics.median(tps[1:] or tps) if tps else None
 
+# %% ../nbs/05_train.ipynb #119452dd
+LOSS_WINDOW = 20    # rule (b): the losses of up to this many previous steps ...
+LOSS_FACTOR = 4.0   # ... a loss above this multiple of their median ...
+LOSS_MARGIN = 1.0   # ... and more than this above it (in the loss's unit: nats for cross-entropy) has exploded
+RMS_FACTOR = 100.0  # rule (c): the trained parameters' global RMS may grow at most this much over training
+
 class TrainingDiverged(RuntimeError):
-    "The loss or gradient norm became NaN/inf."
+    "A step or a checkpoint broke the divergence rule: the message names the step, the rule and its numbers, the checkpoint really kept and the fix."
+
+def step_divergence(loss: float, grad_norm: float, recent: list[float]) -> str | None:
+    "Why a step with this loss and gradient norm is not good (rules a and b), given the losses of the steps before it; None if it is good."
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return f"rule (a): the loss ({loss}) or the gradient norm ({grad_norm}) is not finite"
+    prev = recent[-LOSS_WINDOW:]
+    med = statistics.median(prev) if prev else 0.0
+    if med > 0 and loss > LOSS_FACTOR * med and loss > med + LOSS_MARGIN:
+        return (f"rule (b): the loss exploded: {loss:.6g} is more than {LOSS_FACTOR:g}x the median {med:.6g} of the previous "
+                f"{len(prev)} steps' losses and more than {LOSS_MARGIN:g} above it (gradient norm {grad_norm:.4g})")
+    return None
+
+def param_rms(params) -> float:
+    "Global root-mean-square of the values of `params`, accumulated in float64 (NaN or inf if any value is); 0.0 if there are none."
+    total, n = 0.0, 0
+    for p in params:
+        t = p.detach()
+        if t.device.type == 'mps': t = t.cpu()  # MPS has no float64
+        norm = torch.linalg.vector_norm(t, dtype=torch.float64).item()
+        total += norm * norm; n += t.numel()
+    return math.sqrt(total / n) if n else 0.0
+
+def param_divergence(rms: float, ref_rms: float | None) -> str | None:
+    "Why trained parameters of global RMS `rms` must not be checkpointed (rule c), given the RMS at the start of training; None if they may."
+    if not math.isfinite(rms): return f"rule (c): the trained parameters are not all finite (their global RMS is {rms})"
+    if ref_rms and rms > RMS_FACTOR * ref_rms:
+        return (f"rule (c): the global RMS of the trained parameters is {rms:.4g}, {rms / ref_rms:.3g}x its value at the start "
+                f"of training ({ref_rms:.4g}); the limit is {RMS_FACTOR:g}x")
+    return None
+
+# %% ../nbs/05_train.ipynb #b9e6540b
+class TrainingOutOfMemory(ConfigError):
+    "A training step did not fit in memory: the message names batch_size, block_size and grad_accum and how to change them."
+
+_OOM_TYPES = (getattr(torch, 'OutOfMemoryError', torch.cuda.OutOfMemoryError), MemoryError)
+
+def _is_oom(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return isinstance(e, _OOM_TYPES) or (isinstance(e, RuntimeError) and ('out of memory' in msg or "can't allocate memory" in msg))
+
+def oom_message(e: BaseException, step: int, device, cfg: TrainConfig, block_size: int | None) -> str:
+    "What ran out of memory at `step`, with which batch shape, and how to make it fit."
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    bs, ga = cfg.batch_size, cfg.grad_accum
+    if bs > 1:
+        f = next(d for d in range(2, bs + 1) if bs % d == 0)
+        fix = (f"lower TrainConfig.batch_size and raise grad_accum by the same factor (e.g. batch_size={bs // f}, grad_accum={ga * f}): "
+               f"the same {bs * ga} sequences per step, in smaller pieces")
+    else: fix = "batch_size is already 1: lower the model's block_size or size, or train in dtype='bfloat16'"
+    return f"step {step} ran out of memory on {device} ({first}) with TrainConfig.batch_size={bs}, block_size={block_size}, grad_accum={ga}. Fix: {fix}"
+
+@contextmanager
+def _oom_named(trainer):
+    "Turn running out of memory inside the block into a `TrainingOutOfMemory` naming the batch shape."
+    try: yield
+    except Exception as e:
+        if not _is_oom(e): raise
+        trainer.opt.zero_grad(set_to_none=True)
+        if trainer.device.type == 'cuda': torch.cuda.empty_cache()
+        raise TrainingOutOfMemory(oom_message(e, trainer.step + 1, trainer.device, trainer.cfg, trainer.block_size)) from None
 
 # %% ../nbs/05_train.ipynb #178e1881
 @dataclass
@@ -340,6 +551,8 @@ class Trainer:
         self.ckpt_root = self.out_dir / 'checkpoints' if self.out_dir else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp == torch.float16 else None
         self._saved_step = None
+        self._recent_losses: list[float] = []  # divergence rule (b): the last LOSS_WINDOW step losses
+        self._ref_rms: float | None = None     # divergence rule (c): RMS of the trained parameters when training started
 
 # %% ../nbs/05_train.ipynb #36800a0c
 @patch
@@ -355,32 +568,143 @@ def _wrap(self: Trainer):
 def _checkpoint_modules(self: Trainer) -> dict:
     return {'model': self.raw, **{k: mod for k, (mod, _) in self.extra_modules.items()}}
 
-# %% ../nbs/05_train.ipynb #1b4e6852
+# %% ../nbs/05_train.ipynb #2cefc700
 @patch
-def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
-    "Restore weights, optimizer, RNG and counters from `ckpt` (default: the latest checkpoint in out_dir)."
-    if ckpt is None:
-        cks = list_checkpoints(self.ckpt_root) if self.ckpt_root else []
-        if not cks: return False
-        ckpt = cks[-1]
-    ckpt = Path(ckpt); meta = read_checkpoint_meta(ckpt)
+def _trained_params(self: Trainer) -> list[nn.Parameter]:
+    "The parameters being trained now (model and extra modules), each once."
+    seen = {}
+    for mod in self._checkpoint_modules().values():
+        for p in mod.parameters():
+            if p.requires_grad: seen.setdefault(id(p), p)
+    return list(seen.values())
+
+@patch
+def _kept_checkpoint(self: Trainer, step: int) -> str:
+    "What is really kept on disk, for an error at `step`: the newest complete checkpoint, or that there is none."
+    if not self.ckpt_root: return 'nothing: this run writes no checkpoints (no out_dir)'
+    cks = list_checkpoints(self.ckpt_root)
+    if not cks: return f'no checkpoint was written before step {step}'
+    return f'{cks[-1]} (step {int(cks[-1].name[5:])}), the newest complete checkpoint on disk; fit() resumes from it'
+
+@patch
+def _diverged(self: Trainer, step: int, reason: str, checkpoint: bool = False) -> TrainingDiverged:
+    "The error for step `step` (or, with `checkpoint`, its checkpoint) failing the divergence rule for `reason`."
+    cfg = self.cfg
+    head = f"the checkpoint of step {step} was refused (nothing written)" if checkpoint else f"training diverged at step {step}"
+    clip = f"keep TrainConfig.grad_clip > 0 (now {cfg.grad_clip:g})" if cfg.grad_clip > 0 else "set TrainConfig.grad_clip > 0 (now 0: no clipping), e.g. 1.0"
+    amp = f", or train in dtype='float32' (now {cfg.dtype!r})" if self.amp is not None else ''
+    return TrainingDiverged(f"{head}: {reason}. Kept: {self._kept_checkpoint(step)}. "
+                            f"Fix: lower TrainConfig.lr (now {cfg.lr:g}, e.g. {cfg.lr / 10:g}), {clip}{amp}.")
+
+# %% ../nbs/05_train.ipynb #1b4e6852
+def _check_rng(rng: dict, path: Path):
+    "The states of rng.safetensors must be usable: a CPU generator state (one per rank under DDP) and CUDA byte states."
+    if 'torch_cpu' not in rng: raise CheckpointError(f"{path} has no 'torch_cpu' state; it is damaged")
+    for k in [k for k in rng if k == 'torch_cpu' or k.startswith('torch_cpu_rank')]:
+        try: torch.Generator().set_state(rng[k])  # a throwaway generator: the global RNG is not touched
+        except (RuntimeError, TypeError) as e: raise CheckpointError(f"{path}: {k!r} is not a CPU generator state ({e}); it is damaged") from None
+    bad = [k for k, v in rng.items() if k.startswith('cuda_') and v.dtype != torch.uint8]
+    if bad: raise CheckpointError(f"{path}: {bad} are not CUDA generator states (byte tensors); it is damaged")
+
+@patch
+def _read_checkpoint(self: Trainer, ckpt: Path) -> dict:
+    "Read and check every file of checkpoint `ckpt` into memory, leaving the trainer untouched; a `CheckpointError` names the first bad file."
+    ckpt = Path(ckpt)
+    meta = check_trainer_meta(read_checkpoint_meta(ckpt), ckpt / 'meta.json')
+    weights = {}
+    for key, mod in self._checkpoint_modules().items():
+        path = ckpt / f'{key}.safetensors'
+        weights[key] = _read_tensors(path); _match_module(mod, weights[key], path)
+    opt, path = None, ckpt / 'optimizer.safetensors'
+    if 'optimizer' in meta:
+        tensors = _read_tensors(path)
+        known = {i for g in meta['optimizer']['param_groups'] for i in g['params']}
+        bad = [k for k in tensors if not (re.fullmatch(r'\d+\..+', k) and int(k.split('.')[0]) in known)]
+        if bad: raise CheckpointError(f"{path} holds state {bad[:3]} of no parameter listed in meta.json; it is damaged")
+        opt = (tensors, meta['optimizer'])
+    elif path.exists(): raise CheckpointError(f"{ckpt / 'meta.json'} has no 'optimizer' entry for {path}; the checkpoint is damaged")
+    rng = _read_tensors(ckpt / 'rng.safetensors'); _check_rng(rng, ckpt / 'rng.safetensors')
+    return {'path': ckpt, 'meta': meta, 'weights': weights, 'opt': opt, 'rng': rng}
+
+@patch
+def _commit_checkpoint(self: Trainer, state: dict):
+    "Take over a checkpoint read by `_read_checkpoint`: weights, counters and divergence history now, optimizer state and RNG in `fit`."
+    meta = state['meta']
     for key, mod in self._checkpoint_modules().items():
         if self.schedule and key == 'model': self.schedule.apply(mod, meta['step'])  # re-release layers first
-        load_weights(mod, ckpt, key)
+        mod.load_state_dict(state['weights'][key], strict=False)  # names and shapes were checked when read
     self.step, self.tokens, self.best = meta['step'], meta['tokens'], meta['best']
-    self._resumed_opt = (load_file(str(ckpt / 'optimizer.safetensors')), meta['optimizer']) if (ckpt / 'optimizer.safetensors').exists() else None
-    self._resumed_rng = load_file(str(ckpt / 'rng.safetensors'))
+    self._resumed_opt, self._resumed_rng, self._resumed_from = state['opt'], state['rng'], state['path']
+    div = meta.get('divergence', {})
+    self._recent_losses = [float(x) for x in div.get('recent_losses', [])][-LOSS_WINDOW:]
+    self._ref_rms = div.get('ref_rms')  # None (a checkpoint from before the rule): `_start_fit` takes it from these weights
+
+# %% ../nbs/05_train.ipynb #4e01c702
+def _free_name(path: Path) -> Path:
+    "`path`, or `path-2`, `path-3`, ..., whichever does not exist yet."
+    p, n = path, 2
+    while p.exists() or p.is_symlink(): p, n = path.with_name(f'{path.name}-{n}'), n + 1
+    return p
+
+def _repair_links(root: Path, resumed: str, best_step: int | None):
+    "After resuming from `resumed`: `latest` points at it; a `best`/`final` link whose target is gone moves to the best step on disk, or goes."
+    _point(root / 'latest', resumed)
+    for tag in ('best', 'final'):
+        link = root / tag
+        if not link.is_symlink() or (root / os.readlink(link) / 'meta.json').exists(): continue
+        target = f'step_{best_step:07d}' if tag == 'best' and best_step is not None else None
+        if target and (root / target / 'meta.json').exists(): _point(link, target)
+        else: link.unlink()
+
+@patch
+def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
+    "Restore weights, optimizer, RNG, counters and divergence history from `ckpt` (default: the newest usable checkpoint in out_dir)."
+    if ckpt is not None:
+        state = self._read_checkpoint(Path(ckpt)); self._check_same_config(state)
+        self._commit_checkpoint(state); return True
+    bad, state = [], None
+    for ck in reversed(list_checkpoints(self.ckpt_root) if self.ckpt_root else []):
+        try: state = self._read_checkpoint(ck); break
+        except CheckpointError as e: bad.append((ck, str(e)))
+    if state is None:
+        if not bad: return False
+        raise CheckpointError(f"no usable checkpoint in {self.ckpt_root}: " + '; '.join(why for _, why in bad) +
+                              f". Fix: move the checkpoints folder away to train from scratch (mv {self.ckpt_root} "
+                              f"{self.ckpt_root}.broken), or restore the damaged files")
+    self._check_same_config(state)  # a run resumes only into the configuration it was trained with
+    self._commit_checkpoint(state)
+    if self.dist.is_main:
+        for ck, why in bad:
+            aside = _free_name(ck.with_name(f'corrupt-{ck.name}'))
+            try: os.replace(ck, aside); moved = f'it was moved aside to {aside.name}'
+            except OSError as e: moved = f'it could not be moved aside ({e})'
+            warnings.warn(f"checkpoint {ck} is unusable: {why}. {moved.capitalize()}; resuming from {state['path'].name} "
+                          f"(step {state['meta']['step']}) instead", RecoveryWarning, stacklevel=2)
+        _repair_links(self.ckpt_root, state['path'].name, self.best.get('step'))
     return True
 
 @patch
+def _check_same_config(self: Trainer, state: dict):
+    "Raise `RunMismatch` naming the fields when the checkpoint was trained with another configuration (see `rundir.config_diff`)."
+    meta = state['meta']
+    old = {**(meta.get('run_config') or {}), 'train': meta.get('train_config') or {}}
+    new = {**self.run_config, 'train': self.cfg.to_dict()}
+    diff = config_diff(old, new)
+    if diff: raise RunMismatch(f"{state['path']} was trained with another configuration ({describe_diff(diff)}); it is not resumed: "
+                               "train into another directory, or move this one away to train afresh")
+
+@patch
 def _meta(self: Trainer) -> dict:
-    return {'tokens': self.tokens, 'best': self.best, 'train_config': self.cfg.to_dict(), 'run_config': self.run_config}
+    return {'tokens': self.tokens, 'best': self.best, 'train_config': self.cfg.to_dict(), 'run_config': self.run_config,
+            'divergence': {'recent_losses': list(self._recent_losses), 'ref_rms': self._ref_rms}}
 
 # %% ../nbs/05_train.ipynb #c538c430
 @patch
 def save(self: Trainer, tag: str | None = None) -> Path | None:
     "Checkpoint now (every rank calls this); `tag` ('best' or 'final') also points that link at it."
     if not self.ckpt_root: return None
+    reason = param_divergence(param_rms(self._trained_params()), self._ref_rms)  # rule (c): nothing bad is written
+    if reason: raise self._diverged(self.step, reason, checkpoint=True)
     rank_rng = None
     if self.dist.enabled:  # each rank's dropout RNG, so a resumed DDP run continues exactly
         rank_rng = [None] * self.dist.world_size
@@ -412,28 +736,30 @@ def train_step(self: Trainer) -> dict:
     cfg, opt = self.cfg, self.opt
     set_lr(opt, lr_at(self.step, cfg))
     total, extras = 0.0, {}
-    for micro in range(cfg.grad_accum):
-        batch = self._micro_batch(micro)
-        sync = micro == cfg.grad_accum - 1 or not self.dist.enabled
-        ctx = self.model_run.no_sync() if not sync else nullcontext()
-        with ctx:
-            with autocast(self.device, self.amp): loss, extra = self.loss_fn(self.model_run, batch)
-            scaled = loss / cfg.grad_accum
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        total += loss.item() / cfg.grad_accum
-        for k, v in extra.items(): extras[k] = extras.get(k, 0.0) + float(v) / cfg.grad_accum
-    if self.scaler: self.scaler.unscale_(opt)
-    params = [p for g in opt.param_groups for p in g['params']]
-    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')).item()
+    with _oom_named(self):
+        for micro in range(cfg.grad_accum):
+            batch = self._micro_batch(micro)
+            sync = micro == cfg.grad_accum - 1 or not self.dist.enabled
+            ctx = self.model_run.no_sync() if not sync else nullcontext()
+            with ctx:
+                with autocast(self.device, self.amp): loss, extra = self.loss_fn(self.model_run, batch)
+                scaled = loss / cfg.grad_accum
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += loss.item() / cfg.grad_accum
+            for k, v in extra.items(): extras[k] = extras.get(k, 0.0) + float(v) / cfg.grad_accum
+        if self.scaler: self.scaler.unscale_(opt)
+        params = [p for g in opt.param_groups for p in g['params']]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')).item()
     total = all_mean(total, self.dist, self.device)
-    if not (math.isfinite(total) and math.isfinite(gnorm)):
+    reason = step_divergence(total, gnorm, self._recent_losses)  # rules (a) and (b): the same verdict on every rank
+    if reason:
         opt.zero_grad(set_to_none=True)
-        raise TrainingDiverged(f"step {self.step}: loss={total} grad_norm={gnorm} is not finite. The last good checkpoint is kept"
-                               f"{' in ' + str(self.ckpt_root) if self.ckpt_root else ''}; lower TrainConfig.lr (now {cfg.lr}), "
-                               "keep grad_clip > 0, or use dtype='float32'.")
-    if self.scaler: self.scaler.step(opt); self.scaler.update()
-    else: opt.step()
+        raise self._diverged(self.step + 1, reason)
+    with _oom_named(self):
+        if self.scaler: self.scaler.step(opt); self.scaler.update()
+        else: opt.step()
     opt.zero_grad(set_to_none=True)
+    self._recent_losses = (self._recent_losses + [total])[-LOSS_WINDOW:]
     self.step += 1
     self.tokens += (self.tokens_per_batch or cfg.batch_size * self.block_size) * cfg.grad_accum * self.dist.world_size
     return {'train_loss': total, 'grad_norm': gnorm, 'lr': lr_at(self.step - 1, cfg), **extras}
@@ -450,15 +776,24 @@ def _evaluate(self: Trainer) -> dict:
 # %% ../nbs/05_train.ipynb #5e7da042
 @patch
 def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
-    "Set up a `fit`: resume if asked (and a checkpoint exists), seed, build the optimizer, restore its state and the RNG, wrap the model; returns the metrics log."
+    "Set up a `fit`: clean up after interrupted writes, resume if asked (and a checkpoint exists), seed, build the optimizer, restore its state and the RNG, wrap the model; returns the metrics log."
     cfg = self.cfg
     self._resumed_opt = self._resumed_rng = None
+    if self.out_dir and self.dist.is_main:
+        done = clean_leftovers(self.out_dir)
+        if done: print(f'[train] {self.run_name}: cleaned up after an interrupted run: {", ".join(done)}', flush=True)
+    if self.dist.enabled: dist.barrier()  # the other ranks look for checkpoints once that is done
     resumed = self.resume() if resume else False
     set_seed(cfg.seed + self.dist.rank)
     self.opt = build_optimizer(self.raw, cfg, self.schedule, self.extra_modules)
     if resumed:
-        if self._resumed_opt is not None: self.opt.load_state_dict(_optimizer_from_flat(*self._resumed_opt))
+        if self._resumed_opt is not None:
+            try: self.opt.load_state_dict(_optimizer_from_flat(*self._resumed_opt))
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"{self._resumed_from}/optimizer.safetensors does not fit this run's optimizer ({e}); "
+                                      "was the checkpoint written with another configuration?") from None
         _set_rng_state(self._resumed_rng, self.dist.rank)
+    if self._ref_rms is None: self._ref_rms = param_rms(self._trained_params())  # rule (c)'s reference: the start of training
     self._wrap()
     self.raw.train()
     if self.out_dir and self.dist.is_main: self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -472,7 +807,12 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
 def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoint in out_dir, if any
         until: int | None = None, # stop after this step with a checkpoint (simulates an interruption)
        ) -> dict:
-    "Train to `max_steps` (resuming from the latest checkpoint if any); returns the summary."
+    "Train to `max_steps` (resuming from the latest checkpoint if any) under the run directory's lock; returns the summary."
+    with run_lock(self.out_dir) if self.out_dir and self.dist.is_main else nullcontext():  # one writer per run directory
+        return self._fit(resume, until)
+
+@patch
+def _fit(self: Trainer, resume: bool, until: int | None) -> dict:
     cfg = self.cfg
     log = self._start_fit(resume)
     bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (cfg.progress and self.dist.is_main), desc=self.run_name, dynamic_ncols=True)
