@@ -594,7 +594,7 @@ def _diverged(self: Trainer, step: int, reason: str, checkpoint: bool = False) -
     clip = f"keep TrainConfig.grad_clip > 0 (now {cfg.grad_clip:g})" if cfg.grad_clip > 0 else "set TrainConfig.grad_clip > 0 (now 0: no clipping), e.g. 1.0"
     amp = f", or train in dtype='float32' (now {cfg.dtype!r})" if self.amp is not None else ''
     return TrainingDiverged(f"{head}: {reason}. Kept: {self._kept_checkpoint(step)}. "
-                            f"Fix: lower TrainConfig.lr (now {cfg.lr:g}, e.g. {cfg.lr / 10:g}), {clip}{amp}.")
+                            f"Fix: lower TrainConfig.lr (now {cfg.lr:g}, e.g. {min(cfg.lr / 10, 1e-3):g}), {clip}{amp}.")
 
 # %% ../nbs/05_train.ipynb #1b4e6852
 def _check_rng(rng: dict, path: Path):
