@@ -291,6 +291,9 @@ class BenchRow:
     fraction_of_peak: float
     peak_source: str
     peak_memory_bytes: int | None # CUDA: allocator peak; CPU: peak RSS of a process training only this entry
+    ratio_to_first_q1: float | None = None # quartiles of the per-round ratios (a verdict on 'faster' reads these)
+    ratio_to_first_q3: float | None = None
+    rounds: int | None = None # timed rounds (after warm-up)
 
 REFERENCE = 'reference'
 
@@ -433,7 +436,7 @@ def _row(e, first, times, counts, tokens, peak, memory, reference) -> BenchRow:
     ref = float(np.median(t / np.array(times[REFERENCE, e[1]]))) if reference else None
     fl, ob, tr = counts
     return BenchRow(e[0], e[1], tokens, fl, ob, tr, float(med), float(q3 - q1), tokens / float(med), float(rmed), float(rq3 - rq1),
-                    ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory)
+                    ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory, float(rq1), float(rq3), len(t))
 
 # %% ../nbs/09_bench.ipynb #ba6a328b
 def bench_table(rows: list[BenchRow]):

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'ConfigBase', 'ModelConfig', 'TrainConfig', 'DataConfig',
-           'set_seed', 'pick_device', 'bf16_matmul_speedup', 'cpu_has_native_bf16', 'autocast_dtype', 'precision_note',
-           'autocast']
+__all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'ConfigBase', 'ModelConfig', 'TrainConfig',
+           'DataConfig', 'set_seed', 'pick_device', 'bf16_matmul_speedup', 'cpu_has_native_bf16', 'autocast_dtype',
+           'precision_note', 'autocast']
 
 # %% ../nbs/00_core.ipynb #f0c64d3e
 class ConfigError(ValueError):
@@ -83,7 +83,8 @@ class ConfigBase:
         return cls.from_dict(d)
 
 # %% ../nbs/00_core.ipynb #65972479
-VARIANTS = ('gpt', 'oelm', 'oelm-freeze', 'oelm-learnable')
+VARIANTS = ('gpt', 'oelm', 'oelm-freeze', 'oelm-learnable', 'gauss', 'gauss-freeze')
+FREEZE_VARIANTS = ('oelm-freeze', 'gauss-freeze') # variants whose Q/K start frozen
 
 @dataclass
 class ModelConfig(ConfigBase):
@@ -99,7 +100,7 @@ class ModelConfig(ConfigBase):
     bias: bool = True # biases in MLP and LayerNorm
     attn_bias: bool = False # biases in the attention projections (GPT-2 has them)
     variant: str = 'gpt' # one of VARIANTS
-    freeze_layers: int | None = None # oelm-freeze: freeze Q/K in the first n layers only (None: all)
+    freeze_layers: int | None = None # oelm-freeze, gauss-freeze: freeze Q/K in the first n layers only (None: all)
     unfreeze_at: tuple = () # oelm-freeze: step at which frozen layer i is unfrozen (progressive unfreezing)
     init_std: float = 0.02 # std of the normal init
 
@@ -119,9 +120,9 @@ class ModelConfig(ConfigBase):
         check(self.variant in VARIANTS, c, 'variant', self.variant, f'must be one of {VARIANTS}')
         check(self.init_std > 0, c, 'init_std', self.init_std, 'must be positive')
         self.unfreeze_at = tuple(self.unfreeze_at or ())
-        if self.variant != 'oelm-freeze':
-            check(self.freeze_layers is None, c, 'freeze_layers', self.freeze_layers, "only applies to variant='oelm-freeze'")
-            check(not self.unfreeze_at, c, 'unfreeze_at', self.unfreeze_at, "only applies to variant='oelm-freeze'")
+        if self.variant not in FREEZE_VARIANTS:
+            check(self.freeze_layers is None, c, 'freeze_layers', self.freeze_layers, f"only applies to the frozen variants {FREEZE_VARIANTS}")
+            check(not self.unfreeze_at, c, 'unfreeze_at', self.unfreeze_at, f"only applies to the frozen variants {FREEZE_VARIANTS}")
         else:
             n = self.freeze_layers
             check(n is None or (isinstance(n, int) and 0 <= n <= self.n_layer), c, 'freeze_layers', n, f'must be None or in 0..n_layer={self.n_layer}')
@@ -139,11 +140,15 @@ class ModelConfig(ConfigBase):
     @property
     def factorized(self) -> bool: return self.wte_dim < self.n_embd
     @property
-    def orthogonal_qk(self) -> bool: return self.variant != 'gpt'
+    def qk_init(self) -> str:
+        "How Q/K start: 'normal' N(0, init_std) (gpt), 'orthogonal' (oelm*), or 'gauss' N(0, 1/n_embd): the orthogonal scale without orthogonality."
+        return 'normal' if self.variant == 'gpt' else 'gauss' if self.variant.startswith('gauss') else 'orthogonal'
+    @property
+    def orthogonal_qk(self) -> bool: return self.qk_init == 'orthogonal'
     @property
     def frozen_layers(self) -> list[int]:
         "Indices of the layers whose Q/K start frozen."
-        if self.variant != 'oelm-freeze': return []
+        if self.variant not in FREEZE_VARIANTS: return []
         return list(range(self.n_layer if self.freeze_layers is None else self.freeze_layers))
 
 # %% ../nbs/00_core.ipynb #12989f41

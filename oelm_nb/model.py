@@ -10,7 +10,7 @@ from torch import nn
 import torch.nn.functional as F
 from .core import ModelConfig, ConfigError, set_seed
 from .orthogonal import OrthogonalLinear, init_orthogonal_, make_learnable_orthogonal_
-from .freeze import freeze_qk_, param_report, attention_layers
+from .freeze import freeze_qk_, param_report, attention_layers, frozen_qk_layers
 
 # %% auto #0
 __all__ = ['PRESETS', 'model_config', 'CausalSelfAttention', 'MLP', 'Block', 'TokenEmbedding', 'GPT']
@@ -33,7 +33,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, b = cfg.n_embd, cfg.attn_bias
-        QK = OrthogonalLinear if cfg.orthogonal_qk else nn.Linear
+        QK = nn.Linear if cfg.qk_init == 'normal' else OrthogonalLinear  # OrthogonalLinear: a Linear whose weight can be frozen
         self.q_proj, self.k_proj = QK(d, d, bias=b), QK(d, d, bias=b)
         self.v_proj, self.c_proj = nn.Linear(d, d, bias=b), nn.Linear(d, d, bias=b)
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
@@ -112,7 +112,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int):
-        "N(0, init_std) everywhere, residual projections scaled by 1/sqrt(2 n_layer), then orthogonal Q/K for OELM."
+        "N(0, init_std) everywhere, residual projections scaled by 1/sqrt(2 n_layer), then orthogonal (OELM) or N(0, 1/d) (gauss) Q/K."
         g = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
         for name, m in self.named_modules():
@@ -124,15 +124,16 @@ class GPT(nn.Module):
             elif isinstance(m, nn.LayerNorm):
                 m.weight.fill_(1.0)
                 if m.bias is not None: m.bias.zero_()
-        if self.cfg.orthogonal_qk:
+        if self.cfg.qk_init != 'normal':
             g_qk = torch.Generator().manual_seed(seed + 1)
             for attn in attention_layers(self):
-                init_orthogonal_(attn.q_proj.weight, generator=g_qk)
-                init_orthogonal_(attn.k_proj.weight, generator=g_qk)
+                for w in (attn.q_proj.weight, attn.k_proj.weight):
+                    if self.cfg.orthogonal_qk: init_orthogonal_(w, generator=g_qk)
+                    else: w.copy_(torch.randn(w.shape, generator=g_qk) / math.sqrt(w.shape[1]))  # gauss: N(0, 1/d), the orthogonal scale
 
     def apply_variant(self):
-        "Freeze Q/K (oelm-freeze) or make them learnable-orthogonal (oelm-learnable)."
-        if self.cfg.variant == 'oelm-freeze' and self.cfg.frozen_layers:
+        "Freeze Q/K (oelm-freeze, gauss-freeze) or make them learnable-orthogonal (oelm-learnable)."
+        if self.cfg.frozen_layers:  # oelm-freeze, gauss-freeze
             freeze_qk_(self, self.cfg.frozen_layers)
         elif self.cfg.variant == 'oelm-learnable':
             for attn in attention_layers(self):

@@ -23,7 +23,7 @@ from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_w
 __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
            'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'schedule', 'BatchResult',
            'with_upstream', 'plan_batch', 'check_memory', 'write_batch_json', 'record_outcome', 'pending_jobs',
-           'run_study', 'render_report']
+           'run_study', 'after_batch', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -338,6 +338,13 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
         if created and out.exists() and not any(parse_run_name(p.name) for p in out.iterdir()): shutil.rmtree(out, ignore_errors=True)
         raise
 
+def after_batch(batch: Batch, completed: list[str], log=print):
+    "The study's measurement on the finished batch (e.g. the Q/K study's interleaved timing); its failure fails no run."
+    hook = getattr(get_study(batch.study), 'after_batch', None)
+    if not hook or not completed: return
+    try: hook(batch.out, batch.preset, completed, batch.overrides, log=log)
+    except Exception as e: log(f'[oelm run] the measurement after the batch failed: {type(e).__name__}: {e}')
+
 def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, log) -> BatchResult:
     out, study = batch.out, batch.study
     spec0 = batch.spec(names[0])
@@ -362,6 +369,7 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
                         {j.name: 'completed' for j in all_jobs if j not in todo}, run_job, workers, blocked)
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
     record_outcome(out, index, res.statuses)
+    after_batch(batch, [v for v in names if any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)
     if report and get_study(study).report: res.report = render_report(out, study)
     return res
 

@@ -1,7 +1,7 @@
 """The study framework from outside: typed settings per study, run names, the registry, and the verdict functions of the
 Q/K freeze and PCA studies on hand-made run directories (one seed, failed runs, missing metrics)."""
 from __future__ import annotations
-import math
+import json, math
 
 import numpy as np
 import pytest
@@ -87,9 +87,25 @@ def test_one_seed_gives_no_interval_and_no_verdict(tmp_path):
     c = compare(runs, 'oelm-freeze', 'oelm')
     assert c.n == 1 and c.low is None and c.high is None and not c.resolvable
     h = hypotheses(runs)
-    for hid in ('H2', 'H3', 'H4'):
+    for hid in ('H2', 'H4'):
         assert h.loc[hid, 'verdict'] == 'inconclusive (needs >= 2 seeds)'
         assert 'inf' not in h.loc[hid, 'evidence'] and 'needs >= 2 seeds' in h.loc[hid, 'evidence']
+    assert h.loc['H3', 'verdict'] == 'no data'  # H3 comes from the batch's interleaved timing, which this batch lacks
+
+
+def timing_row(variant, ratio, q1, q3):
+    return {'variant': variant, 'step_time_median_s': 0.1 * ratio, 'ratio_to_first_median': ratio, 'ratio_to_first_q1': q1,
+            'ratio_to_first_q3': q3, 'rounds': 20}
+
+
+@pytest.mark.parametrize('q1, q3, verdict', [(0.93, 0.99, 'supported'), (0.97, 1.02, 'inconclusive'), (1.01, 1.08, 'rejected')])
+def test_h3_reads_the_interleaved_timing_not_the_concurrent_runs(tmp_path, q1, q3, verdict):
+    root = qk_batch(tmp_path, **{'oelm-freeze': lambda s: qk_summary(10.2 + 0.1 * s, tps=1.0, trainable=930)})  # concurrent tokens/s say 'much slower'
+    (root / 'timing.json').write_text(json.dumps([timing_row('oelm', 1.0, 1.0, 1.0), timing_row('oelm-freeze', (q1 + q3) / 2, q1, q3)]))
+    h = hypotheses(load_runs(root))
+    assert h.loc['H3', 'verdict'] == verdict and 'interleaved rounds' in h.loc['H3', 'evidence']
+    (root / 'timing.json').write_text('[{"variant": "oelm"')  # truncated: no data rather than a crash
+    assert hypotheses(load_runs(root)).loc['H3', 'verdict'] == 'no data'
 
 
 def test_failed_run_is_left_out_and_a_failed_variant_gives_no_data(tmp_path):
@@ -106,8 +122,6 @@ def test_one_failed_seed_shrinks_the_pairing(tmp_path):
 
 def test_missing_metrics_give_no_data(tmp_path):
     no_tps = {v: (lambda s, v=v: {k: x for k, x in qk_summary(10.0).items() if k != 'tokens_per_s'}) for v in ('gpt', 'oelm', 'oelm-freeze')}
-    h = hypotheses(load_runs(qk_batch(tmp_path / 'a', **no_tps)))
-    assert h.loc['H3', 'verdict'] == 'no data'
     no_params = {v: (lambda s, v=v: {k: x for k, x in qk_summary(10.0).items() if k != 'params'}) for v in ('gpt', 'oelm', 'oelm-freeze')}
     h = hypotheses(load_runs(qk_batch(tmp_path / 'b', **no_params)))
     assert h.loc['H1', 'verdict'] == 'no data'
