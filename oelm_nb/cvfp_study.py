@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from .core import ConfigError, check, pick_device
-from .experiment import Study, Variant, RunSpec, train_run, write_json, read_json, write_summary, TRAIN_PRESETS, DATA_PRESETS
+from .experiment import start_run, Study, Variant, RunSpec, train_run, write_json, read_json, write_summary, TRAIN_PRESETS, DATA_PRESETS
 from .train import read_metrics
 from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, CVFPModel, EffectiveRank, Phase1Result,
                          effective_rank, val_effective_rank, identity_check, cvfp_convergence_check, build_context_cache,
@@ -148,7 +148,7 @@ def embed_run(spec: RunSpec, progress: bool = False) -> dict:
     s = spec.settings
     out = Path(spec.out_dir); out.mkdir(parents=True, exist_ok=True)
     if s.embeddings:
-        train, _ = _data(spec); spec.save_json(out / 'config.json')
+        start_run(spec); train, _ = _data(spec)
         emb, src = load_embedding(s.embeddings)
         summary = {'status': 'completed', 'trained': False}
     else:
@@ -168,8 +168,8 @@ def cvfp_run(spec: RunSpec) -> dict:
     from safetensors.torch import save_model
     s, cfg = spec.settings, spec.settings.config(spec.train.seed)
     if s.samples is None: raise ConfigError(f"run {spec.name!r}: settings.samples is not set (training stories, e.g. --samples 80)")
-    out = Path(spec.out_dir); out.mkdir(parents=True, exist_ok=True)
-    train, val = _data(spec); spec.save_json(out / 'config.json')
+    out = start_run(spec)
+    train, val = _data(spec)
     emb = _upstream_embedding(spec)
     dev = pick_device(spec.train.device)
     ids, val_ids = first_stories(train.tokens, train.meta['eot_id'], s.samples).to(dev), _val_ids(val, s.val_tokens).to(dev)
@@ -197,8 +197,8 @@ def cvfp_run(spec: RunSpec) -> dict:
 def speed_run(spec: RunSpec) -> dict:
     "Kind 'phase1-speed': sequential vs parallel Phase 1 on the first settings.tokens training tokens, same seed and iterations."
     s, cfg = spec.settings, spec.settings.config(spec.train.seed)
-    out = Path(spec.out_dir); out.mkdir(parents=True, exist_ok=True)
-    train, val = _data(spec); spec.save_json(out / 'config.json')
+    out = start_run(spec)
+    train, val = _data(spec)
     emb = _upstream_embedding(spec)
     if len(train.tokens) < s.tokens: raise ConfigError(f"the training split has {len(train.tokens)} tokens, fewer than settings.tokens={s.tokens}")
     dev = pick_device(spec.train.device)

@@ -4,12 +4,13 @@
 
 # %% ../nbs/06_experiment.ipynb #1153f946
 from __future__ import annotations
-import json, os, subprocess, sys
+import datetime, json, os, platform, re, socket, subprocess, sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
 from .model import GPT, PRESETS, model_config
@@ -18,9 +19,10 @@ from .data import prepare_data, load_split, load_tokenizer, TokenData
 from .rundir import run_lock, check_same_run, fingerprint, child_env
 
 # %% auto #0
-__all__ = ['Overrides', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'SAMPLE_PROMPTS', 'run_name', 'parse_run_name', 'NoSettings',
-           'run_identity', 'RunSpec', 'Variant', 'Study', 'apply_overrides', 'train_settings', 'resolve_spec',
-           'write_json', 'read_json', 'write_summary', 'generate_samples', 'prepare_run', 'train_run', 'launch_run']
+__all__ = ['Overrides', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'COMMAND_ENV', 'SAMPLE_PROMPTS', 'run_name',
+           'parse_run_name', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study', 'apply_overrides',
+           'train_settings', 'resolve_spec', 'write_json', 'read_json', 'utc_now', 'provenance', 'record_provenance',
+           'write_summary', 'generate_samples', 'sample_prompts', 'start_run', 'prepare_run', 'train_run', 'launch_run']
 
 # %% ../nbs/06_experiment.ipynb #cd5470db
 def run_name(variant: str, seed: int) -> str:
@@ -121,6 +123,7 @@ class Study:
     notebook: str = 'experiments/train_lm.ipynb' # experiment notebook, relative to nbs/
     report: str | None = None # report notebook, relative to nbs/
     verdicts: Callable | None = None # runs table (`report.load_runs`) -> verdict table for the console summary
+    after_batch: Callable | None = None # (batch_dir, preset, completed variants, overrides, log) -> None: a measurement when a batch ends
 
 # %% ../nbs/06_experiment.ipynb #052e7416
 @patch
@@ -215,10 +218,49 @@ def read_json(path) -> dict | None:
     try: return json.loads(Path(path).read_text())
     except (FileNotFoundError, json.JSONDecodeError): return None
 
+# %% ../nbs/06_experiment.ipynb #29b79c5c
+COMMAND_ENV = 'OELM_COMMAND' # the batch runner's command line, for the runs it starts
+
+def _git(args: list[str], cwd: Path, timeout: float) -> str | None:
+    "stdout of `git -C cwd *args`, or None when git is missing, slow or fails."
+    try: r = subprocess.run(['git', '-C', str(cwd), *args], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError): return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+def utc_now() -> str:
+    "The current time, UTC, ISO 8601 to the second."
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+
+def provenance(timeout: float = 5.0) -> dict:
+    "Which code runs and where: git commit and dirtiness of the package's checkout (None outside one), versions, host, command line, start time."
+    import oelm_nb
+    pkg = Path(oelm_nb.__file__).resolve().parent
+    tracked = _git(['ls-files', '--error-unmatch', '--', '__init__.py'], pkg, timeout) is not None
+    commit = _git(['rev-parse', 'HEAD'], pkg, timeout) if tracked else None
+    if commit is not None and not re.fullmatch(r'[0-9a-f]{40}([0-9a-f]{24})?', commit): commit = None
+    status = _git(['status', '--porcelain', '--untracked-files=no'], pkg, timeout) if commit else None
+    return {'commit': commit, 'dirty': None if status is None else bool(status),
+            'oelm_nb': oelm_nb.__version__, 'torch': torch.__version__, 'cuda': torch.version.cuda,
+            'python': platform.python_version(), 'numpy': np.__version__, 'host': socket.gethostname(),
+            'command': os.environ.get(COMMAND_ENV) or ' '.join(sys.argv), 'started': utc_now()}
+
+def record_provenance(run_dir) -> dict:
+    "Write `provenance()` to <run_dir>/provenance.json at a run's start; a resumed run keeps its earlier starts (the last 10) under 'earlier'."
+    path = Path(run_dir) / 'provenance.json'
+    prov, old = provenance(), read_json(path)
+    if isinstance(old, dict):
+        prov['earlier'] = [*(old.pop('earlier', None) or []), old][-10:]
+    write_json(path, prov)
+    return prov
+
+# %% ../nbs/06_experiment.ipynb #444dd171
 def write_summary(spec: RunSpec, summary: dict) -> dict:
-    "Write `summary` with the run's identity block and configuration fingerprint to <run dir>/summary.json; return what was written."
-    out = {**summary, **spec.identity, 'fingerprint': fingerprint(spec.to_dict())}
-    write_json(Path(spec.out_dir) / 'summary.json', out)
+    "Write `summary` with the run's identity block, configuration fingerprint and provenance (start and end) to <run dir>/summary.json; return what was written."
+    run_dir = Path(spec.out_dir)
+    prov = read_json(run_dir / 'provenance.json')
+    if not isinstance(prov, dict): prov = {**provenance(), 'started': None}  # this run recorded no start
+    out = {**summary, **spec.identity, 'fingerprint': fingerprint(spec.to_dict()), 'provenance': {**prov, 'finished': utc_now()}}
+    write_json(run_dir / 'summary.json', out)
     return out
 
 # %% ../nbs/06_experiment.ipynb #18483877
@@ -237,15 +279,34 @@ def generate_samples(model: GPT, tokenizer, prompts: list[str], max_new_tokens: 
 
 SAMPLE_PROMPTS = ['Once upon a time, there was a', 'One day,']
 
+# %% ../nbs/06_experiment.ipynb #144b8208
+def sample_prompts(val_data: TokenData, tokenizer, n: int = 2, n_tokens: int = 8, fallback: list[str] = SAMPLE_PROMPTS) -> list[str]:
+    "The first `n_tokens` tokens of `n` evenly spaced documents of `val_data` (separated by the end-of-text id), decoded; `fallback` without a boundary."
+    eot = getattr(tokenizer, 'eot_id', None)
+    toks = np.asarray(val_data.tokens)
+    ends = np.flatnonzero(toks == eot) if eot is not None else np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1]) if len(ends) else ends
+    docs = [(int(s), int(e)) for s, e in zip(starts, ends) if e > s]  # non-empty documents, each ended by eot
+    if not docs or n < 1: return list(fallback)
+    pick = np.unique(np.linspace(0, len(docs) - 1, min(n, len(docs))).round().astype(int))
+    return [tokenizer.decode(toks[s:min(e, s + n_tokens)].tolist()) for s, e in (docs[k] for k in pick)]
+
 # %% ../nbs/06_experiment.ipynb #32a49585
+def start_run(spec: RunSpec, before_config: Callable | None = None) -> Path:
+    "Open a run directory: create it, refuse one trained with another configuration, record provenance.json, (call `before_config`,) write config.json."
+    run_dir = Path(spec.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_same_run(run_dir, spec.to_dict())  # resume only into the same configuration
+    record_provenance(run_dir)  # which code, where, started when
+    if before_config: before_config()
+    spec.save_json(run_dir / 'config.json')
+    return run_dir
+
 def prepare_run(spec: RunSpec, info=None) -> tuple[Path, TokenData, TokenData]:
-    "Create the run directory (refusing one trained with another configuration), prepare (or reuse) the data, record config.json; return (run dir, train, val) splits."
+    "Create the run directory (refusing one trained with another configuration), prepare (or reuse) the data, record config.json and provenance.json; return (run dir, train, val) splits."
     run_dir, data_dir = Path(spec.out_dir), spec.resolved_data_dir
     if info is None or info.is_main:  # under torchrun only rank 0 writes
-        run_dir.mkdir(parents=True, exist_ok=True)
-        check_same_run(run_dir, spec.to_dict())  # resume only into the same configuration
-        prepare_data(spec.data, data_dir, progress=False)
-        spec.save_json(run_dir / 'config.json')
+        start_run(spec, lambda: prepare_data(spec.data, data_dir, progress=False))
     if info is not None and info.enabled: torch.distributed.barrier()
     train_d, val_d = load_split(data_dir, 'train'), load_split(data_dir, 'val')
     if spec.model.vocab_size < train_d.vocab_size:
@@ -267,10 +328,12 @@ def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
     trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=run_name(spec.name, spec.train.seed))
     summary = trainer.fit()
     if not info.is_main: return summary
-    samples = generate_samples(trainer.raw, load_tokenizer(spec.resolved_data_dir), SAMPLE_PROMPTS, seed=spec.train.seed)
+    tok = load_tokenizer(spec.resolved_data_dir)
+    prompts = sample_prompts(val_d, tok)
+    samples = generate_samples(trainer.raw, tok, prompts, seed=spec.train.seed)
     return write_summary(spec, {**summary, 'model_variant': spec.model.variant, 'world_size': info.world_size,
                                 'unigram_ppl': train_d.meta.get('unigram_ppl'),
-                                'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level'), 'samples': samples})
+                                'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level'), 'sample_prompts': prompts, 'samples': samples})
 
 # %% ../nbs/06_experiment.ipynb #52f6a572
 def launch_run(spec: RunSpec, nproc: int = 1, progress: bool | None = None) -> dict:

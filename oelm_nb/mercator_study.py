@@ -12,7 +12,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from .core import ConfigError, ModelConfig, check, set_seed, pick_device
-from .experiment import (Study, Variant, RunSpec, train_run, prepare_run, read_json, write_json, write_summary, run_name,
+from .experiment import (start_run, Study, Variant, RunSpec, train_run, prepare_run, read_json, write_json, write_summary, run_name,
                                 TRAIN_PRESETS, DATA_PRESETS)
 from .model import GPT, model_config
 from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,
@@ -294,7 +294,7 @@ def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad
 def _gpt_teacher_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     run_dir = Path(spec.out_dir)
     if ds.teacher_run:  # taken from a finished run: check it, do not train
-        run_dir.mkdir(parents=True, exist_ok=True); spec.save_json(run_dir / 'config.json')
+        start_run(spec)
         teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
         n, d = kv_width(teacher)
         return {'status': 'completed', 'role': 'teacher',
@@ -355,8 +355,7 @@ def _hf_data(spec: RunSpec, ds: MercatorSettings, tok, pad_id: int) -> tuple['Do
 
 # %% ../nbs/13a_mercator_study.ipynb #59b5d306
 def _hf_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
-    run_dir = Path(spec.out_dir); run_dir.mkdir(parents=True, exist_ok=True)
-    spec.save_json(run_dir / 'config.json')
+    run_dir = start_run(spec)
     set_seed(spec.train.seed)
     device = pick_device(spec.train.device)
     teacher, student, tok, pad_id, t_path, s_path = _hf_pair(spec, ds, device)

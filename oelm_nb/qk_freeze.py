@@ -15,7 +15,7 @@ from .report import compare, Comparison, variant_table
 # %% auto #0
 __all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'threshold_verdict',
            'h1_verdict', 'load_timing', 'h3_verdict', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
-           'results_table', 'pairwise_table', 'pairwise_sentence']
+           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note']
 
 # %% ../nbs/06a_qk_freeze.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -94,7 +94,7 @@ def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
             ('H4', f'{freeze} vs {base}: val PPL gap < 10%', threshold_verdict(c4, 0.10), str(c4) if c4 else f'needs {freeze} and {base} runs')]
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
 
-# %% ../nbs/06a_qk_freeze.ipynb #b9b38a9b
+# %% ../nbs/06a_qk_freeze.ipynb #c64c13cb
 def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: dict | None = None,
                        steps: int = 20, warmup: int = 3, log=print) -> pd.DataFrame | None:
     "Time `variants` interleaved in this process at the study's shape (`oelm bench`), `oelm` first; write batch_dir/timing.json."
@@ -109,7 +109,7 @@ def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: d
     (Path(batch_dir) / 'timing.json').write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return load_timing(batch_dir)
 
-# %% ../nbs/06a_qk_freeze.ipynb #4f665ec8
+# %% ../nbs/06a_qk_freeze.ipynb #cf6502e2
 CONTROLS = [('orthogonality at equal scale (trained Q/K)', 'gauss', 'oelm'),
             ('orthogonality at equal scale (frozen Q/K)', 'gauss-freeze', 'oelm-freeze'),
             ('initial scale: N(0, 1/d) vs N(0, 0.02)', 'gauss', 'gpt'),
@@ -167,6 +167,28 @@ def pairwise_sentence(pairs: pd.DataFrame) -> str:
     return ("**No pair of variants differs resolvably** at this run length and seed count: the differences above are within "
             "seed-to-seed noise, or there are too few seeds for an interval.")
 
+# %% ../nbs/06a_qk_freeze.ipynb #07a4c2af
+def tokens_per_run(preset: str, steps: int | None = None) -> int:
+    "Tokens one run of `preset` sees in `steps` optimizer steps (default: the preset's), on one process."
+    t = {**TRAIN_PRESETS[preset], **({'max_steps': steps} if steps else {})}
+    return t['max_steps'] * t['batch_size'] * t.get('grad_accum', 1) * model_config(preset).block_size
+
+def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') -> str:
+    "One Markdown paragraph: the runs' model size, steps and tokens against the Q/K freeze log's `reference` runs."
+    from oelm_nb.freeze import param_report
+    from oelm_nb.model import GPT
+    ok = runs[runs.status == 'completed'] if len(runs) else runs
+    if not len(ok) or 'steps' not in ok: return 'No completed runs.'
+    m, r = model_config(preset), model_config(reference)
+    n_ref = param_report(GPT(r.replace(variant='gpt'), init_seed=0)).total
+    steps, tokens = int(ok.steps.max()), int(ok.tokens.max()) if 'tokens' in ok else tokens_per_run(preset, int(ok.steps.max()))
+    ref_tokens = tokens_per_run(reference)
+    return (f"**Scale.** These runs train the `{preset}` preset ({m.n_layer} layers, width {m.n_embd}, block {m.block_size}, "
+            f"{int(ok.params_total.max()):,} parameters) for {steps:,} steps, {tokens:,} tokens each. The Q/K freeze log trained "
+            f"`{reference}` ({r.n_layer} layers, width {r.n_embd}, {n_ref:,} parameters at its vocabulary) for "
+            f"{TRAIN_PRESETS[reference]['max_steps']:,} steps, {ref_tokens:,} tokens: these runs saw {tokens / ref_tokens:.2%} of that with a "
+            f"{n_ref / int(ok.params_total.max()):.0f}x smaller model. The verdicts below describe these models, not the log's.")
+
 # %% ../nbs/06a_qk_freeze.ipynb #d54873c0
 QK_FREEZE = Study(
     name='qk-freeze',
@@ -177,5 +199,5 @@ QK_FREEZE = Study(
     train=TRAIN_PRESETS, data=DATA_PRESETS,
     default_variants=('gpt', 'oelm', 'oelm-freeze', 'gauss', 'gauss-freeze'),
     report='reports/qk_freeze.ipynb',
-    verdicts=hypotheses)
-QK_FREEZE.after_batch = lambda out, preset, variants, overrides, log=print: interleaved_timing(out, preset, variants, overrides, log=log)
+    verdicts=hypotheses,
+    after_batch=interleaved_timing)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import json, os, shutil, socket, subprocess, sys, time
+import json, os, shlex, shutil, socket, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass, field
 from graphlib import TopologicalSorter, CycleError
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .core import ConfigError, TrainConfig
-from .experiment import Study, resolve_spec, train_settings, write_json, read_json, run_name, parse_run_name, run_identity
+from .experiment import Study, resolve_spec, train_settings, write_json, read_json, run_name, parse_run_name, run_identity, COMMAND_ENV
 from .studies import get_study
 from .data import prepare_data
 from .train import list_checkpoints
@@ -157,6 +157,7 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     cmd = die_with_parent(['-m', 'papermill', str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
                            '--cwd', str(job.run_dir), '--no-progress-bar', '-y', json.dumps(params)])
     env = child_env()  # the child works under this process's lock of the run
+    env.setdefault(COMMAND_ENV, shlex.join(sys.argv))  # the run's provenance names the command that started the batch
     if gpu_set: env['CUDA_VISIBLE_DEVICES'] = ','.join(gpu_set)
     if threads: env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(threads)
     t0 = time.time()
@@ -340,7 +341,7 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
 
 def after_batch(batch: Batch, completed: list[str], log=print):
     "The study's measurement on the finished batch (e.g. the Q/K study's interleaved timing); its failure fails no run."
-    hook = getattr(get_study(batch.study), 'after_batch', None)
+    hook = get_study(batch.study).after_batch
     if not hook or not completed: return
     try: hook(batch.out, batch.preset, completed, batch.overrides, log=log)
     except Exception as e: log(f'[oelm run] the measurement after the batch failed: {type(e).__name__}: {e}')

@@ -286,15 +286,15 @@ def test_run_explorer_follows_its_widgets(batch, tmp_path):
         ex = RunExplorer(d)
         ax = lambda: ex.fig.axes[0]
         assert ex.plotted_variants() == list(VARIANTS)
-        assert (ax().get_xlabel(), ax().get_ylabel(), ax().get_yscale()) == ('step', 'val_ppl', 'log')
+        assert (ax().get_xlabel(), ax().get_ylabel(), ax().get_yscale()) == ('training step', 'validation perplexity', 'linear')
 
         ex.variants.value = ('oelm-freeze',)
         assert ex.plotted_variants() == ['oelm-freeze']
         ex.metric.value = 'val_loss'
-        assert (ax().get_ylabel(), ax().get_yscale()) == ('val_loss', 'linear')
+        assert (ax().get_ylabel(), ax().get_yscale()) == ('validation loss (nats/token)', 'linear')
         assert max(max(l.get_xdata()) for l in ax().lines if len(l.get_xdata())) == 4  # steps
         ex.xaxis.value = 'tokens'
-        assert ax().get_xlabel() == 'tokens' and ex.plotted_variants() == ['oelm-freeze']
+        assert ax().get_xlabel() == 'tokens seen' and ex.plotted_variants() == ['oelm-freeze']
         cfg = read_json(d / 'oelm-freeze-s0' / 'config.json')
         tokens = 4 * cfg['train']['batch_size'] * cfg['model']['block_size']
         assert max(max(l.get_xdata()) for l in ax().lines if len(l.get_xdata())) == tokens
@@ -305,7 +305,7 @@ def test_run_explorer_follows_its_widgets(batch, tmp_path):
         ex.reload_button.click()
         assert list(ex.variants.options) == ['gpt', 'oelm-freeze', 'oelm']
         assert ex.plotted_variants() == ['gpt', 'oelm-freeze', 'oelm']
-        assert (ax().get_xlabel(), ax().get_ylabel()) == ('tokens', 'val_loss')  # the other choices are kept
+        assert (ax().get_xlabel(), ax().get_ylabel()) == ('tokens seen', 'validation loss (nats/token)')  # the other choices are kept
         assert '>oelm<' in ex.table.value
     finally:
         plt.close('all')
