@@ -534,3 +534,24 @@ def test_generate_sampling_uses_generator():
     a = model.generate(prompt, 12, temperature=1.0, top_k=50, generator=torch.Generator().manual_seed(0))
     b = model.generate(prompt, 12, temperature=1.0, top_k=50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a, b) and a.shape == (1, 15)
+
+
+# ====================================================================== the scale controls of the Q/K study
+@pytest.mark.parametrize('seed', [0, 3])
+def test_gauss_controls_match_the_orthogonal_scale_without_orthogonality(seed):
+    "gauss / gauss-freeze: Q/K entries N(0, 1/d) (the orthogonal matrices' std), not orthogonal; frozen only in gauss-freeze; all else as oelm."
+    cfg = model_config('tiny')
+    oelm, gauss, frozen = (GPT(cfg.replace(variant=v), init_seed=seed) for v in ('oelm', 'gauss', 'gauss-freeze'))
+    d = cfg.n_embd
+    for layer in range(cfg.n_layer):
+        for proj in ('q_proj', 'k_proj'):
+            wo, wg = (getattr(m.transformer.h[layer].attn, proj).weight.detach() for m in (oelm, gauss))
+            assert abs(wo.std().item() - 1 / math.sqrt(d)) < 2e-3 and abs(wg.std().item() - 1 / math.sqrt(d)) < 0.01
+            assert torch.allclose(wo @ wo.T, torch.eye(d), atol=1e-5) and not torch.allclose(wg @ wg.T, torch.eye(d), atol=0.1)
+            assert torch.equal(wg, getattr(frozen.transformer.h[layer].attn, proj).weight)  # the same draw, frozen or not
+    assert frozen_qk_layers(frozen) == list(range(cfg.n_layer)) and frozen_qk_layers(gauss) == []
+    assert param_report(frozen).trainable == param_report(GPT(cfg.replace(variant='oelm-freeze'), init_seed=seed)).trainable
+    same = [k for k in oelm.state_dict() if 'q_proj' not in k and 'k_proj' not in k]
+    assert all(torch.equal(oelm.state_dict()[k], gauss.state_dict()[k]) for k in same)
+    gpt_q = GPT(cfg, init_seed=seed).transformer.h[0].attn.q_proj.weight
+    assert abs(gpt_q.std().item() - cfg.init_std) < 2e-3  # the 6x smaller scale gauss controls for
