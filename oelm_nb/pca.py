@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -15,9 +16,10 @@ from .core import ConfigError
 from .model import GPT, MLP, model_config
 
 # %% auto #0
-__all__ = ['LORA_TARGETS', 'EmbeddingPCA', 'embedding_pca', 'pca_factorize', 'save_pca_mats', 'load_pca_mats', 'TanhGELUMLP',
-           'use_tanh_gelu_', 'from_hf_gpt2', 'LoRALinear', 'LoRAEmbedding', 'LoRATiedHead', 'apply_lora',
-           'lora_modules', 'merge_lora', 'unmerge_lora']
+__all__ = ['LORA_TARGETS', 'FACTORIZED_INITS', 'EmbeddingPCA', 'embedding_pca', 'pca_factorize', 'reconstruction_curve',
+           'reconstruction_metrics', 'save_pca_mats', 'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'from_hf_gpt2',
+           'LoRALinear', 'LoRAEmbedding', 'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora', 'unmerge_lora',
+           'init_factorized_']
 
 # %% ../nbs/11_pca.ipynb #17be3e1f
 @dataclass
@@ -78,6 +80,35 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
     if tok.scale_down.bias is not None: tok.scale_down.bias.zero_()
     new.train(model.training)
     return new
+
+# %% ../nbs/11_pca.ipynb #e131a63f
+@torch.no_grad()
+def reconstruction_curve(E: torch.Tensor, # token table [V, d]
+                         pca: EmbeddingPCA | None = None, # its PCA (None: computed here)
+                        ) -> dict[str, np.ndarray]:
+    "For k = 1..rank at once: cumulative explained variance, relative Frobenius error of `E_k`, mean row cosine of `E` and `E_k`."
+    E = E.detach().double(); pca = pca or embedding_pca(E)
+    C = (E - pca.mean) @ pca.V  # [V, r]: codes in every direction
+    m = pca.mean @ pca.V        # [r]: the mean in the same basis
+    S2 = pca.S**2
+    err2 = (S2.sum() - S2.cumsum(0)).clamp(min=0)  # discarded variance at k
+    dot = (E @ pca.mean)[:, None] + (C * (C + m)).cumsum(1)        # E_i . E_{k,i}
+    norm2 = (pca.mean @ pca.mean) + (C * (C + 2 * m)).cumsum(1)    # ||E_{k,i}||^2
+    cos = dot / (E.norm(dim=1, keepdim=True) * norm2.clamp(min=0).sqrt()).clamp(min=1e-300)
+    return {'k': np.arange(1, len(S2) + 1), 'explained_variance': (S2.cumsum(0) / S2.sum()).numpy(),
+            'relative_error': (err2.sqrt() / E.norm()).numpy(), 'mean_cosine': cos.mean(0).numpy()}
+
+def reconstruction_metrics(E: torch.Tensor, # token table [V, d]
+                           ks, # the ks to report
+                           pca: EmbeddingPCA | None = None,
+                          ) -> pd.DataFrame:
+    "Per k: cumulative explained variance, relative reconstruction error and mean cosine similarity of the reconstructed rows."
+    c = reconstruction_curve(E, pca)
+    bad = [k for k in ks if not 0 < k <= len(c['k'])]
+    if bad: raise ConfigError(f'reconstruction_metrics: ks {bad} outside 1..{len(c["k"])} (the rank of the table)')
+    return pd.DataFrame({'explained variance': [c['explained_variance'][k - 1] for k in ks],
+                         'relative error': [c['relative_error'][k - 1] for k in ks],
+                         'mean cosine': [c['mean_cosine'][k - 1] for k in ks]}, index=pd.Index(list(ks), name='k'))
 
 # %% ../nbs/11_pca.ipynb #11ad6a86
 _SCALE_KEYS = ('scale_up_weight', 'scale_up_bias', 'scale_down_weight', 'scale_down_bias')
@@ -284,4 +315,35 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
     "Undo `merge_lora`: subtract each update from its base weight and re-activate the adapters."
     for m in lora_modules(model):
         if m.merged: m.weight.sub_(m.delta_weight()); m.merged = False
+    return model
+
+# %% ../nbs/11_pca.ipynb #3985a63b
+FACTORIZED_INITS = ('gpt', 'matched', 'orthogonal', 'fan-in')
+
+def _factor_generator(seed: int) -> torch.Generator:
+    "A generator for the factors' draws, derived from `seed` but not the stream `GPT(init_seed=seed)` used."
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, 0xFAC7]).generate_state(1, np.uint64)[0]) % 2**62)
+
+@torch.no_grad()
+def init_factorized_(model: GPT, # a factorized model (n_embd_wte = k < n_embd)
+                     scheme: str = 'matched', # one of FACTORIZED_INITS
+                     seed: int = 0, # run seed; the factors draw from a stream derived from it
+                    ) -> GPT:
+    "Re-draw `scale_up` / `scale_down` of a factorized model in place (biases 0, `wte` unchanged); return it."
+    if scheme not in FACTORIZED_INITS: raise ConfigError(f'init_factorized_: scheme={scheme!r}; choose from {FACTORIZED_INITS}')
+    if _no_scale_layers(model): raise ConfigError('init_factorized_: the model has no scale_up/scale_down (n_embd_wte is not below n_embd)')
+    if scheme == 'gpt': return model
+    tok = model.transformer.tok
+    k, d = tok.wte.weight.shape[1], model.cfg.n_embd
+    g, kw = _factor_generator(seed), dict(device=tok.scale_up.weight.device, dtype=tok.scale_up.weight.dtype)
+    if scheme == 'orthogonal':
+        up, _ = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))    # [d, k], orthonormal columns
+        down, _ = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))  # transposed: orthonormal rows
+        up, down = up * math.sqrt(d / k), down.T * math.sqrt(d / k)
+    else:
+        up = torch.randn(d, k, generator=g) / math.sqrt(k)
+        down = torch.randn(k, d, generator=g) / math.sqrt(k if scheme == 'matched' else d)
+    tok.scale_up.weight.copy_(up.to(**kw)); tok.scale_down.weight.copy_(down.to(**kw))
+    for lin in (tok.scale_up, tok.scale_down):
+        if lin.bias is not None: lin.bias.zero_()
     return model

@@ -212,3 +212,76 @@ def test_gpt2_124m_factorized_param_counts(K, capsys):
     assert rep['total'] == rep['trainable'] == sum(want.values()) and rep['frozen'] == 0
     # against the unfactorized model: the table shrinks from V*d to V*K + 2*K*d + d + K
     assert sum(want.values()) - (V * d + T * d + sum(v for c, v in want.items() if c != 'embedding')) == V * (K - d) + 2 * K * d + d + K
+
+
+# ---------------------------------------------------------------- reconstruction metrics
+@pytest.mark.parametrize('k', [1, 5, 16, 63, 64])
+def test_reconstruction_metrics_match_numpy(base, k):
+    "Relative Frobenius error and mean row cosine of the k-direction reconstruction, recomputed with NumPy's SVD."
+    from oelm_nb.pca import reconstruction_curve, reconstruction_metrics
+    E = base.transformer.tok.wte.weight.detach().double().numpy() * np.logspace(0, -1.5, 64)  # a decaying spectrum
+    mu = E.mean(0)
+    _, S, Vt = np.linalg.svd(E - mu, full_matrices=False)
+    Ek = (E - mu) @ Vt[:k].T @ Vt[:k] + mu
+    rel = np.linalg.norm(E - Ek) / np.linalg.norm(E)
+    cos = ((E * Ek).sum(1) / (np.linalg.norm(E, axis=1) * np.linalg.norm(Ek, axis=1))).mean()
+    c = reconstruction_curve(torch.from_numpy(E))
+    assert c['relative_error'][k - 1] == pytest.approx(rel, abs=1e-9)
+    assert c['mean_cosine'][k - 1] == pytest.approx(cos, abs=1e-9)
+    assert c['explained_variance'][k - 1] == pytest.approx((S[:k] ** 2).sum() / (S ** 2).sum(), abs=1e-12)
+    t = reconstruction_metrics(torch.from_numpy(E), [k])
+    assert (t.loc[k, 'relative error'], t.loc[k, 'mean cosine']) == (pytest.approx(rel, abs=1e-9), pytest.approx(cos, abs=1e-9))
+
+
+def test_reconstruction_metrics_are_monotone_and_reject_bad_k(base):
+    from oelm_nb.pca import reconstruction_curve, reconstruction_metrics
+    c = reconstruction_curve(base.transformer.tok.wte.weight)
+    assert np.all(np.diff(c['relative_error']) <= 1e-12) and c['relative_error'][-1] < 1e-9
+    assert c['mean_cosine'][-1] == pytest.approx(1, abs=1e-9)
+    with pytest.raises(ConfigError, match=r'outside 1\.\.64'): reconstruction_metrics(base.transformer.tok.wte.weight, [0, 65])
+
+
+# ---------------------------------------------------------------- low-rank init
+def _fresh(k=8, seed=0, **kw):
+    return GPT.from_preset('tiny', init_seed=seed, n_embd_wte=k, **kw)
+
+
+@pytest.mark.parametrize('scheme', ['matched', 'orthogonal'])
+def test_factorized_init_matches_the_full_tables_scale(scheme):
+    "The token signal entering the blocks and the initial logits have the full N(0, init_std) model's scale (not ~18x below it)."
+    from oelm_nb.pca import init_factorized_
+    full = GPT.from_preset('tiny', init_seed=0)
+    x = torch.randint(0, full.cfg.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want_tok, want_logit = full.transformer.tok(x).std().item(), full(x)[0].std().item()
+        for k in (8, 32):
+            m = init_factorized_(_fresh(k), scheme, seed=0)
+            assert m.transformer.tok(x).std().item() == pytest.approx(want_tok, rel=0.1)
+            assert m(x)[0].std().item() == pytest.approx(want_logit, rel=0.1)
+        old = _fresh(8)
+        assert old.transformer.tok(x).std().item() < want_tok / 10  # what 'gpt' (the model's own init) starts with
+
+
+def test_factorized_init_details():
+    from oelm_nb.pca import init_factorized_
+    d, k = 64, 8
+    ref = _fresh(k)
+    g = init_factorized_(_fresh(k), 'gpt', seed=0)
+    for n, t in ref.state_dict().items(): assert torch.equal(g.state_dict()[n], t)  # 'gpt' changes nothing
+    o = init_factorized_(_fresh(k), 'orthogonal', seed=0).transformer.tok
+    torch.testing.assert_close(o.scale_up.weight.T @ o.scale_up.weight, torch.eye(k) * d / k, atol=1e-4, rtol=0)
+    torch.testing.assert_close(o.scale_down.weight @ o.scale_down.weight.T, torch.eye(k) * d / k, atol=1e-4, rtol=0)
+    f = init_factorized_(_fresh(k), 'fan-in', seed=0).transformer.tok
+    assert f.scale_down.weight.std().item() == pytest.approx(1 / d ** 0.5, rel=0.1)
+    m = init_factorized_(_fresh(k), 'matched', seed=0)
+    tok = m.transformer.tok
+    assert tok.scale_up.weight.std().item() == pytest.approx(1 / k ** 0.5, rel=0.1)
+    assert tok.scale_down.weight.std().item() == pytest.approx(1 / k ** 0.5, rel=0.1)
+    assert torch.all(tok.scale_up.bias == 0) and torch.all(tok.scale_down.bias == 0)
+    assert torch.equal(tok.wte.weight, ref.transformer.tok.wte.weight)  # the table keeps the model's init
+    # the factors come from a stream of their own, not a copy of the model's init stream (whose first draws are wte's rows)
+    corr = np.corrcoef(tok.scale_up.weight.detach().flatten().numpy(), ref.transformer.tok.wte.weight[:d].detach().flatten().numpy())[0, 1]
+    assert abs(corr) < 0.1
+    assert not torch.equal(tok.scale_up.weight, init_factorized_(_fresh(k, seed=1), 'matched', seed=1).transformer.tok.scale_up.weight)
+    with pytest.raises(ConfigError, match='no scale_up/scale_down'): init_factorized_(GPT.from_preset('tiny', init_seed=0), 'matched')
+    with pytest.raises(ConfigError, match='choose from'): init_factorized_(_fresh(k), 'xavier')

@@ -31,7 +31,7 @@ def test_every_study_rejects_an_unknown_settings_field_by_name(study):
 
 @pytest.mark.parametrize('study,field,value,expect', [
     ('pca', 'lora_rank', 'four', 'PCASettings.lora_rank=\'four\' is invalid: must be of type int'),
-    ('pca', 'method', 'svd', "must be one of ('baseline', 'lowrank', 'pca', 'pca-lora')"),
+    ('pca', 'method', 'svd', "must be one of ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')"),
     ('cvfp', 'samples', 2.5, 'CVFPSettings.samples=2.5 is invalid: must be of type int | None'),
     ('cvfp', 'diversity', 'WMSE', 'must be one of'),
     ('mercator', 'role', 'judge', "must be one of ('teacher', 'student')"),
@@ -143,9 +143,10 @@ def test_pca_recovery_from_run_directories(tmp_path):
             'pca-lora-k64': lambda s: failed()}
     table = load_runs(fake_batch(tmp_path, 'pca', runs, plan=PCA_PLAN))
     gaps = recovery_table(table)
-    assert gaps.loc[8, 'recovered'] == pytest.approx(0.5)
-    assert gaps.loc[64, 'note'] == 'a run of this k or the baseline did not complete'  # the failed run's k comes from the plan
-    assert recovery_verdict(gaps) == '**PCA + LoRA recovers part of the gap between PCA-only and the baseline at k=8 (50%).**'
+    assert gaps.loc[8, 'recovered vs baseline'] == pytest.approx(0.5) and gaps.loc[8, '95% CI vs baseline'] == 'needs >= 2 seeds'
+    assert gaps.loc[64, 'note'] == 'no seed with completed PCA and PCA + LoRA runs'  # the failed run's k comes from the plan
+    assert recovery_verdict(gaps) == ('**Against the baseline (PCA + LoRA trained its fine-tuning steps on top of it: not matched in compute), '
+                                      'PCA + LoRA recovers part of the gap at k=8 (50%, one seed: needs >= 2 seeds for an interval).**')
     assert ppl_table(table).loc['PCA + LoRA', 'k=64'] == 'failed'
 
 
