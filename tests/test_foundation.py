@@ -38,7 +38,7 @@ def expected_counts(cfg: ModelConfig) -> tuple[int, int, int]:
     attn = 4 * (d * d + ab * d)                   # q, k, v, c_proj
     mlp = (d * ff + b * ff) + (ff * d + b * d)    # mlp_up, mlp_down
     total = emb + pos + L * (2 * ln + attn + mlp) + ln  # + final LayerNorm
-    if cfg.variant == 'oelm-freeze':
+    if cfg.variant in ('oelm-freeze', 'gauss-freeze'):
         n_frozen_layers = L if cfg.freeze_layers is None else cfg.freeze_layers
     else:
         n_frozen_layers = 0

@@ -45,8 +45,9 @@ class Page(HTMLParser):
 def injected(page: Page) -> list:
     "What a run directory's strings made into markup: marked scripts, event handlers, script URLs, marked attributes."
     url = lambda v: re.sub(r'[\s\x00-\x20]', '', v).lower().startswith(('javascript:', 'vbscript:'))
+    quoted_path = lambda k, v: k == 'href' and re.fullmatch(r'[A-Za-z0-9%._~/-]*', v) is not None  # a percent-encoded relative link: data, no scheme
     return ([('script', s[:80]) for s in page.scripts if MARK in s]
-            + [(t, k, v[:80]) for t, k, v in page.attrs if k.startswith('on') or url(v) or MARK in v])
+            + [(t, k, v[:80]) for t, k, v in page.attrs if k.startswith('on') or url(v) or (MARK in v and not quoted_path(k, v))])
 
 
 def missing_text(page: Page, payloads) -> list[str]:
