@@ -30,7 +30,7 @@ setup: $(STAMP)
 
 # The main job: the Q/K freeze study on the embedded corpus, ending in a report.
 run: $(STAMP)
-	$(BIN)/oelm run qk-freeze --preset tiny --variants gpt,oelm,oelm-freeze --seeds 0 1 2 --jobs 2 --out $(RUN_OUT)
+	$(BIN)/oelm run qk-freeze --preset tiny --variants gpt,oelm,oelm-freeze --seeds 0 1 --jobs 2 --out $(RUN_OUT)
 
 # Notebooks clean and exported in sync, then the notebooks' own checks, then pytest.
 test: $(STAMP) sync-check readme-check nbtest pytest
@@ -45,7 +45,7 @@ nbtest: $(STAMP)
 
 pytest: $(STAMP)
 	@echo "[test] pytest"
-	@$(BIN)/python -m pytest -n 2 -q tests
+	@$(BIN)/python -m pytest -n 2 -q --durations=15 tests
 
 # README.md is generated from nbs/index.ipynb (executed, as nbdev_readme would render it with Quarto).
 readme-check: $(STAMP)

@@ -13,9 +13,10 @@ from .model import model_config
 from .report import compare, Comparison, variant_table
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'threshold_verdict',
-           'h1_verdict', 'load_timing', 'h3_verdict', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
-           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note']
+__all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants',
+           'threshold_verdict', 'h1_verdict', 'load_timing', 'h3_verdict', 'hypotheses', 'interleaved_timing',
+           'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run',
+           'scale_note']
 
 # %% ../nbs/06a_qk_freeze.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -167,10 +168,14 @@ def pairwise_sentence(pairs: pd.DataFrame) -> str:
     return ("**No pair of variants differs resolvably** at this run length and seed count: the differences above are within "
             "seed-to-seed noise, or there are too few seeds for an interval.")
 
+# %% ../nbs/06a_qk_freeze.ipynb #b78c4f12
+QK_TRAIN = {**TRAIN_PRESETS,
+            'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 1500, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 100}}
+
 # %% ../nbs/06a_qk_freeze.ipynb #07a4c2af
 def tokens_per_run(preset: str, steps: int | None = None) -> int:
     "Tokens one run of `preset` sees in `steps` optimizer steps (default: the preset's), on one process."
-    t = {**TRAIN_PRESETS[preset], **({'max_steps': steps} if steps else {})}
+    t = {**QK_TRAIN[preset], **({'max_steps': steps} if steps else {})}
     return t['max_steps'] * t['batch_size'] * t.get('grad_accum', 1) * model_config(preset).block_size
 
 def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') -> str:
@@ -186,7 +191,7 @@ def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') ->
     return (f"**Scale.** These runs train the `{preset}` preset ({m.n_layer} layers, width {m.n_embd}, block {m.block_size}, "
             f"{int(ok.params_total.max()):,} parameters) for {steps:,} steps, {tokens:,} tokens each. The Q/K freeze log trained "
             f"`{reference}` ({r.n_layer} layers, width {r.n_embd}, {n_ref:,} parameters at its vocabulary) for "
-            f"{TRAIN_PRESETS[reference]['max_steps']:,} steps, {ref_tokens:,} tokens: these runs saw {tokens / ref_tokens:.2%} of that with a "
+            f"{QK_TRAIN[reference]['max_steps']:,} steps, {ref_tokens:,} tokens: these runs saw {tokens / ref_tokens:.2%} of that with a "
             f"{n_ref / int(ok.params_total.max()):.0f}x smaller model. The verdicts below describe these models, not the log's.")
 
 # %% ../nbs/06a_qk_freeze.ipynb #d54873c0
@@ -196,7 +201,7 @@ QK_FREEZE = Study(
     settings=NoSettings,
     variants=qk_variants,
     run=launch_run,
-    train=TRAIN_PRESETS, data=DATA_PRESETS,
+    train=QK_TRAIN, data=DATA_PRESETS, default_seeds=(0, 1),
     default_variants=('gpt', 'oelm', 'oelm-freeze', 'gauss', 'gauss-freeze'),
     report='reports/qk_freeze.ipynb',
     verdicts=hypotheses,
