@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_cli.ipynb #3f0e91f4
 from __future__ import annotations
-import argparse, json, shutil, sys
+import argparse, json, shutil, sys, textwrap
 from dataclasses import fields
 from pathlib import Path
 
@@ -12,7 +12,8 @@ from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
 __all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'study_plan', 'cmd_run', 'cmd_report', 'cmd_bench', 'add_study_parser', 'build_parser', 'main']
+           'convergence_text', 'study_plan', 'cmd_run', 'cmd_report', 'cmd_bench', 'add_study_parser', 'build_parser',
+           'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -96,7 +97,13 @@ def print_batch_summary(batch_dir):
         print('\n' + vt[cols].to_string() + '\n')
         h = study.verdicts(runs) if study.verdicts else pd.DataFrame()
         for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
-    print()
+    print('\n' + textwrap.fill(convergence_text(batch_dir, runs), 120) + '\n')
+
+def convergence_text(batch_dir, runs) -> str:
+    "The report's convergence note as plain text, for the console: which runs were still improving when they stopped."
+    from oelm_nb.report import convergence, convergence_note, load_curves
+    done = runs[runs.status == 'completed']
+    return convergence_note(convergence(runs, load_curves(batch_dir, done))).replace('**', '')
 
 def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."

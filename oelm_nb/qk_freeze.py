@@ -168,7 +168,7 @@ def pairwise_sentence(pairs: pd.DataFrame) -> str:
     return ("**No pair of variants differs resolvably** at this run length and seed count: the differences above are within "
             "seed-to-seed noise, or there are too few seeds for an interval.")
 
-# %% ../nbs/06a_qk_freeze.ipynb #b78c4f12
+# %% ../nbs/06a_qk_freeze.ipynb #38f9d4f6
 QK_TRAIN = {**TRAIN_PRESETS,
             'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 1500, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 100}}
 
