@@ -12,8 +12,8 @@ from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
 __all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'convergence_text', 'study_plan', 'cmd_run', 'cmd_report', 'cmd_bench', 'add_study_parser', 'build_parser',
-           'main']
+           'convergence_text', 'study_plan', 'cmd_run', 'cmd_report', 'cmd_sample', 'cmd_bench', 'add_study_parser',
+           'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -132,6 +132,20 @@ def cmd_report(args) -> int:
     render_report(args.dir)
     return 0
 
+def cmd_sample(args) -> int:
+    from oelm_nb.sample import sample
+    prompt = args.prompt
+    if args.prompt_file:
+        try: prompt = Path(args.prompt_file).read_text(encoding='utf-8')
+        except (OSError, UnicodeDecodeError) as e: raise ConfigError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({e})") from None
+    out = sample(args.run_dir, [prompt] if prompt else None, args.num_samples, args.max_new_tokens, args.temperature,
+                 args.top_k, args.seed, args.checkpoint, args.device)
+    if args.json: print(json.dumps(out, indent=1)); return 0
+    print(f"[oelm sample] {args.run_dir}: {Path(out[0]['checkpoint']).name} (step {out[0]['step']}), temperature {args.temperature}, "
+          f"top-k {args.top_k}, seed {args.seed}", file=sys.stderr)
+    for s in out: print(s['text'] + '\n---------------')
+    return 0
+
 def cmd_bench(args) -> int:
     from oelm_nb.bench import bench, bench_table, numerics_check
     import pandas as pd
@@ -216,6 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
     for st in STUDIES.values(): add_study_parser(rs, st, PRESETS)
     rep = sub.add_parser('report', help="(re)render a batch directory's report.html")
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
+
+    sm = sub.add_parser('sample', help="text from a trained run's checkpoint (like nanoGPT's sample.py)",
+                        description="Sample text from one run's checkpoint, with the run's own tokenizer (token ids where its data has none).")
+    sm.add_argument('run_dir', help='one run directory, e.g. runs/qk-freeze/gpt-s0')
+    sm.add_argument('--checkpoint', default='best', help='best | final | latest | a step number (default: best)')
+    pr = sm.add_mutually_exclusive_group()
+    pr.add_argument('--prompt', default=None, help='text to continue (default: start a new document)')
+    pr.add_argument('--prompt-file', default=None, metavar='FILE', help='continue the UTF-8 text of FILE')
+    sm.add_argument('--num-samples', type=_positive, default=3, help='samples per prompt (default: 3)')
+    sm.add_argument('--max-new-tokens', type=_positive, default=200, help='default: 200')
+    sm.add_argument('--temperature', type=float, default=0.8, help='0 always picks the most likely token (default: 0.8)')
+    sm.add_argument('--top-k', type=_positive, default=200, help='sample among the k most likely tokens (default: 200)')
+    sm.add_argument('--seed', type=int, default=1337, help='default: 1337')
+    sm.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N | mps (default: auto)')
+    sm.add_argument('--json', action='store_true', help='machine-readable output: prompt, text, ids, step, checkpoint per sample')
+    sm.set_defaults(fn=cmd_sample)
 
     b = sub.add_parser('bench', help='FLOPs, optimizer state and interleaved step time per variant')
     b.add_argument('--preset', default='tiny', choices=list(PRESETS))
