@@ -15,7 +15,7 @@ import torch
 from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, init_distributed
-from .data import prepare_data, load_split, load_tokenizer, TokenData
+from .data import prepare_data, load_split, load_tokenizer, read_meta, TokenData
 from .rundir import run_lock, check_same_run, fingerprint, child_env
 
 # %% auto #0
@@ -202,6 +202,8 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
     train = train_settings(st, preset, seed, steps)
     var = st.variant(variant, preset, train.get('max_steps', TrainConfig().max_steps), options)
     mdict = model_config(preset).to_dict()
+    if data_vocab is None and data_dir and (Path(data_dir) / 'meta.json').exists():
+        data_vocab = int(read_meta(data_dir)['vocab_size'])  # prepared data: the model is at least as wide as its vocabulary
     if data_vocab: mdict['vocab_size'] = max(mdict['vocab_size'], data_vocab)
     d = {'model': mdict, 'train': train, 'data': {**st.data.get(preset, {}), 'source': data},
          'out_dir': str(out_dir), 'data_dir': data_dir, 'study': st.name, 'name': variant, 'preset': preset, 'settings': {}}

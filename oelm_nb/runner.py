@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Callable
 
 from .core import ConfigError, TrainConfig
-from .experiment import Study, resolve_spec, train_settings, write_json, read_json, run_name, parse_run_name, run_identity, COMMAND_ENV
+from .experiment import Study, RunSpec, resolve_spec, train_settings, write_json, read_json, run_name, parse_run_name, run_identity, COMMAND_ENV
 from .studies import get_study
-from .data import prepare_data
+from .data import prepare_data, read_meta
 from .train import list_checkpoints
 from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_with_parent, describe_holder,
                             recorded_config, config_diff, describe_diff, fingerprint, read_holder)
@@ -23,7 +23,7 @@ from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_w
 __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
            'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'schedule', 'BatchResult',
            'with_upstream', 'plan_batch', 'check_memory', 'write_batch_json', 'record_outcome', 'pending_jobs',
-           'run_study', 'after_batch', 'render_report']
+           'run_study', 'after_batch', 'fit_vocabulary', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -96,6 +96,7 @@ class Batch:
     options: dict = field(default_factory=dict) # the study's own flags
     overrides: dict = field(default_factory=dict) # --set KEY=VALUE
     data_dir: Path | None = None # prepared data (default: <out>/data)
+    data_vocab: int | None = None # the prepared data's vocabulary (meta.json), once known: the model's is raised to it
 
     @property
     def plan_steps(self) -> int:
@@ -109,7 +110,7 @@ class Batch:
     def spec(self, variant: str, seed: int = 0):
         "The RunSpec of one run of the batch."
         return resolve_spec(self.study, variant, self.preset, seed, self.steps, str(self.out / run_name(variant, seed)), self.data,
-                            str(self.data_dir or self.out / 'data'), self.overrides, options=self.options)
+                            str(self.data_dir or self.out / 'data'), self.overrides, data_vocab=self.data_vocab, options=self.options)
 
 # %% ../nbs/07_runner.ipynb #ea258356
 PLACE_KEYS = {'out_dir': '--out', 'data_dir': '--out (the data lives in <out>/data) or --data DIR', 'name': '--variants',
@@ -346,11 +347,21 @@ def after_batch(batch: Batch, completed: list[str], log=print):
     try: hook(batch.out, batch.preset, completed, batch.overrides, log=log)
     except Exception as e: log(f'[oelm run] the measurement after the batch failed: {type(e).__name__}: {e}')
 
+def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
+    "Read the prepared data's vocabulary into `batch`: the model's vocabulary is raised to it (said once), or refused up front when --set fixed it below."
+    batch.data_vocab = int(read_meta(batch.data_dir)['vocab_size'])
+    now, was = batch.spec(before.name, before.train.seed).model.vocab_size, before.model.vocab_size
+    if now < batch.data_vocab:  # only an explicit --set model.vocab_size keeps it below the data's
+        raise ConfigError(f"--set model.vocab_size={now} is smaller than the vocabulary of the data in {batch.data_dir} ({batch.data_vocab}); "
+                          f"drop the --set (the model then takes the data's vocabulary) or give model.vocab_size >= {batch.data_vocab}")
+    if now != was: log(f"[oelm run] the data's vocabulary is {batch.data_vocab:,}: model.vocab_size {was:,} -> {now:,}")
+
 def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, log) -> BatchResult:
     out, study = batch.out, batch.study
     spec0 = batch.spec(names[0])
     log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
     batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)  # a prepared source directory is used in place
+    fit_vocabulary(batch, spec0, log)  # once, before any run starts
     all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
     index = write_batch_json(batch, names, seeds, plan, gpus, restart)
     threads = None if workers[0] else max(1, (os.cpu_count() or 1) // len(workers))
