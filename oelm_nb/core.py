@@ -239,8 +239,9 @@ class DataConfig(ConfigBase):
 
 # %% ../nbs/00_core.ipynb #0ecd6383
 def set_seed(seed: int):
-    "Seed `random`, NumPy and torch (CPU and every CUDA device)."
+    "Seed `random`, NumPy and torch (CPU and every CUDA device); deterministic cuDNN kernels (harmless on CPU)."
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = True; torch.backends.cudnn.benchmark = False  # the New-LLM guidelines' reproducibility rule
 
 # %% ../nbs/00_core.ipynb #89f14d75
 def pick_device(pref: str = 'auto', # auto | cpu | cuda | cuda:N | mps

@@ -17,8 +17,10 @@ from .core import ConfigBase, ConfigError, check, set_seed, TrainConfig
 from .train import Trainer
 
 # %% auto #0
-__all__ = ['DIVERSITY_LOSSES', 'DIVERSITY_DESCRIPTIONS', 'CVFP_PRESETS', 'cvfp_loss', 'mcdl_loss', 'odcm_loss', 'combined_loss',
-           'EffectiveRank', 'effective_rank', 'IdentityCheck', 'identity_check', 'ConvergenceVerdict',
+__all__ = ['DIVERSITY_LOSSES', 'DIVERSITY_DESCRIPTIONS', 'ER_BANDS', 'ER_FAIL', 'ATTRACTOR_SPREAD', 'FINAL_DIFF_GOOD',
+           'FINAL_DIFF_FAIL', 'CVFP_PRESETS', 'cvfp_loss', 'mcdl_loss', 'odcm_loss', 'odcm_cov_loss', 'combined_loss',
+           'EffectiveRank', 'effective_rank', 'context_spread', 'EffectiveRankCheck', 'er_verdict',
+           'effective_rank_check', 'IdentityCheck', 'identity_check', 'final_diff_grade', 'ConvergenceVerdict',
            'convergence_verdict', 'CVFPConfig', 'cvfp_config', 'ContextLayer', 'TokenLayer', 'ContextBlock',
            'TokenBlock', 'CVFPModel', 'build_context_cache', 'logits_from_cache', 'Phase1Result', 'val_effective_rank',
            'train_phase1', 'markov_tokens', 'ConvergenceCheck', 'cvfp_convergence_check', 'BatchSizing',
@@ -38,19 +40,32 @@ def mcdl_loss(x: torch.Tensor, # (n, d) contexts
     "Mean-centered dispersion: -||X - mean(X)||_F / n."
     return -torch.linalg.norm(x - x.mean(0, keepdim=True)) / x.shape[0]
 
-def odcm_loss(x: torch.Tensor, # (n, d) contexts, n >= 2
-             ) -> torch.Tensor:
-    "Off-diagonal covariance: sum of squared off-diagonal entries of cov(X), divided by d."
-    n, d = x.shape
-    xc = x - x.mean(0, keepdim=True)
+def _cov_term(xc: torch.Tensor) -> torch.Tensor:  # (n, d) centered -> sum of squared off-diagonal cov entries / d
+    n, d = xc.shape
     cov = xc.T @ xc / (n - 1)  # (d, d)
-    off = cov - torch.diag(torch.diagonal(cov))
-    return (off ** 2).sum() / d
+    return (cov ** 2).sum().sub((torch.diagonal(cov) ** 2).sum()) / d
 
-DIVERSITY_LOSSES: dict[str, Callable] = {'MCDL': mcdl_loss, 'ODCM': odcm_loss}
+def odcm_loss(x: torch.Tensor, # (n, d) contexts, n >= 2
+              cov_weight: float = 0.04, # VICReg's weight of the covariance term relative to the variance term
+              eps: float = 1e-4, # added to the variance under the square root
+             ) -> torch.Tensor:
+    "VICReg variance + covariance: mean_j relu(1 - sqrt(var_j + eps)) + cov_weight * sum_{i != j} cov_ij^2 / d."
+    xc = x - x.mean(0, keepdim=True)
+    std = torch.sqrt(xc.var(0, unbiased=True) + eps)  # (d,)
+    return F.relu(1 - std).mean() + cov_weight * _cov_term(xc)
+
+def odcm_cov_loss(x: torch.Tensor, # (n, d) contexts, n >= 2
+                 ) -> torch.Tensor:
+    "The covariance term alone: sum of squared off-diagonal entries of cov(X), divided by d."
+    return _cov_term(x - x.mean(0, keepdim=True))
+
+DIVERSITY_LOSSES: dict[str, Callable] = {'MCDL': mcdl_loss, 'ODCM': odcm_loss, 'ODCM-cov': odcm_cov_loss}
 DIVERSITY_DESCRIPTIONS = {
     'MCDL': 'Mean-Centered Dispersion Loss: -||X - mean(X)||_F / n; pushes contexts away from their mean. O(n d).',
-    'ODCM': 'Off-Diagonal Covariance Minimization (VICReg covariance term): sum of squared off-diagonal cov entries / d. O(n d + d^2).',
+    'ODCM': ('Off-Diagonal Covariance Minimization, the full VICReg pair: mean_j relu(1 - std_j) with std_j = sqrt(var_j + 1e-4) '
+             '(keeps every dimension spread) + 0.04 * sum of squared off-diagonal cov entries / d (decorrelates them). O(n d + d^2).'),
+    'ODCM-cov': ('ODCM without its variance term (this package\'s ODCM before issue 15, for comparison): sum of squared off-diagonal '
+                 'cov entries / d; nothing keeps the contexts from shrinking. O(n d + d^2).'),
 }
 
 def combined_loss(cvfp: torch.Tensor, # CVFP loss
@@ -80,17 +95,56 @@ def effective_rank(x: torch.Tensor, # (n, d) vectors (e.g. contexts)
     p = p[p > 0]
     return EffectiveRank(float(torch.exp(-(p * p.log()).sum())), x.shape[1], x.shape[0])
 
+# %% ../nbs/12_cvfp.ipynb #285db680
+ER_BANDS = {'train': (88.0, 89.0), 'val': (81.0, 82.0)} # the New-LLM guidelines' pass bands for effective rank (%), training and validation contexts
+ER_FAIL = 30.0 # the New-LLM guidelines: an effective rank below this percent fails
+ATTRACTOR_SPREAD = 0.1 # ours: a spread below this is a global attractor
+
+def context_spread(x: torch.Tensor, # (n, d) contexts
+                  ) -> float:
+    "Mean distance of the contexts from their mean context over their mean norm (0: all identical)."
+    x = x.detach().double()
+    return float((x - x.mean(0)).norm(dim=-1).mean() / x.norm(dim=-1).mean().clamp_min(1e-12))
+
+@dataclass
+class EffectiveRankCheck:
+    "Check 1: training and validation effective rank against the New-LLM guidelines' bands, and the global-attractor test."
+    train_percent: float
+    val_percent: float
+    spread: float # context_spread of the validation contexts
+    @property
+    def attractor(self) -> bool: return self.spread < ATTRACTOR_SPREAD
+    @property
+    def verdict(self) -> str:
+        if self.attractor or min(self.train_percent, self.val_percent) < ER_FAIL: return 'FAIL'
+        ok = self.train_percent >= ER_BANDS['train'][0] and self.val_percent >= ER_BANDS['val'][0]
+        return 'PASS' if ok else 'BELOW BAND'
+    @property
+    def passed(self) -> bool: return self.verdict == 'PASS'
+
+def er_verdict(percent: float, part: str) -> str:
+    "PASS / BELOW BAND / FAIL of one effective rank (`part`: train or val) against ER_BANDS and ER_FAIL."
+    return 'FAIL' if percent < ER_FAIL else 'PASS' if percent >= ER_BANDS[part][0] else 'BELOW BAND'
+
+def effective_rank_check(train_contexts: torch.Tensor, val_contexts: torch.Tensor) -> EffectiveRankCheck:
+    "Check 1 on training and validation contexts."
+    return EffectiveRankCheck(effective_rank(train_contexts).percent, effective_rank(val_contexts).percent, context_spread(val_contexts))
+
+
 # %% ../nbs/12_cvfp.ipynb #cd6c8b92
 @dataclass
 class IdentityCheck:
-    "Result of the identity-mapping check."
+    "Check 2: the result of the identity-mapping check."
     zero_diff: float # mean ||context - context_from_zero_input||_2
     token_similarity: float | None # mean cosine(context, token embedding); None when dims differ
     diff_threshold: float = 0.1
     sim_threshold: float = 0.95
     @property
-    def passed(self) -> bool:
-        return self.zero_diff > self.diff_threshold and (self.token_similarity is None or self.token_similarity < self.sim_threshold)
+    def diff_ok(self) -> bool: return self.zero_diff > self.diff_threshold
+    @property
+    def sim_ok(self) -> bool | None: return None if self.token_similarity is None else self.token_similarity < self.sim_threshold
+    @property
+    def passed(self) -> bool: return self.diff_ok and self.sim_ok is not False
 
 def identity_check(contexts: torch.Tensor, # (N, C) contexts from the carried-over context
                    zero_contexts: torch.Tensor, # (N, C) the same tokens through the block from a zero context
@@ -104,6 +158,12 @@ def identity_check(contexts: torch.Tensor, # (N, C) contexts from the carried-ov
     return IdentityCheck(diff, sim, diff_threshold, sim_threshold)
 
 # %% ../nbs/12_cvfp.ipynb #e8f7def7
+FINAL_DIFF_GOOD, FINAL_DIFF_FAIL = 1e-3, 1e-2 # the New-LLM guidelines: final diff below the first is good, above the second fails
+
+def final_diff_grade(final: float) -> str:
+    "GOOD (< 1e-3) / MARGINAL / FAIL (> 1e-2) of the last pass-to-pass difference."
+    return 'GOOD' if final < FINAL_DIFF_GOOD else 'FAIL' if final > FINAL_DIFF_FAIL else 'MARGINAL'
+
 @dataclass
 class ConvergenceVerdict:
     "Trend of a loss over repeated passes."
@@ -112,21 +172,28 @@ class ConvergenceVerdict:
     std: float # standard deviation of the losses
     final: float # last loss
     final_ok: bool # final < final_threshold
+    initial: float = float('nan') # first loss
+    @property
+    def reduction_percent(self) -> float:
+        "Change from the first loss to the last, in % of the first (negative: it fell)."
+        return 100.0 * (self.final - self.initial) / self.initial if self.initial else float('nan')
+    @property
+    def final_grade(self) -> str: return final_diff_grade(self.final)
 
 def convergence_verdict(losses: list[float], # loss of each pass, in order (>= 2 values)
                         slope_tol: float = 1e-3, # |slope| below this is flat
                         std_tol: float = 1e-2, # a flat series with std below this has converged
-                        final_threshold: float = 1e-3, # fixed point reached when the last loss is below this
+                        final_threshold: float = FINAL_DIFF_GOOD, # fixed point reached when the last loss is below this
                        ) -> ConvergenceVerdict:
-    "CONVERGING / CONVERGED / DIVERGING / UNSTABLE from the slope and spread of `losses`."
+    "CONVERGING / CONVERGED / DIVERGING / UNSTABLE from the slope and spread of `losses` (the New-LLM guidelines' thresholds)."
     y = np.asarray(losses, dtype=float)
     if len(y) < 2: raise ValueError(f'convergence_verdict needs at least 2 losses, got {len(y)}')
     slope = float(np.polyfit(np.arange(len(y)), y, 1)[0]); std = float(y.std())
     if slope < -slope_tol: v = 'CONVERGING'
-    elif abs(slope) <= slope_tol and std < std_tol: v = 'CONVERGED'
+    elif abs(slope) < slope_tol and std < std_tol: v = 'CONVERGED'
     elif slope > slope_tol: v = 'DIVERGING'
     else: v = 'UNSTABLE'
-    return ConvergenceVerdict(v, slope, std, float(y[-1]), bool(y[-1] < final_threshold))
+    return ConvergenceVerdict(v, slope, std, float(y[-1]), bool(y[-1] < final_threshold), float(y[0]))
 
 # %% ../nbs/12_cvfp.ipynb #870ea990
 @dataclass
@@ -135,15 +202,15 @@ class CVFPConfig(ConfigBase):
     vocab_size: int = 256 # rows of the (frozen) token embedding
     context_dim: int = 64 # C: width of the context vector
     embed_dim: int = 64 # E: width of the token embedding
-    num_layers: int = 2 # layers of the ContextBlock and of the TokenBlock (the same number)
+    num_layers: int = 1 # layers of the ContextBlock and of the TokenBlock (the same number); the New-LLM guidelines: fixed at 1, "absolutely do not change"
     diversity: str = 'MCDL' # a key of DIVERSITY_LOSSES
     dist_reg_weight: float = 0.9 # w in (1 - w) * cvfp + w * diversity
-    phase1_lr: float = 2e-3 # Adam learning rate of Phase 1
-    phase1_min_iterations: int = 3 # never stop before this many iterations (iteration 1's rate is trivially high)
-    phase1_max_iterations: int = 10 # stop after this many iterations
+    phase1_lr: float = 2e-3 # Adam learning rate of Phase 1 (the New-LLM guidelines: 0.002)
+    phase1_min_iterations: int = 5 # never stop before this many iterations (the New-LLM guidelines: 5; iteration 1's rate is trivially high)
+    phase1_max_iterations: int = 40 # stop after this many iterations (the New-LLM guidelines: 40)
     convergence_threshold: float = 1e-3 # a token has converged when its mean squared change is below this
     convergence_target: float = 0.95 # stop early once this share of tokens has converged
-    phase1_val_patience: int = 3 # with validation tokens: stop after this many iterations without a higher validation ER (0: never)
+    phase1_val_patience: int = 3 # with validation tokens: stop after this many iterations without a higher validation ER and restore the best iteration's weights (0: never)
     parallel: bool = True # Phase 1 iterations >= 1 in parallel (token i reads previous_contexts[i-1])
     phase2_lr: float = 1e-3 # AdamW learning rate of Phase 2
     phase2_epochs: int = 3 # passes over the cached positions
@@ -182,7 +249,7 @@ class CVFPConfig(ConfigBase):
 
 CVFP_PRESETS = {
     'cpu': {},
-    'seed': dict(vocab_size=50257, context_dim=768, embed_dim=768, num_layers=1, phase1_max_iterations=10),
+    'seed': dict(vocab_size=50257, context_dim=768, embed_dim=768),
 }
 
 def cvfp_config(preset: str = 'cpu', # a key of CVFP_PRESETS
@@ -259,7 +326,7 @@ class CVFPModel(nn.Module):
         return cls(CVFPConfig.from_dict({**overrides, 'vocab_size': v, 'embed_dim': e}), embedding)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, E)
-        "Frozen embedding rows, layer-normalized without parameters (the seed's `embed_norm`): tokens and contexts on one scale."
+        "Frozen embedding rows, layer-normalized without parameters (the New-LLM guidelines' `embed_norm`): tokens and contexts on one scale."
         return F.layer_norm(self.embedding(ids), (self.cfg.embed_dim,))
 
     def zero_context(self, n: int = 1) -> torch.Tensor:
@@ -304,6 +371,7 @@ class Phase1Result:
     parallel: bool
     seconds: float # wall time of the training iterations (validation passes excluded)
     stop_reason: str = 'max_iterations' # 'max_iterations' | 'converged' | 'val_effective_rank'
+    best_iteration: int | None = None # with early stopping on validation ER: the iteration whose weights were restored
     @property
     def contexts(self) -> torch.Tensor: return self.layer_outputs[-1]
     @property
@@ -338,7 +406,7 @@ def train_phase1(model: CVFPModel,
                  parallel: bool | None = None, # None: cfg.parallel
                  max_iterations: int | None = None, # None: cfg.phase1_max_iterations
                  track_rank: bool = True, # effective rank per iteration in the history
-                 val_ids: torch.Tensor | None = None, # validation tokens: their ER per iteration, early stopping (cfg.phase1_val_patience)
+                 val_ids: torch.Tensor | None = None, # validation tokens: their ER per iteration, early stopping (cfg.phase1_val_patience) with the best weights restored
                  verbose: bool = False,
                 ) -> Phase1Result:
     "Fixed-point training of `model.context_block` (carry-over between iterations, detach between tokens)."
@@ -352,7 +420,8 @@ def train_phase1(model: CVFPModel,
     e = model.embed(ids)  # (N, E), frozen
     n = len(ids)
     carry, previous, history, converged = model.zero_context(), None, [], 0
-    best_val, since_best, stop, val_time = -1.0, 0, 'max_iterations', 0.0
+    best_val, since_best, stop, val_time, best = -1.0, 0, 'max_iterations', 0.0, None
+    restore = val_ids is not None and cfg.phase1_val_patience > 0
     t_start = time.perf_counter()
     for it in range(max_it):
         t0, learn = time.perf_counter(), previous is not None
@@ -378,14 +447,20 @@ def train_phase1(model: CVFPModel,
         history.append(rec)
         if verbose: print(rec)
         previous, carry = ctx.detach(), ctx[-1:].detach()  # carry-over: never reset to zero
+        if restore and learn and since_best == 0:  # a new best validation ER: keep these weights and the state the final pass starts from
+            best = (it, {k: v.detach().clone() for k, v in block.state_dict().items()}, previous, carry, converged)
         if learn and it + 1 >= cfg.phase1_min_iterations:
             if converged / n >= cfg.convergence_target: stop = 'converged'; break
             if val_ids is not None and cfg.phase1_val_patience and since_best >= cfg.phase1_val_patience: stop = 'val_effective_rank'; break
     seconds = time.perf_counter() - t_start - val_time
+    best_it = None
+    if best is not None:  # early stopping restores the best iteration's weights (and its previous contexts and carried context)
+        best_it, state, previous, carry, converged = best
+        block.load_state_dict(state)
     block.eval()
     final_outs = (_parallel_pass(block, e, carry, previous, grad=False) if parallel
                   else _sequential_pass(block, e, carry, grad=False))
-    return Phase1Result([o.detach() for o in final_outs], history, len(history), converged, n, carry, parallel, seconds, stop)
+    return Phase1Result([o.detach() for o in final_outs], history, len(history), converged, n, carry, parallel, seconds, stop, best_it)
 
 # %% ../nbs/12_cvfp.ipynb #ec8d85e8
 def markov_tokens(n: int, # tokens
@@ -416,12 +491,12 @@ class ConvergenceCheck:
     def convergence_rate(self) -> float: return self.converged_tokens / self.n_tokens
     @property
     def passed(self) -> bool:
-        "The seed's criterion: final diff below the threshold and a loss that is not rising or erratic."
+        "The New-LLM guidelines' criterion: final diff below the threshold and a loss that is not rising or erratic."
         return self.verdict.final_ok and self.verdict.verdict in ('CONVERGED', 'CONVERGING')
 
 @torch.no_grad()
 def cvfp_convergence_check(model: CVFPModel, ids: torch.Tensor, # (N,) tokens
-                           passes: int = 6, # sequential passes (the first is the baseline), >= 3
+                           passes: int = 10, # sequential passes (the first is the baseline; the New-LLM guidelines: 10), >= 3
                           ) -> ConvergenceCheck:
     "Repeat sequential passes (context carried over); MSE between consecutive passes, its verdict, converged tokens."
     if passes < 3: raise ValueError(f'passes={passes}: need >= 3 (two differences for a verdict)')
@@ -571,10 +646,15 @@ class AlphaProgression:
     def alpha_change(self) -> float | None:
         return self.windows[-1]['alpha'] - self.windows[0]['alpha'] if len(self.windows) > 1 else None
     @property
+    def alpha_change_percent(self) -> float | None:
+        "The change from the first window's alpha to the last's, in % of |first alpha| (negative: alpha became more negative)."
+        a0 = self.windows[0]['alpha'] if self.windows else 0.0
+        return None if self.alpha_change is None or a0 == 0 else 100.0 * self.alpha_change / abs(a0)
+    @property
     def trend(self) -> str:
         d = self.alpha_change
         return 'n/a' if d is None else 'IMPROVING (alpha more negative)' if d < 0 else 'WORSENING' if d > 0 else 'FLAT'
-    def to_dict(self) -> dict: return {**asdict(self), 'alpha_change': self.alpha_change, 'trend': self.trend}
+    def to_dict(self) -> dict: return {**asdict(self), 'alpha_change': self.alpha_change, 'alpha_change_percent': self.alpha_change_percent, 'trend': self.trend}
     def to_json(self, path=None) -> str:
         s = json.dumps(self.to_dict(), indent=2)
         if path is not None: open(path, 'w').write(s)

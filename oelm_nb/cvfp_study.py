@@ -14,16 +14,20 @@ from .experiment import start_run, Study, Variant, RunSpec, train_run, write_jso
 from .train import read_metrics
 from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, CVFPModel, EffectiveRank, Phase1Result,
                          effective_rank, val_effective_rank, identity_check, cvfp_convergence_check, build_context_cache,
-                         train_phase1, train_phase2, fit_power_law, sample_schedule, alpha_progression)
+                         train_phase1, train_phase2, fit_power_law, sample_schedule, alpha_progression,
+                         effective_rank_check, er_verdict, ER_BANDS, ER_FAIL, ATTRACTOR_SPREAD, FINAL_DIFF_GOOD, FINAL_DIFF_FAIL)
+import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['CVFP_KINDS', 'EMBEDDING_KEYS', 'CVFP_OPTIONS', 'SPEEDUP_TARGET', 'CHECKS', 'TIMINGS', 'CVFP_STUDY', 'CVFPSettings',
-           'first_stories', 'load_embedding', 'phase1_evaluation', 'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp',
-           'sample_sizes', 'common_settings', 'cvfp_variants', 'is_cvfp_summary', 'Run', 'batch_runs', 'cvfp_runs',
-           'fmt', 'er_text', 'rate_text', 'pass_fail', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence',
-           'embed_table', 'speed_table', 'speed_sentences', 'phase1_table', 'phase1_sentence', 'checks_table',
-           'checks_counts', 'checks_summary', 'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table',
-           'batch_alpha', 'write_alpha_progression', 'report_alpha', 'alpha_table', 'alpha_sentences']
+__all__ = ['CVFP_KINDS', 'EMBEDDING_KEYS', 'CVFP_OPTIONS', 'SPEEDUP_TARGET', 'CHECKS', 'TIMINGS', 'SEED_PHASE1', 'SEED_TABLE',
+           'CVFP_STUDY', 'CVFPSettings', 'first_stories', 'load_embedding', 'phase1_evaluation', 'embed_run',
+           'cvfp_run', 'speed_run', 'run_cvfp', 'sample_sizes', 'common_settings', 'cvfp_variants', 'is_cvfp_summary',
+           'Run', 'batch_runs', 'cvfp_runs', 'fmt', 'er_text', 'rate_text', 'pass_fail', 'small_num', 'batch_sentence',
+           'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences', 'phase1_table',
+           'phase1_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts',
+           'checks_summary', 'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table', 'batch_alpha',
+           'write_alpha_progression', 'report_alpha', 'alpha_table', 'alpha_sentences', 'layers_sentence',
+           'phase1_settings_sentence', 'document_table', 'odcm_sentence']
 
 # %% ../nbs/12a_cvfp_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -34,11 +38,11 @@ class CVFPSettings(CVFPConfig):
     kind: str = 'cvfp' # embed (train the GPT whose embedding is frozen) | phase1-speed (sequential vs parallel) | cvfp (Phase 1, checks, Phase 2)
     samples: int | None = None # cvfp: training stories (the first N of the split)
     tokens: int = 6400 # phase1-speed: training tokens timed
+    speed_iterations: int = 10 # phase1-speed: Phase 1 iterations of each version (fixed, so both do the same work)
     embeddings: str | None = None # embed: take the embedding from this path instead of training a GPT
-    val_tokens: int = 6400 # validation tokens (first of the split): validation ER, early stopping, PPL
+    val_tokens: int = 10_000 # validation tokens (first of the split; fewer if the split is shorter): validation ER, early stopping, PPL (the New-LLM guidelines: 10,000)
     check_tokens: int = 1280 # the first validation tokens that the identity and convergence checks use
-    check_passes: int = 6 # passes of the convergence check
-    er_threshold: float = 30.0 # the effective-rank check passes at a validation ER of at least this percent
+    check_passes: int = 10 # passes of the convergence check (the New-LLM guidelines: 10)
     cpu_budget_mb: int = 16 # Phase 2 memory budget on CPU (sets the batch size)
 
     def __post_init__(self):
@@ -46,7 +50,7 @@ class CVFPSettings(CVFPConfig):
         c = 'CVFPSettings'
         check(self.kind in CVFP_KINDS, c, 'kind', self.kind, f'must be one of {CVFP_KINDS}')
         check(self.samples is None or self.samples > 0, c, 'samples', self.samples, 'must be a positive integer (stories)')
-        for k in ('tokens', 'val_tokens', 'check_tokens', 'cpu_budget_mb'): check(getattr(self, k) > 0, c, k, getattr(self, k), 'must be a positive integer')
+        for k in ('tokens', 'speed_iterations', 'val_tokens', 'check_tokens', 'cpu_budget_mb'): check(getattr(self, k) > 0, c, k, getattr(self, k), 'must be a positive integer')
         check(self.check_passes >= 3, c, 'check_passes', self.check_passes, 'must be >= 3')
         check(self.check_tokens <= self.val_tokens, c, 'check_tokens', self.check_tokens, f'must not exceed val_tokens={self.val_tokens}')
 
@@ -92,19 +96,28 @@ def load_embedding(path, # run directory of this package, local HF model directo
     raise ConfigError(f'no token-embedding tensor (a name ending in one of {EMBEDDING_KEYS}) in {[str(f) for f in files]}')
 
 # %% ../nbs/12a_cvfp_study.ipynb #f813592a
+def _crit(criterion: str, value, band: str, verdict: str) -> dict:
+    return {'criterion': criterion, 'value': value, 'band': band, 'verdict': verdict}
+
+def _pf(ok) -> str: return 'n/a' if ok is None else 'PASS' if ok else 'FAIL'
+
 @torch.no_grad()
 def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor, # (N,) validation tokens
                       check_tokens: int = 1280, # the first validation tokens that the identity and convergence checks use
-                      passes: int = 6, # passes of the convergence check
-                      er_threshold: float = 30.0, # effective-rank check: validation ER percent at least this
+                      passes: int = 10, # passes of the convergence check
                      ) -> dict:
-    "Numbers and the three checks (identity mapping, CVFP convergence, effective rank) of a Phase 1 result."
-    last = next((h for h in reversed(res.history) if 'cvfp' in h), {})
-    tr_er, val_er = effective_rank(res.contexts), val_effective_rank(model, val_ids)
+    "Numbers and the New-LLM guidelines' three checks (effective rank, identity mapping, CVFP convergence), each criterion with value, band and verdict."
+    last = (res.history[res.best_iteration] if res.best_iteration is not None  # the iteration whose weights were kept
+            else next((h for h in reversed(res.history) if 'cvfp' in h), {}))
+    val_ctx = build_context_cache(model, val_ids)[-1]  # what val_effective_rank measures
+    tr_er, val_er = effective_rank(res.contexts), effective_rank(val_ctx)
+    er = effective_rank_check(res.contexts, val_ctx)
     chk_ids = val_ids[:check_tokens]
     conv = cvfp_convergence_check(model, chk_ids, passes)
     e = model.embed(chk_ids)
     ident = identity_check(build_context_cache(model, chk_ids)[-1], model.context_block(model.zero_context(len(chk_ids)), e)[-1], e)
+    v = conv.verdict
+    band = lambda part: f'PASS >= {ER_BANDS[part][0]:g} (seed band {ER_BANDS[part][0]:g}-{ER_BANDS[part][1]:g}), FAIL < {ER_FAIL:g}'
     return {
         'train_tokens': res.n_tokens, 'train_converged_tokens': res.converged_tokens, 'train_convergence_rate': 100 * res.convergence_rate,
         'val_tokens': len(val_ids), 'check_tokens': conv.n_tokens, 'val_converged_tokens': conv.converged_tokens,
@@ -113,13 +126,32 @@ def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor
         'val_er': val_er.value, 'val_er_dim': val_er.dim, 'val_er_percent': val_er.percent,
         'cvfp_loss': last.get('cvfp'), 'diversity_loss': last.get('diversity'), 'final_diff': conv.final_diff,
         'iterations': res.iterations, 'max_iterations': model.cfg.phase1_max_iterations, 'stop_reason': res.stop_reason,
+        'best_iteration': res.best_iteration,
         'checks': {
-            'identity': {'passed': ident.passed, 'zero_diff': ident.zero_diff, 'token_similarity': ident.token_similarity,
-                         'rule': f'zero_diff > {ident.diff_threshold} and token similarity < {ident.sim_threshold}'},
-            'convergence': {'passed': conv.passed, 'verdict': conv.verdict.verdict, 'final_diff': conv.final_diff, 'slope': conv.verdict.slope,
-                            'losses': conv.losses, 'rule': f'final_diff < {model.cfg.convergence_threshold} and verdict CONVERGED or CONVERGING'},
-            'effective_rank': {'passed': val_er.percent >= er_threshold, 'val_er_percent': val_er.percent,
-                               'rule': f'validation ER >= {er_threshold}% of {val_er.dim}'},
+            'effective_rank': {
+                'passed': er.passed, 'verdict': er.verdict, 'train_er_percent': er.train_percent, 'val_er_percent': er.val_percent, 'spread': er.spread,
+                'rule': (f'PASS: train ER >= {ER_BANDS["train"][0]:g}% and val ER >= {ER_BANDS["val"][0]:g}% and no global attractor; '
+                         f'FAIL: an ER < {ER_FAIL:g}% or spread < {ATTRACTOR_SPREAD:g}; else BELOW BAND'),
+                'criteria': [_crit('training effective rank (%)', er.train_percent, band('train'), er_verdict(er.train_percent, 'train')),
+                             _crit('validation effective rank (%)', er.val_percent, band('val'), er_verdict(er.val_percent, 'val')),
+                             _crit('spread (mean distance from the mean context / mean context norm)', er.spread,
+                                   f'global attractor (FAIL) < {ATTRACTOR_SPREAD:g}', _pf(not er.attractor))]},
+            'identity': {
+                'passed': ident.passed, 'verdict': _pf(ident.passed), 'zero_diff': ident.zero_diff, 'token_similarity': ident.token_similarity,
+                'rule': f'zero_diff > {ident.diff_threshold} and token similarity < {ident.sim_threshold}',
+                'criteria': [_crit('difference from the zero-context output (mean L2)', ident.zero_diff, f'PASS > {ident.diff_threshold:g}', _pf(ident.diff_ok)),
+                             _crit('cosine similarity to the token embedding', ident.token_similarity, f'PASS < {ident.sim_threshold:g}',
+                                   'n/a (dims differ)' if ident.sim_ok is None else _pf(ident.sim_ok))]},
+            'convergence': {
+                'passed': conv.passed, 'verdict': v.verdict, 'final_diff': conv.final_diff, 'slope': v.slope, 'std': v.std,
+                'initial': v.initial, 'reduction_percent': v.reduction_percent, 'final_grade': v.final_grade, 'losses': conv.losses, 'passes': passes,
+                'rule': f'final_diff < {FINAL_DIFF_GOOD:g} (GOOD) and verdict CONVERGED or CONVERGING',
+                'criteria': [_crit(f'loss slope per pass (linear fit over {len(conv.losses)} losses)', v.slope,
+                                   'CONVERGING < -0.001; CONVERGED |slope| < 0.001 and std < 0.01; DIVERGING > 0.001; else UNSTABLE', v.verdict),
+                             _crit('loss std over the passes', v.std, 'CONVERGED needs < 0.01', 'reported'),
+                             _crit('reduction, last loss vs first (%)', v.reduction_percent, 'reported (seed example: -59.93%)', 'reported'),
+                             _crit('final diff (last pass-to-pass MSE)', conv.final_diff,
+                                   f'GOOD < {FINAL_DIFF_GOOD:g}, FAIL > {FINAL_DIFF_FAIL:g}, else MARGINAL', v.final_grade)]},
         }}
 
 # %% ../nbs/12a_cvfp_study.ipynb #cbf19502
@@ -131,8 +163,9 @@ def _data(spec: RunSpec):
 def _jsonl(path, recs):
     Path(path).write_text(''.join(json.dumps(r) + '\n' for r in recs))
 
-def _val_ids(val, n: int) -> torch.Tensor:
-    if len(val.tokens) < n: raise ConfigError(f'the validation split has {len(val.tokens)} tokens, fewer than settings.val_tokens={n}; lower it or add stories')
+def _val_ids(val, n: int, need: int = 2) -> torch.Tensor:
+    "The first `n` validation tokens, or all of them when the split is shorter (the summary records how many)."
+    if len(val.tokens) < need: raise ConfigError(f'the validation split has {len(val.tokens)} tokens, fewer than the {need} the checks need (settings.check_tokens); add stories')
     return torch.from_numpy(np.asarray(val.tokens[:n]).astype(np.int64))
 
 def _upstream_embedding(spec: RunSpec) -> torch.Tensor:
@@ -172,12 +205,12 @@ def cvfp_run(spec: RunSpec) -> dict:
     train, val = _data(spec)
     emb = _upstream_embedding(spec)
     dev = pick_device(spec.train.device)
-    ids, val_ids = first_stories(train.tokens, train.meta['eot_id'], s.samples).to(dev), _val_ids(val, s.val_tokens).to(dev)
+    ids, val_ids = first_stories(train.tokens, train.meta['eot_id'], s.samples).to(dev), _val_ids(val, s.val_tokens, s.check_tokens).to(dev)
     t0 = time.perf_counter()
     model = CVFPModel(cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1]), emb).to(dev)
     r1 = train_phase1(model, ids, val_ids=val_ids)
     t1 = time.perf_counter()
-    ev = phase1_evaluation(model, r1, val_ids, s.check_tokens, s.check_passes, s.er_threshold)
+    ev = phase1_evaluation(model, r1, val_ids, s.check_tokens, s.check_passes)
     t2 = time.perf_counter()
     p2 = train_phase2(model, ids, cache=r1.layer_outputs, val_ids=val_ids, cpu_budget_bytes=s.cpu_budget_mb * 2**20)
     t3 = time.perf_counter()
@@ -185,6 +218,8 @@ def cvfp_run(spec: RunSpec) -> dict:
     save_model(model, str(out / 'model.safetensors'))
     summary = {'status': 'completed', 'algorithm': s.diversity, 'samples': s.samples, 'parallel': s.parallel, 'dist_reg_weight': cfg.dist_reg_weight,
                'context_dim': cfg.context_dim, 'embed_dim': model.cfg.embed_dim, 'num_layers': cfg.num_layers,
+               'phase1_lr': cfg.phase1_lr, 'min_iterations': cfg.phase1_min_iterations, 'val_patience': cfg.phase1_val_patience,
+               'val_tokens_requested': s.val_tokens,
                **ev, 'phase1_train_s': r1.seconds,
                'best_val_ppl': p2.best_val_ppl, 'final_val_ppl': p2.val_ppl, 'final_val_loss': p2.val_loss, 'val_acc': p2.val_acc,
                'phase2_steps': p2.steps, 'phase2_batch_size': p2.sizing.batch_size, 'phase2_batch_source': p2.sizing.source,
@@ -204,14 +239,18 @@ def speed_run(spec: RunSpec) -> dict:
     dev = pick_device(spec.train.device)
     ids = torch.from_numpy(np.asarray(train.tokens[:s.tokens]).astype(np.int64)).to(dev)
     val_ids = _val_ids(val, s.val_tokens).to(dev)
-    n_it = cfg.phase1_max_iterations
-    cfg = cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1], phase1_min_iterations=n_it)  # both run every iteration
-    summary = {'status': 'completed', 'algorithm': s.diversity, 'tokens': len(ids), 'iterations': n_it}
+    n_it = s.speed_iterations
+    cfg = cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1], phase1_min_iterations=n_it, phase1_max_iterations=n_it)  # both run every iteration
+    summary = {'status': 'completed', 'algorithm': s.diversity, 'tokens': len(ids), 'iterations': n_it, 'num_layers': cfg.num_layers}
     for name in ('sequential', 'parallel'):
         model = CVFPModel(cfg, emb).to(dev)
         r = train_phase1(model, ids, parallel=(name == 'parallel'), track_rank=False)
         tr, va = effective_rank(r.contexts), val_effective_rank(model, val_ids)
         _jsonl(out / f'phase1_{name}.jsonl', r.history)
+        if name == 'parallel':  # the New-LLM guidelines: the parallel model's contexts against a sequential pass of the same model (cosine 0.9969 mean, 0.9890 min)
+            seq = build_context_cache(model, ids, r.final_start)[-1]
+            cos = F.cosine_similarity(r.contexts, seq, dim=-1)
+            summary.update({'par_seq_cosine_mean': cos.mean().item(), 'par_seq_cosine_min': cos.min().item(), 'par_seq_mse': F.mse_loss(r.contexts, seq).item()})
         summary.update({f'{name}_s': r.seconds, f'{name}_iterations': r.iterations, f'{name}_converged_tokens': r.converged_tokens,
                         f'{name}_convergence_rate': 100 * r.convergence_rate, f'{name}_train_er': tr.value, f'{name}_train_er_percent': tr.percent,
                         f'{name}_val_er': va.value, f'{name}_val_er_percent': va.percent, 'er_dim': tr.dim, 'val_tokens': len(val_ids)})
@@ -256,7 +295,7 @@ def sample_sizes(opts: dict, preset: str) -> list[int]:
 
 # %% ../nbs/12a_cvfp_study.ipynb #8c44e66e
 def common_settings(opts: dict, preset: str) -> dict:
-    "Settings every run of the batch shares: the seed's CVFP sizes at gpt2-124m, and --dist-reg-weight, --sequential, --embeddings."
+    "Settings every run of the batch shares: the New-LLM guidelines' CVFP sizes at gpt2-124m, and --dist-reg-weight, --sequential, --embeddings."
     if opts.get('parallel') and opts.get('sequential'): raise ConfigError('--parallel and --sequential exclude each other')
     over = {f'settings.{k}': v for k, v in CVFP_PRESETS['seed'].items()} if preset == 'gpt2-124m' else {}
     if opts.get('dist_reg_weight') is not None:
@@ -380,19 +419,22 @@ def speed_table(runs) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index(['seed', 'version']) if rows else pd.DataFrame()
 
 def speed_sentences(runs) -> list[str]:
-    "Per seed: how much faster parallel Phase 1 is, whether that meets SPEEDUP_TARGET, and the effective ranks of both."
+    "Per seed: how much faster parallel Phase 1 is, whether that meets SPEEDUP_TARGET, the effective ranks of both, and how close parallel and sequential contexts are."
     out = []
     for r in _done(runs, 'speedup'):
         s = r.summary; e = lambda v, w: er_text(s.get(f'{v}_{w}_er'), s.get('er_dim'), s.get(f'{v}_{w}_er_percent'))
         out.append(f"**Seed {r.seed}: parallel Phase 1 is {s['speedup']:.1f}x faster** than sequential on {fmt(s.get('tokens'), ',')} tokens "
                    f"({fmt(s.get('sequential_s'), '.2f')} s vs {fmt(s.get('parallel_s'), '.2f')} s, {fmt(s.get('iterations'))} iterations each; "
                    f"{'meets' if s['speedup'] >= SPEEDUP_TARGET else 'misses'} the {SPEEDUP_TARGET}x target). Effective rank, sequential vs parallel: "
-                   f"training {e('sequential', 'train')} vs {e('parallel', 'train')}, validation {e('sequential', 'val')} vs {e('parallel', 'val')}.")
+                   f"training {e('sequential', 'train')} vs {e('parallel', 'train')}, validation {e('sequential', 'val')} vs {e('parallel', 'val')}."
+                   + ('' if s.get('par_seq_cosine_mean') is None else
+                      f" The parallel model's contexts against a sequential pass of the same model: cosine {s['par_seq_cosine_mean']:.4f} mean, "
+                      f"{s['par_seq_cosine_min']:.4f} min, MSE {s['par_seq_mse']:.6f} (the New-LLM guidelines on 56,602 tokens: 0.9969 mean, 0.9890 min, MSE 0.006156)."))
     return out
 
 # %% ../nbs/12a_cvfp_study.ipynb #5b9b0b21
 def phase1_table(runs) -> pd.DataFrame:
-    "Convergence, effective rank, CVFP loss, final diff and iterations of each CVFP run after Phase 1."
+    "Convergence, effective rank, CVFP loss, final diff, iterations and the iteration whose weights were kept, of each CVFP run after Phase 1."
     rows = []
     for r in cvfp_runs(runs):
         s = r.summary; g = s.get
@@ -403,7 +445,8 @@ def phase1_table(runs) -> pd.DataFrame:
                      'train ER': er_text(g('train_er'), g('train_er_dim'), g('train_er_percent')),
                      'val ER': er_text(g('val_er'), g('val_er_dim'), g('val_er_percent')),
                      'CVFP loss': small_num(g('cvfp_loss')), 'final diff': small_num(g('final_diff')),
-                     'iterations': f"{fmt(g('iterations'))}/{fmt(g('max_iterations'))}", 'stopped by': fmt(g('stop_reason'))})
+                     'iterations': f"{fmt(g('iterations'))}/{fmt(g('max_iterations'))}", 'stopped by': fmt(g('stop_reason')),
+                     'weights of iteration': fmt(g('best_iteration') if g('best_iteration') is not None else g('iterations') and g('iterations') - 1)})
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
 
 def phase1_sentence(runs) -> str:
@@ -417,32 +460,55 @@ def phase1_sentence(runs) -> str:
             + ' '.join(f'{k}: {v}' for k, v in DIVERSITY_DESCRIPTIONS.items() if k in algs))
 
 # %% ../nbs/12a_cvfp_study.ipynb #01ca6eff
-CHECKS = {'identity': 'identity', 'convergence': 'convergence', 'effective_rank': 'effective rank'} # summary key -> column of checks_table
+CHECKS = {'effective_rank': 'Check 1: effective rank', 'identity': 'Check 2: identity mapping', 'convergence': 'Check 3: CVFP convergence'} # summary key -> name
+
+def check_verdict(key: str, c: dict | None) -> str:
+    "A check's verdict from its summary entry: Check 1 PASS / BELOW BAND / FAIL, Check 3 with its trend and final-diff grade."
+    if not c or c.get('passed') is None: return 'n/a'
+    if key == 'effective_rank': return c.get('verdict') or pass_fail(c['passed'])
+    if key == 'convergence': return f"{pass_fail(c['passed'])} ({c.get('verdict', 'n/a')}, final diff {c.get('final_grade', 'n/a')})"
+    return pass_fail(c['passed'])
+
+def crit_value(v) -> str:
+    "A criterion's value: 2 decimals from 1, 4 from 1e-3, exponent form below."
+    if v is None: return 'n/a'
+    return f'{v:.2f}' if abs(v) >= 1 else f'{v:.4f}' if abs(v) >= 1e-3 or v == 0 else f'{v:.3e}'
 
 def checks_table(runs) -> pd.DataFrame:
-    "PASS/FAIL of the identity, convergence and effective-rank checks of each CVFP run, with the numbers they were decided on."
+    "The verdict of each of the three checks per CVFP run."
+    rows = [{'run': r.name, 'algorithm': r.summary.get('algorithm'), **{name: check_verdict(k, (r.summary.get('checks') or {}).get(k)) for k, name in CHECKS.items()}}
+            for r in cvfp_runs(runs)]
+    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+def check_details(runs) -> pd.DataFrame:
+    "Every criterion of every check per CVFP run: measured value, pass band and verdict."
     rows = []
     for r in cvfp_runs(runs):
         c = r.summary.get('checks') or {}
-        i, v, e = (c.get(k) or {} for k in CHECKS)
-        sim = 'n/a (dims differ)' if i and i.get('token_similarity') is None else fmt(i.get('token_similarity'), '.3f')
-        rows.append({'run': r.name, 'identity': pass_fail(i.get('passed')), 'zero diff / token similarity': f"{fmt(i.get('zero_diff'), '.3f')} / {sim}",
-                     'convergence': pass_fail(v.get('passed')), 'verdict': fmt(v.get('verdict')), 'final diff': small_num(v.get('final_diff')),
-                     'slope': fmt(v.get('slope'), '.2e'), 'effective rank': pass_fail(e.get('passed')), 'val ER %': fmt(e.get('val_er_percent'), '.1f')})
-    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+        for k, name in CHECKS.items():
+            crits = (c.get(k) or {}).get('criteria') or [{'criterion': 'n/a (not recorded)', 'value': None, 'band': 'n/a', 'verdict': 'n/a'}]
+            rows += [{'run': r.name, 'check': name, 'criterion': x['criterion'], 'value': crit_value(x['value']), 'band': x['band'], 'verdict': x['verdict']}
+                     for x in crits]
+    return pd.DataFrame(rows).set_index(['run', 'check', 'criterion']) if rows else pd.DataFrame()
 
 def checks_counts(runs) -> dict[str, tuple[int, int]]:
     "check -> (runs that passed it, runs that ran it)."
-    t = checks_table(runs)
-    return {name: (int((t[name] == 'PASS').sum()), int(t[name].isin(['PASS', 'FAIL']).sum())) if len(t) else (0, 0) for name in CHECKS.values()}
+    out = {name: [0, 0] for name in CHECKS.values()}
+    for r in cvfp_runs(runs):
+        for k, name in CHECKS.items():
+            p = ((r.summary.get('checks') or {}).get(k) or {}).get('passed')
+            if p is not None: out[name][0] += bool(p); out[name][1] += 1
+    return {k: tuple(v) for k, v in out.items()}
 
 def checks_summary(runs) -> str:
-    "The three checks' rules and how many runs passed each."
+    "The three checks' rules and how many runs passed each (Check 1: how many were below the New-LLM guidelines' band)."
     cv = cvfp_runs(runs)
     if not cv: return 'No completed CVFP run to check.'
     c0 = next((r.summary['checks'] for r in cv if r.summary.get('checks')), {})
-    rules = '; '.join(f"{name} {(c0.get(k) or {}).get('rule', 'n/a')}" for k, name in CHECKS.items())
-    return f'Rules: {rules}. ' + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items()) + '.'
+    rules = '; '.join(f"{name}: {(c0.get(k) or {}).get('rule', 'n/a')}" for k, name in CHECKS.items())
+    below = sum(check_verdict('effective_rank', (r.summary.get('checks') or {}).get('effective_rank')) == 'BELOW BAND' for r in cv)
+    return (f'Rules. {rules}. ' + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items())
+            + f' ({below} run(s) between the failure line and the seed\'s effective-rank band).')
 
 # %% ../nbs/12a_cvfp_study.ipynb #a8e47025
 def _curves(runs, file: str, key: str, cols: tuple) -> pd.DataFrame:
@@ -537,14 +603,93 @@ def alpha_sentences(alpha: dict) -> list[str]:
         o, pr = a['overall'], a['progression']
         ch = pr['alpha_change']
         out.append(f"**{alg}**: alpha {o['alpha']:.5f} (R^2 {o['r2']:.4f}) over {len(a['points'])} sample sizes; "
-                   + (f"window alpha {pr['windows'][0]['alpha']:.5f} -> {pr['windows'][-1]['alpha']:.5f} (change {ch:+.5f}, {pr['trend']})" if ch is not None
+                   + (f"window alpha {pr['windows'][0]['alpha']:.5f} -> {pr['windows'][-1]['alpha']:.5f} (change {ch:+.5f}"
+                      + ('' if pr.get('alpha_change_percent') is None else f", {pr['alpha_change_percent']:+.1f}%") + f", {pr['trend']})" if ch is not None
                       else f"one window of {pr['window']} points (no change to report)") + '.')
     return out or ['No algorithm has completed runs to fit.']
+
+# %% ../nbs/12a_cvfp_study.ipynb #91e30ad4
+SEED_PHASE1 = {'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000} # the New-LLM guidelines' Phase 1 settings (summary key -> value)
+SEED_TABLE = {'MCDL': {'val PPL': 289.1, 'val acc %': 20.3, 'alpha': -0.423, 'val ER %': 82.7},
+              'ODCM': {'val PPL': 308.5, 'val acc %': 19.6, 'alpha': -0.568, 'val ER %': 86.7}} # the New-LLM guidelines' table (context_dim 500, dwr 0.9)
+
+def layers_sentence(runs) -> str:
+    "Which CVFP and speed runs break the New-LLM guidelines' num_layers = 1 rule, or that none does."
+    rs = cvfp_runs(runs) + _done(runs, 'speedup')
+    if not rs: return 'No completed CVFP run.'
+    bad = [r for r in rs if r.summary.get('num_layers', 1) != 1]  # a summary without the field predates the rule's check
+    if not bad: return f"All {len(rs)} CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
+    return (f"**{len(bad)} of {len(rs)} run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely do not change\"): "
+            + ', '.join(f"`{r.name}` ({fmt(r.summary.get('num_layers'))} layers)" for r in bad) + '.')
+
+def phase1_settings_sentence(runs) -> str:
+    "The Phase 1 settings the CVFP runs recorded, against the New-LLM guidelines', and how often early stopping kept an earlier iteration's weights."
+    cv = cvfp_runs(runs)
+    if not cv: return 'No completed CVFP run.'
+    names = {'min_iterations': 'minimum iterations', 'max_iterations': 'maximum iterations', 'phase1_lr': 'Adam learning rate', 'val_tokens': 'validation tokens'}
+    diffs = []
+    for k, seed in SEED_PHASE1.items():
+        got = {}
+        for r in cv: got.setdefault(r.summary.get(k), []).append(r.name)
+        for v, rn in got.items():
+            if v != seed: diffs.append(f"{names[k]} {fmt(v, ',') if isinstance(v, int) else fmt(v)} (seed {seed:,}) in {len(rn)} run(s)")
+    short = [r for r in cv if (r.summary.get('val_tokens') or 0) < (r.summary.get('val_tokens_requested') or 0)]
+    s = ("Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation effective rank on 10,000 tokens."
+         if not diffs else "**Phase 1 differs from the New-LLM guidelines:** " + '; '.join(diffs) + '.')
+    if short: s += f" The validation split held fewer tokens than asked in {len(short)} run(s) (e.g. `{short[0].name}`: {short[0].summary['val_tokens']:,})."
+    kept = [r for r in cv if r.summary.get('best_iteration') is not None and r.summary['best_iteration'] < r.summary.get('iterations', 0) - 1]
+    stopped = sum(r.summary.get('stop_reason') == 'val_effective_rank' for r in cv)
+    return s + (f" Early stopping on validation effective rank ended {stopped} of {len(cv)} runs; {len(kept)} kept the weights of an earlier,"
+                " better iteration (Phase 1 table: 'weights of iteration').")
+
+def _mean(rs, k):
+    xs = [r.summary.get(k) for r in rs if r.summary.get(k) is not None]
+    return float(np.mean(xs)) if xs else None
+
+def document_table(runs, alpha: dict) -> pd.DataFrame:
+    "Our MCDL and ODCM at the largest sample size (mean over seeds) with the batch's alpha, beside the New-LLM guidelines' table."
+    cv, rows = cvfp_runs(runs), []
+    for alg in ('MCDL', 'ODCM'):
+        rs = [r for r in cv if r.summary.get('algorithm') == alg]
+        if rs:
+            n = max(r.summary['samples'] for r in rs); rs = [r for r in rs if r.summary['samples'] == n]
+            m = lambda k: _mean(rs, k)
+            o = (alpha.get('algorithms', {}).get(alg) or {}).get('overall') or {}
+            rows.append({'algorithm': alg, 'source': f'ours ({n} stories, {len(rs)} seed(s))', 'train ER %': fmt(m('train_er_percent'), '.1f'),
+                         'val ER %': fmt(m('val_er_percent'), '.1f'), 'CVFP loss': small_num(m('cvfp_loss')),
+                         'train convergence %': fmt(m('train_convergence_rate'), '.1f'), 'val convergence %': fmt(m('val_convergence_rate'), '.1f'),
+                         'val PPL': fmt(m('best_val_ppl'), '.2f'), 'val acc %': fmt(None if m('val_acc') is None else 100 * m('val_acc'), '.1f'),
+                         'alpha': fmt(o.get('alpha'), '.3f')})
+        t = SEED_TABLE[alg]
+        rows.append({'algorithm': alg, 'source': 'the New-LLM guidelines', 'train ER %': 'n/a', 'val ER %': f"{t['val ER %']:.1f}", 'CVFP loss': 'n/a',
+                     'train convergence %': 'n/a', 'val convergence %': 'n/a', 'val PPL': f"{t['val PPL']:.1f}", 'val acc %': f"{t['val acc %']:.1f}",
+                     'alpha': f"{t['alpha']:.3f}"})
+    return pd.DataFrame(rows).set_index(['algorithm', 'source'])
+
+def odcm_sentence(runs) -> str:
+    "Whether our ODCM raises the effective rank above MCDL, as the New-LLM guidelines found (86.7% vs 82.7% validation ER), per sample size with numbers."
+    by = {}
+    for r in cvfp_runs(runs): by.setdefault(r.summary['samples'], {}).setdefault(r.summary.get('algorithm'), []).append(r)
+    both = sorted(n for n, d in by.items() if 'MCDL' in d and 'ODCM' in d)
+    if not both: return 'No sample size has both MCDL and ODCM runs: no comparison.'
+    out = {}
+    for part in ('val', 'train'):
+        d = [(n, _mean(by[n]['ODCM'], f'{part}_er_percent'), _mean(by[n]['MCDL'], f'{part}_er_percent')) for n in both]
+        d = [x for x in d if None not in x]
+        out[part] = (sum(o > m for _, o, m in d), len(d), np.mean([o for _, o, _ in d]) if d else None, np.mean([m for _, _, m in d]) if d else None)
+    wins, k, o, m = out['val']
+    if not k: return 'No effective ranks recorded.'
+    verdict = ('**Our ODCM raises the validation effective rank above MCDL**, as the New-LLM guidelines found' if wins == k else
+               '**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines' if wins == 0 else
+               f'**Our ODCM raises the validation effective rank above MCDL at only {wins} of {k} sample sizes**, where the New-LLM guidelines found it higher')
+    tw, tk, to, tm = out['train']
+    return (f"{verdict}: ODCM {o:.1f}% vs MCDL {m:.1f}% (mean over {k} sample size(s), {o - m:+.1f} points; higher at {wins} of {k}); "
+            f"training effective rank ODCM {to:.1f}% vs MCDL {tm:.1f}% (higher at {tw} of {tk}). Seed 002: 86.7% vs 82.7% (+4.0 points).")
 
 # %% ../nbs/12a_cvfp_study.ipynb #ed82c37d
 CVFP_STUDY = Study(
     name='cvfp',
-    description='CVFP fixed-point learning: MCDL vs ODCM over sample sizes, parallel vs sequential Phase 1, alpha scaling (seed 002)',
+    description='CVFP fixed-point learning: MCDL vs ODCM over sample sizes, parallel vs sequential Phase 1, alpha scaling (the New-LLM guidelines)',
     settings=CVFPSettings,
     variants=cvfp_variants,
     run=run_cvfp,

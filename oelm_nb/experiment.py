@@ -153,10 +153,10 @@ def planned(self: Study, preset: str = 'tiny', steps: int = 1000, options: dict 
 TRAIN_PRESETS = {
     'tiny': dict(max_steps=500, batch_size=16, lr=5e-3, min_lr=5e-4, warmup_steps=50, weight_decay=0.1,
                  eval_every=50, eval_batches=8, log_every=10),
-    # the Q/K freeze log's appendix A (seed 001)
+    # the Q/K freeze log's appendix A (the Q/K freeze write-up)
     'medium512': dict(max_steps=100_000, batch_size=8, lr=3e-4, min_lr=3e-5, warmup_steps=2000, weight_decay=0.1,
                       eval_every=1000, eval_batches=50, log_every=100, ckpt_every=5000, keep_last=3),
-    # the PCA research document's baseline (seed 004): GPT-2 small, batch 4 x accumulation 4
+    # the PCA research document's baseline (the PCA document): GPT-2 small, batch 4 x accumulation 4
     'gpt2-124m': dict(max_steps=10_000, batch_size=4, grad_accum=4, lr=1e-4, min_lr=5e-6, warmup_steps=500,
                       eval_every=500, eval_batches=100, log_every=50, ckpt_every=2000),
 }

@@ -71,7 +71,7 @@ class MercatorConfig(ConfigBase):
     mlp_ratio: float = 1.0 # projector hidden width / max(d_in, d_out)
     dropout: float = 0.1 # dropout in the projector
     loss: str = 'mercator' # a key of LOSSES: mercator | mse
-    lr_projector: float = 1e-3 # projector learning rate (seed 003; the student's is the Trainer's lr, 5e-5 in the seed)
+    lr_projector: float = 1e-3 # projector learning rate (the Mercator guide; the student's is the Trainer's lr, 5e-5 in the seed)
 
     def __post_init__(self):
         c = 'MercatorConfig'
@@ -87,7 +87,7 @@ class MercatorConfig(ConfigBase):
     def loss_fn(self): return LOSSES[self.loss]
 
     def projector_lr_scale(self, lr_student: float = 5e-5) -> float:
-        "Multiplier of the student's learning rate (the Trainer's lr; seed 003: 5e-5) for the projector's parameter groups."
+        "Multiplier of the student's learning rate (the Trainer's lr; the Mercator guide: 5e-5) for the projector's parameter groups."
         return self.lr_projector / lr_student
 
 MERCATOR_PRESETS = {
@@ -138,7 +138,7 @@ def stage_index(c: float) -> int:
     return sum(c >= b for b in STAGE_BOUNDS)
 
 def cosine_stage(c: float) -> str:
-    "The seed's progress stage of a KV cosine similarity."
+    "The Mercator guide's progress stage of a KV cosine similarity."
     return STAGES[stage_index(c)]
 
 def centered_cosine(student: torch.Tensor, # (..., D) one layer's student vectors

@@ -65,7 +65,7 @@ RUN_TABLE_COLUMNS = {'variant': 'variant', 'seed': 'seed', 'status': 'status', '
                      'error': 'error'}
 
 def stage_of(c) -> str:
-    "The seed's stage of cosine `c` (`cosine_stage`), '' when there is none."
+    "The Mercator guide's stage of cosine `c` (`cosine_stage`), '' when there is none."
     return cosine_stage(c) if pd.notna(c) else ''
 
 def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -88,7 +88,7 @@ def failed_runs_note(runs: pd.DataFrame) -> str:
 STAGE_COLORS = ('#fde0dd', '#fee8c8', '#e5f5e0', '#c7e9c0', '#a1d99b')
 
 def stage_bands(ax, lo: float = -0.2):
-    "Shade the seed's stages (Adapting .. Excellent) behind a cosine axis, from `lo` to 1, and name them on the right."
+    "Shade the Mercator guide's stages (Adapting .. Excellent) behind a cosine axis, from `lo` to 1, and name them on the right."
     for name, a, b, c in zip(STAGES, [lo, *STAGE_BOUNDS], [*STAGE_BOUNDS, 1.0], STAGE_COLORS):
         ax.axhspan(max(a, lo), b, color=c, alpha=0.55, lw=0, zorder=0)
         ax.text(1.01, (max(a, lo) + b) / 2, name, fontsize=8, va='center', transform=ax.get_yaxis_transform())

@@ -422,7 +422,7 @@ def mercator_variants(preset: str, steps: int, options: dict) -> dict[str, Varia
 # %% ../nbs/13a_mercator_study.ipynb #354d740e
 MERCATOR_STUDY = Study(
     name='mercator',
-    description='Mercator KV-cache distillation: a teacher and smaller students (Mercator beta 0/0.01/0.1, MSE, none) (seed 003)',
+    description='Mercator KV-cache distillation: a teacher and smaller students (Mercator beta 0/0.01/0.1, MSE, none) (the Mercator guide)',
     settings=MercatorSettings,
     variants=mercator_variants,
     run=mercator_run,

@@ -49,8 +49,8 @@ class PCASettings(ConfigBase):
         c = 'PCASettings'
         self.check_types()
         check(self.method in PCA_METHODS, c, 'method', self.method, f'must be one of {PCA_METHODS}')
-        check(self.lora_rank > 0, c, 'lora_rank', self.lora_rank, 'must be a positive integer (seed 004: 32)')
-        check(self.lora_alpha > 0, c, 'lora_alpha', self.lora_alpha, 'must be positive (seed 004: 64)')
+        check(self.lora_rank > 0, c, 'lora_rank', self.lora_rank, 'must be a positive integer (the PCA document: 32)')
+        check(self.lora_alpha > 0, c, 'lora_alpha', self.lora_alpha, 'must be positive (the PCA document: 64)')
         check(0 <= self.lora_dropout < 1, c, 'lora_dropout', self.lora_dropout, 'must be in [0, 1)')
         bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
         check(not bad, c, 'lora_targets', self.lora_targets, f'{bad} are not LoRA targets; choose from {LORA_TARGETS}')
@@ -80,9 +80,9 @@ def check_ks(ks, preset: str) -> list[int]:
 
 # %% ../nbs/11a_pca_study.ipynb #1bb54d77
 def finetune_schedule(preset: str, steps: int) -> dict:
-    "The `train.*` overrides of a run that continues from the baseline (PCA + LoRA and `baseline-cont`): half its steps, seed 004's schedule."
+    "The `train.*` overrides of a run that continues from the baseline (PCA + LoRA and `baseline-cont`): half its steps, the PCA document's schedule."
     t = PCA_LORA_TRAIN.get(preset, PCA_LORA_TRAIN['tiny'])
-    n = max(1, steps // 2)  # seed 004: 5,000 fine-tuning steps after a 10,000-step baseline
+    n = max(1, steps // 2)  # the PCA document: 5,000 fine-tuning steps after a 10,000-step baseline
     return {'train.max_steps': n, 'train.lr': t['lr'], 'train.min_lr': t['min_lr'], 'train.weight_decay': t['weight_decay'],
             'train.warmup_steps': max(1, round(n * t['warmup_share'])), 'train.eval_every': max(1, round(n * t['eval_share']))}
 
@@ -182,7 +182,7 @@ def _continued_run(spec: RunSpec, progress) -> tuple[dict, GPT, dict]:
 
 # %% ../nbs/11a_pca_study.ipynb #0409382d
 def _pca_model(spec: RunSpec, val_d) -> tuple[GPT, dict]:
-    "The baseline's model with its table cut to k principal directions, saved as seed 004's files, and its evaluation."
+    "The baseline's model with its table cut to k principal directions, saved as the PCA document's files, and its evaluation."
     run_dir, k = Path(spec.out_dir), spec.model.wte_dim
     base, ckpt = load_baseline(spec)
     E = base.transformer.tok.wte.weight
@@ -500,7 +500,7 @@ def pca_verdicts(runs: pd.DataFrame) -> pd.DataFrame:
 
 PCA_STUDY = Study(
     name='pca',
-    description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, against the baseline and the baseline continued (seed 004)',
+    description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, against the baseline and the baseline continued (the PCA document)',
     settings=PCASettings,
     variants=pca_variants,
     run=pca_run,

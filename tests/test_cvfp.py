@@ -1,4 +1,4 @@
-"""CVFP (seed 002): losses, effective rank, carry-over, determinism, power law, Phase 2 cache, config errors."""
+"""CVFP (the New-LLM guidelines): losses, effective rank, carry-over, determinism, power law, Phase 2 cache, config errors."""
 from __future__ import annotations
 import json, math
 
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from oelm_nb.core import ConfigError
 from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, alpha_progression, build_context_cache,
                           combined_loss, convergence_verdict, cvfp_config, cvfp_convergence_check, cvfp_loss, effective_rank, fit_power_law,
-                          identity_check, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, phase2_batch_size, train_phase1, train_phase2,
-                          val_effective_rank)
+                          identity_check, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, odcm_cov_loss, phase2_batch_size, train_phase1,
+                          train_phase2, val_effective_rank, context_spread, effective_rank_check, final_diff_grade)
 
-SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)
+SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)  # two layers: the per-layer cache is exercised
 
 
 # ---------------------------------------------------------------- diversity losses
@@ -26,15 +26,48 @@ def test_mcdl_matches_formula():
     assert mcdl_loss(torch.tensor(X)).item() == pytest.approx(expected, rel=1e-12)
 
 
-def test_odcm_matches_formula():
+def odcm_reference(x: np.ndarray) -> float:
+    "The VICReg pair as issue 15 states it, written independently with NumPy loops."
+    n, d = x.shape
+    c = x - x.mean(axis=0)
+    std = [math.sqrt(sum(c[i, j] ** 2 for i in range(n)) / (n - 1) + 1e-4) for j in range(d)]
+    var_loss = sum(max(0.0, 1.0 - s) for s in std) / d
+    cov = np.cov(x, rowvar=False)  # unbiased (n - 1)
+    cov_loss = sum(cov[i, j] ** 2 for i in range(d) for j in range(d) if i != j) / d
+    return var_loss + 0.04 * cov_loss
+
+
+def test_odcm_cov_matches_formula():
     n, d = X.shape
-    cov = np.cov(X, rowvar=False)  # unbiased (n - 1), like odcm_loss
+    cov = np.cov(X, rowvar=False)  # unbiased (n - 1), like odcm_cov_loss
     expected = sum(cov[i, j] ** 2 for i in range(d) for j in range(d) if i != j) / d
-    assert odcm_loss(torch.tensor(X)).item() == pytest.approx(expected, rel=1e-12)
+    assert odcm_cov_loss(torch.tensor(X)).item() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize('seed,scale', [(0, 0.1), (1, 0.5), (2, 1.0), (3, 3.0)])
+def test_odcm_matches_the_vicreg_formula_on_random_inputs(seed, scale):
+    x = np.random.default_rng(seed).normal(scale=scale, size=(40, 6))
+    assert abs(odcm_loss(torch.tensor(x)).item() - odcm_reference(x)) < 1e-6
+    assert abs(odcm_loss(torch.tensor(x, dtype=torch.float32)).item() - odcm_reference(x)) < 1e-6
+    assert DIVERSITY_LOSSES['ODCM'] is odcm_loss and DIVERSITY_LOSSES['ODCM-cov'] is odcm_cov_loss
+
+
+def test_odcm_gradient_spreads_collapsed_contexts():
+    "Contexts collapsed onto one vector (0.01 noise): Adam steps on ODCM raise every dimension's std; the covariance term alone does not."
+    def std_after(loss_fn, steps):
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(1, 16, generator=g) + 0.01 * torch.randn(64, 16, generator=g)).requires_grad_(True)
+        opt = torch.optim.Adam([x], lr=0.05)
+        for _ in range(steps):
+            opt.zero_grad(); loss_fn(x).backward(); opt.step()
+        return x.detach().std(0)
+    before, after, cov_only = std_after(odcm_loss, 0), std_after(odcm_loss, 50), std_after(odcm_cov_loss, 50)
+    assert (after > 10 * before).all(), (before, after)
+    assert cov_only.mean() < 2 * before.mean()
 
 
 def test_registry_and_combined():
-    assert set(DIVERSITY_LOSSES) == set(DIVERSITY_DESCRIPTIONS) == {'MCDL', 'ODCM'}
+    assert set(DIVERSITY_LOSSES) == set(DIVERSITY_DESCRIPTIONS) == {'MCDL', 'ODCM', 'ODCM-cov'}
     assert combined_loss(torch.tensor(2.0), torch.tensor(-1.0), 0.9).item() == pytest.approx(0.1 * 2.0 - 0.9)
     assert combined_loss(torch.tensor(2.0), torch.tensor(-1.0), 0.0).item() == pytest.approx(2.0)
 
@@ -116,7 +149,7 @@ def test_sequential_detaches_between_tokens():
 
 
 def test_phase1_deterministic_same_seed():
-    cfg = CVFPConfig(**SMALL, phase1_max_iterations=4, seed=3)
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=2, phase1_max_iterations=4, seed=3)
     ids = markov_tokens(150, cfg.vocab_size)
     ers = []
     for _ in range(2):
@@ -128,7 +161,7 @@ def test_phase1_deterministic_same_seed():
 
 
 def test_phase1_reports_counts_and_per_layer_outputs():
-    cfg = CVFPConfig(**SMALL, phase1_max_iterations=3)
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=2, phase1_max_iterations=3)
     r = train_phase1(CVFPModel(cfg), markov_tokens(40, cfg.vocab_size))
     assert len(r.layer_outputs) == cfg.num_layers and all(o.shape == (40, cfg.context_dim) for o in r.layer_outputs)
     assert 0 <= r.converged_tokens <= r.n_tokens == 40
@@ -152,9 +185,40 @@ def test_early_stopping_on_validation_effective_rank(patience):
         if patience and it + 1 >= cfg.phase1_min_iterations and since >= patience: expected = it + 1; break
     assert r.iterations == expected
     assert r.stop_reason == ('val_effective_rank' if expected < cfg.phase1_max_iterations else 'max_iterations')
-    # the number the loop decided on is the final evaluation's number
-    assert val_effective_rank(model, val).percent == vals[-1]
+    # early stopping restores the best iteration's weights: the final evaluation reads the best number (without it, the last)
+    best = 1 + int(np.argmax(vals))
+    assert r.best_iteration == (best if patience else None)
+    assert val_effective_rank(model, val).percent == (max(vals) if patience else vals[-1])
     assert val_effective_rank(model, val).percent == effective_rank(build_context_cache(model, val)[-1]).percent
+
+
+def test_restored_weights_are_the_best_iterations():
+    "Replay: train without early stopping, snapshot the weights after every iteration; the early-stopped model holds the best snapshot's."
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=2, phase1_max_iterations=6, phase1_val_patience=2, convergence_target=1.0)
+    ids, val = markov_tokens(120, cfg.vocab_size), markov_tokens(60, cfg.vocab_size, seed=7)
+    model = CVFPModel(cfg)
+    r = train_phase1(model, ids, val_ids=val)
+    # the same training without validation: the weights after iteration k come from a run of k + 1 iterations (iteration 0 takes no step)
+    snaps = []
+    for k in range(1, r.iterations + 1):
+        m = CVFPModel(cfg.replace(phase1_val_patience=0, phase1_max_iterations=max(2, k + 1), phase1_min_iterations=max(2, k + 1)))
+        train_phase1(m, ids)
+        snaps.append({n: v.clone() for n, v in m.context_block.state_dict().items()})
+    got = model.context_block.state_dict()
+    assert r.best_iteration is not None and all(torch.equal(got[n], snaps[r.best_iteration - 1][n]) for n in got)
+    assert r.best_iteration < r.iterations - 1 or r.stop_reason == 'max_iterations'
+
+
+def test_check1_spread_and_bands():
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(400, 16, generator=g)
+    collapsed = torch.randn(1, 16, generator=g) + 0.01 * torch.randn(400, 16, generator=g)
+    x = collapsed.double()
+    expected = (x - x.mean(0)).norm(dim=1).mean() / x.norm(dim=1).mean()
+    assert context_spread(collapsed) == pytest.approx(expected.item(), rel=1e-12) and context_spread(collapsed) < 0.1
+    assert effective_rank_check(spread, collapsed).verdict == 'FAIL'  # global attractor
+    assert effective_rank_check(spread, spread).verdict == 'PASS'
+    assert [final_diff_grade(x) for x in (5e-4, 5e-3, 5e-2)] == ['GOOD', 'MARGINAL', 'FAIL']
 
 
 def test_val_early_stopping_does_not_change_training():
@@ -226,7 +290,7 @@ def test_alpha_progression_windows(tmp_path):
 
 # ---------------------------------------------------------------- Phase 2
 def test_phase2_cache_gives_same_logits_as_recompute():
-    cfg = CVFPConfig(**SMALL, phase1_max_iterations=3, phase2_epochs=2, phase2_batch_size=16)
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=2, phase1_max_iterations=3, phase2_epochs=2, phase2_batch_size=16)
     ids = markov_tokens(60, cfg.vocab_size)
     model = CVFPModel(cfg)
     r = train_phase1(model, ids, parallel=False)

@@ -13,8 +13,12 @@ import pytest
 from oelm_nb.experiment import write_json
 from oelm_nb import cvfp_study as cs
 
-RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 and verdict CONVERGED or CONVERGING',
-         'effective_rank': 'validation ER >= 30.0% of 16'}
+RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 (GOOD) and verdict CONVERGED or CONVERGING',
+         'effective_rank': 'seed bands'}
+C1, C2, C3 = 'Check 1: effective rank', 'Check 2: identity mapping', 'Check 3: CVFP convergence'
+
+
+def crit(name, value, band, verdict): return {'criterion': name, 'value': value, 'band': band, 'verdict': verdict}
 
 
 def ppl(alg: str, n: int) -> float: return 500 * (100 * n) ** -0.3 * (1.1 if alg == 'ODCM' else 1)
@@ -29,10 +33,17 @@ def cvfp_summary(alg: str, n: int, seed: int = 0) -> dict:
             'final_diff': 3e-6, 'iterations': 4, 'max_iterations': 10, 'stop_reason': 'max_iterations', 'phase1_train_s': 1.25,
             'best_val_ppl': ppl(alg, n), 'final_val_ppl': 2 * ppl(alg, n), 'val_acc': 0.125, 'phase2_steps': 30, 'phase2_batch_size': 32,
             'phase2_batch_source': 'cpu budget', 'phase1_s': 2.25, 'checks_s': 0.75, 'phase2_s': 3.0, 'wall_time_s': 6.0, 'seed': seed,
-            'checks': {'identity': {'passed': True, 'zero_diff': 1.5, 'token_similarity': None, 'rule': RULES['identity']},
-                       'convergence': {'passed': n >= 20, 'verdict': 'CONVERGING' if n >= 20 else 'DIVERGING', 'final_diff': 3e-6,
-                                       'slope': -0.0125, 'rule': RULES['convergence']},
-                       'effective_rank': {'passed': True, 'val_er_percent': 40.0, 'rule': RULES['effective_rank']}}}
+            'checks': {'effective_rank': {'passed': False, 'verdict': 'BELOW BAND', 'rule': RULES['effective_rank'],
+                                          'criteria': [crit('validation effective rank (%)', 40.0, 'PASS >= 81', 'BELOW BAND'),
+                                                       crit('spread', 0.75, 'global attractor (FAIL) < 0.1', 'PASS')]},
+                       'identity': {'passed': True, 'zero_diff': 1.5, 'token_similarity': None, 'rule': RULES['identity'],
+                                    'criteria': [crit('difference from the zero-context output', 1.5, 'PASS > 0.1', 'PASS'),
+                                                 crit('cosine similarity to the token embedding', None, 'PASS < 0.95', 'n/a (dims differ)')]},
+                       'convergence': {'passed': n >= 20, 'verdict': 'CONVERGING' if n >= 20 else 'DIVERGING', 'final_diff': 3e-6, 'final_grade': 'GOOD',
+                                       'slope': -0.0125, 'rule': RULES['convergence'],
+                                       'criteria': [crit('loss slope per pass', -0.0125, 'seed thresholds', 'CONVERGING' if n >= 20 else 'DIVERGING'),
+                                                    crit('reduction, last loss vs first (%)', -62.5, 'reported', 'reported'),
+                                                    crit('final diff', 3e-6, 'GOOD < 0.001, FAIL > 0.01, else MARGINAL', 'GOOD')]}}}
 
 
 def speed_summary(speedup: float) -> dict:
@@ -90,7 +101,7 @@ def test_normal_batch_tables(batch):
     p1 = cs.phase1_table(batch)
     assert list(p1.index) == ['run0-s0', 'run2-s0', 'run4-s0', 'run1-s0', 'run3-s0', 'run5-s0']
     assert p1.loc['run4-s0'].tolist() == ['MCDL', 40, 'sequential', '10.0% (400/4,000 tokens)', '100.0% (128/128 tokens)', '8.00/16 (50.0%)',
-                                          '6.40/16 (40.0%)', '0.062500', '3.000e-06', '4/10', 'max_iterations']
+                                          '6.40/16 (40.0%)', '0.062500', '3.000e-06', '4/10', 'max_iterations', '3']
     assert cs.phase1_sentence(batch).startswith('Validation ER on the first 640 validation tokens; validation convergence and the checks on the '
                                                 'first 128. Dist-reg weight 0.9, context dim 16, embedding dim 16, 2 layer(s). MCDL: ')
     p2 = cs.phase2_table(batch)
@@ -114,11 +125,47 @@ def test_speed(tmp_path):
 
 def test_checks(batch):
     t = cs.checks_table(batch)
-    assert t.loc['run0-s0'].tolist() == ['PASS', '1.500 / n/a (dims differ)', 'FAIL', 'DIVERGING', '3.000e-06', '-1.25e-02', 'PASS', '40.0']
-    assert cs.checks_counts(batch) == {'identity': (6, 6), 'convergence': (4, 6), 'effective rank': (6, 6)}
-    assert cs.checks_summary(batch) == (f"Rules: identity {RULES['identity']}; convergence {RULES['convergence']}; effective rank "
-                                        f"{RULES['effective_rank']}. identity passed in 6 of 6 runs, convergence passed in 4 of 6 runs, "
-                                        'effective rank passed in 6 of 6 runs.')
+    assert list(t.columns) == ['algorithm', C1, C2, C3]
+    assert t.loc['run0-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'FAIL (DIVERGING, final diff GOOD)']
+    assert t.loc['run4-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'PASS (CONVERGING, final diff GOOD)']
+    assert cs.checks_counts(batch) == {C1: (0, 6), C2: (6, 6), C3: (4, 6)}
+    assert cs.checks_summary(batch) == (f"Rules. {C1}: {RULES['effective_rank']}; {C2}: {RULES['identity']}; {C3}: {RULES['convergence']}. "
+                                        f"{C1} passed in 0 of 6 runs, {C2} passed in 6 of 6 runs, {C3} passed in 4 of 6 runs "
+                                        "(6 run(s) between the failure line and the New-LLM guidelines' effective-rank band).")
+    d = cs.check_details(batch).reset_index()
+    r0 = d[d.run == 'run0-s0']
+    assert r0[['check', 'criterion', 'value', 'band', 'verdict']].values.tolist() == [
+        [C1, 'validation effective rank (%)', '40.00', 'PASS >= 81', 'BELOW BAND'], [C1, 'spread', '0.7500', 'global attractor (FAIL) < 0.1', 'PASS'],
+        [C2, 'difference from the zero-context output', '1.50', 'PASS > 0.1', 'PASS'],
+        [C2, 'cosine similarity to the token embedding', 'n/a', 'PASS < 0.95', 'n/a (dims differ)'],
+        [C3, 'loss slope per pass', '-0.0125', 'seed thresholds', 'DIVERGING'], [C3, 'reduction, last loss vs first (%)', '-62.50', 'reported', 'reported'],
+        [C3, 'final diff', '3.000e-06', 'GOOD < 0.001, FAIL > 0.01, else MARGINAL', 'GOOD']]
+    assert len(d) == 6 * 7
+
+
+def test_against_the_seed(batch, tmp_path):
+    # the fake runs have 2 layers and no speed-run layer count: every CVFP run breaks the rule, by name
+    s = cs.layers_sentence(batch)
+    assert s.startswith("**6 of 7 run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely do not change\"): `run0-s0` (2 layers)")
+    one = make_batch(tmp_path / 'one', summaries={(a, n, 0): {**cvfp_summary(a, n), 'num_layers': 1} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)})
+    assert cs.layers_sentence(one) == "All 7 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
+    assert cs.phase1_settings_sentence(batch).startswith('**Phase 1 differs from the New-LLM guidelines:** minimum iterations n/a (seed 5) in 6 run(s); '
+                                                         'maximum iterations 10 (seed 40) in 6 run(s); Adam learning rate n/a (seed 0.002) in 6 run(s); '
+                                                         'validation tokens 640 (seed 10,000) in 6 run(s).')
+    seedlike = {(a, n, 0): {**cvfp_summary(a, n), 'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000,
+                            'val_tokens_requested': 10_000, 'best_iteration': 2, 'stop_reason': 'val_effective_rank'} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
+    assert cs.phase1_settings_sentence(make_batch(tmp_path / 'seedlike', summaries=seedlike)) == (
+        'Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation effective rank on 10,000 tokens. '
+        "Early stopping on validation effective rank ended 6 of 6 runs; 6 kept the weights of an earlier, better iteration (Phase 1 table: 'weights of iteration').")
+    dt = cs.document_table(batch, cs.report_alpha(batch))
+    assert dt.loc[('ODCM', 'ours (40 stories, 1 seed(s))')].tolist() == ['50.0', '40.0', '0.062500', '10.0', '100.0', f"{ppl('ODCM', 40):.2f}", '12.5', '-0.300']
+    assert dt.loc[('MCDL', 'the New-LLM guidelines')].tolist() == ['n/a', '82.7', 'n/a', 'n/a', 'n/a', '289.1', '20.3', '-0.423']
+    hi = {(a, n, 0): {**cvfp_summary(a, n), 'val_er_percent': 40.0 + (5 if a == 'ODCM' and n > 10 else 0)} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
+    assert cs.odcm_sentence(make_batch(tmp_path / 'hi', summaries=hi)) == (
+        '**Our ODCM raises the validation effective rank above MCDL at only 2 of 3 sample sizes**, where the New-LLM guidelines found it higher: ODCM 43.3% vs '
+        'MCDL 40.0% (mean over 3 sample size(s), +3.3 points; higher at 2 of 3); training effective rank ODCM 50.0% vs MCDL 50.0% (higher at 0 of 3). '
+        'Seed 002: 86.7% vs 82.7% (+4.0 points).')
+    assert cs.odcm_sentence(batch).startswith('**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines')
 
 
 def test_alpha(batch):
@@ -136,7 +183,8 @@ def test_one_seed_one_window(tmp_path):
     a = cs.report_alpha(b)
     assert a['window'] == 4
     assert cs.alpha_sentences(a) == ['**MCDL**: alpha -0.30000 (R^2 1.0000) over 2 sample sizes; one window of 2 points (no change to report).']
-    assert cs.checks_summary(b).endswith('identity passed in 2 of 2 runs, convergence passed in 1 of 2 runs, effective rank passed in 2 of 2 runs.')
+    assert cs.checks_summary(b).endswith(f"{C1} passed in 0 of 2 runs, {C2} passed in 2 of 2 runs, {C3} passed in 1 of 2 runs "
+                                         "(2 run(s) between the failure line and the New-LLM guidelines' effective-rank band).")
     assert 'ODCM' not in cs.phase1_sentence(b)
 
 
@@ -146,7 +194,7 @@ def test_failed_run_is_listed_and_left_out(tmp_path):
     rt = cs.runs_table(b)
     assert rt[rt.status != 'completed'].values.tolist() == [['run3', 1, 'failed', '', 'RuntimeError: boom']]
     assert 'run3-s1' not in cs.phase1_table(b).index and len(cs.phase2_table(b)) == 11
-    assert cs.checks_counts(b)['identity'] == (11, 11)
+    assert cs.checks_counts(b)[C2] == (11, 11)
     a = cs.batch_alpha(b, 2)
     assert a['algorithms']['ODCM']['points'][1]['runs'] == ['run3-s0']
     assert len(cs.speed_sentences(b)) == 2 and cs.embed_table(b).index.tolist() == [0, 1]
@@ -160,8 +208,9 @@ def test_missing_run_and_metrics(tmp_path):
     assert '`ghost-s0` (missing: never ran)' in cs.runs_sentence(b)
     assert cs.phase2_table(b).loc['run2-s0', 'best val PPL'] == 'n/a'
     row = cs.checks_table(b).loc['run3-s0']
-    assert row.tolist() == ['n/a', 'n/a / n/a', 'n/a', 'n/a', 'n/a', 'n/a', 'n/a', 'n/a']
-    assert cs.checks_counts(b) == {'identity': (5, 5), 'convergence': (3, 5), 'effective rank': (5, 5)}
+    assert row.tolist() == ['ODCM', 'n/a', 'n/a', 'n/a']
+    assert cs.check_details(b).loc['run3-s0'].values.tolist() == [['n/a', 'n/a', 'n/a']] * 3
+    assert cs.checks_counts(b) == {C1: (0, 5), C2: (5, 5), C3: (3, 5)}
     p1 = cs.phase1_table(b).loc['run3-s0']
     assert (p1['val ER'], p1['stopped by']) == ('n/a', 'n/a')
     a = cs.batch_alpha(b, 2)  # the run without a PPL is no alpha point
@@ -177,12 +226,13 @@ def test_empty_batch(tmp_path):
     assert cs.runs_sentence(tmp_path / 'asked') == '**1 of 1 run(s) did not complete:** `embed-s0` (missing: never ran)'
     for b in (tmp_path / 'bare', tmp_path / 'asked'):
         assert cs.cvfp_runs(b) == []
-        for f in (cs.embed_table, cs.speed_table, cs.phase1_table, cs.checks_table, cs.phase2_table, cs.timing_table,
+        for f in (cs.embed_table, cs.speed_table, cs.phase1_table, cs.checks_table, cs.check_details, cs.phase2_table, cs.timing_table,
                   cs.phase1_curves, cs.phase2_curves):
             assert len(f(b)) == 0, f
         assert cs.speed_sentences(b) == []
         assert (cs.phase1_sentence(b), cs.checks_summary(b)) == ('No completed CVFP run.', 'No completed CVFP run to check.')
         a = cs.report_alpha(b)
         assert len(cs.alpha_table(a)) == 0 and cs.alpha_sentences(a) == ['No algorithm has completed runs to fit.']
-    assert cs.checks_counts([]) == {'identity': (0, 0), 'convergence': (0, 0), 'effective rank': (0, 0)}
+    assert cs.checks_counts([]) == {C1: (0, 0), C2: (0, 0), C3: (0, 0)}
+    assert cs.layers_sentence(tmp_path / 'bare') == cs.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
     assert cs.batch_sentence(tmp_path / 'bare').endswith(': study `None`, preset `None`, data `None`, seeds None, flags none, overrides {}.')

@@ -69,7 +69,7 @@ def test_mask_excludes_padding(seed, n_pad):
 def test_mse_baseline_not_scale_invariant():
     s, t = vec(0), vec(1)
     assert mse_loss(s, t).item() != pytest.approx(mse_loss(10 * s, t).item(), rel=1e-3)
-    assert mse_loss(s, 100 * s).item() > 1.0  # the seed's example: same direction, large MSE
+    assert mse_loss(s, 100 * s).item() > 1.0  # the Mercator guide's example: same direction, large MSE
     assert mercator_loss(s, 100 * s, beta=0.0).item() == pytest.approx(0.0, abs=1e-6)
 
 def test_shape_mismatch_is_explained():

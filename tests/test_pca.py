@@ -123,7 +123,7 @@ def test_lora_count_768():
 def test_apply_lora_freezes_base_and_counts(idx):
     m = GPT.from_preset('tiny', init_seed=0, n_embd_wte=16, **SMALL).eval()
     ref = m(idx)[0]
-    names = apply_lora(m)  # seed 004: rank 32, alpha 64, dropout 0.1, all nine targets
+    names = apply_lora(m)  # the PCA document: rank 32, alpha 64, dropout 0.1, all nine targets
     assert len(names) == 3 + 6 * SMALL['n_layer'] and {n.rpartition('.')[2] for n in names} == set(LORA_TARGETS)
     torch.testing.assert_close(m(idx)[0], ref, atol=1e-6, rtol=0)  # fresh adapters change nothing
     d, k, V, L, r = 64, 16, SMALL['vocab_size'], SMALL['n_layer'], 32
