@@ -164,7 +164,7 @@ def test_against_the_seed(batch, tmp_path):
     assert cs.odcm_sentence(make_batch(tmp_path / 'hi', summaries=hi)) == (
         '**Our ODCM raises the validation effective rank above MCDL at only 2 of 3 sample sizes**, where the New-LLM guidelines found it higher: ODCM 43.3% vs '
         'MCDL 40.0% (mean over 3 sample size(s), +3.3 points; higher at 2 of 3); training effective rank ODCM 50.0% vs MCDL 50.0% (higher at 0 of 3). '
-        'Seed 002: 86.7% vs 82.7% (+4.0 points).')
+        'The New-LLM guidelines: 86.7% vs 82.7% (+4.0 points).')
     assert cs.odcm_sentence(batch).startswith('**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines')
 
 
