@@ -117,7 +117,7 @@ def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor
     e = model.embed(chk_ids)
     ident = identity_check(build_context_cache(model, chk_ids)[-1], model.context_block(model.zero_context(len(chk_ids)), e)[-1], e)
     v = conv.verdict
-    band = lambda part: f'PASS >= {ER_BANDS[part][0]:g} (seed band {ER_BANDS[part][0]:g}-{ER_BANDS[part][1]:g}), FAIL < {ER_FAIL:g}'
+    band = lambda part: f'PASS >= {ER_BANDS[part][0]:g} (guidelines band {ER_BANDS[part][0]:g}-{ER_BANDS[part][1]:g}), FAIL < {ER_FAIL:g}'
     return {
         'train_tokens': res.n_tokens, 'train_converged_tokens': res.converged_tokens, 'train_convergence_rate': 100 * res.convergence_rate,
         'val_tokens': len(val_ids), 'check_tokens': conv.n_tokens, 'val_converged_tokens': conv.converged_tokens,

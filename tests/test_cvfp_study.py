@@ -174,7 +174,7 @@ def test_report_states_the_numbers(batch):
     assert re.search(r'Check 2: identity mapping passed in \d+ of 2 runs', t)
     assert "All 3 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)." in t
     assert 'maximum iterations 3 (seed 40)' in t and 'validation tokens 600 (seed 10,000)' in t
-    assert 'PASS >= 81 (seed band 81-82), FAIL < 30' in t and 'No sample size has both MCDL and ODCM runs' in t
+    assert 'PASS >= 81 (guidelines band 81-82), FAIL < 30' in t and 'No sample size has both MCDL and ODCM runs' in t
     assert f"cosine {sp['par_seq_cosine_mean']:.4f} mean" in t
 
 

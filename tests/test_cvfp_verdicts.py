@@ -14,7 +14,7 @@ from oelm_nb.experiment import write_json
 from oelm_nb import cvfp_study as cs
 
 RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 (GOOD) and verdict CONVERGED or CONVERGING',
-         'effective_rank': 'seed bands'}
+         'effective_rank': 'guidelines bands'}
 C1, C2, C3 = 'Check 1: effective rank', 'Check 2: identity mapping', 'Check 3: CVFP convergence'
 
 
