@@ -12,8 +12,8 @@ from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
 __all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'convergence_text', 'study_plan', 'cmd_run', 'cmd_report', 'cmd_sample', 'cmd_bench', 'add_study_parser',
-           'build_parser', 'main']
+           'convergence_text', 'study_plan', 'cmd_run', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench',
+           'add_study_parser', 'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -146,6 +146,14 @@ def cmd_sample(args) -> int:
     for s in out: print(s['text'] + '\n---------------')
     return 0
 
+def cmd_export(args) -> int:
+    from oelm_nb.export import export_run
+    out = export_run(args.run_dir, args.out_dir, args.to, args.checkpoint)
+    how = ("AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained" if args.to == 'hf'
+           else "torch.load(..., weights_only=True) then nanoGPT's GPT(GPTConfig(**ckpt['model_args'])).load_state_dict(ckpt['model'])")
+    print(f"[oelm export] {args.run_dir} -> {out} ({args.to}); load it with {how}")
+    return 0
+
 def cmd_bench(args) -> int:
     from oelm_nb.bench import bench, bench_table, numerics_check
     import pandas as pd
@@ -246,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N | mps (default: auto)')
     sm.add_argument('--json', action='store_true', help='machine-readable output: prompt, text, ids, step, checkpoint per sample')
     sm.set_defaults(fn=cmd_sample)
+
+    ex = sub.add_parser('export', help='write a run as a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt',
+                        description="Export one run's checkpoint: --to hf (transformers GPT2LMHeadModel + tokenizer) or --to nanogpt (ckpt.pt).")
+    ex.add_argument('run_dir', help='one run directory, e.g. runs/qk-freeze/oelm-freeze-s0')
+    ex.add_argument('out_dir', help='a new or empty directory')
+    ex.add_argument('--to', default='hf', choices=['hf', 'nanogpt'], help='format (default: hf)')
+    ex.add_argument('--checkpoint', default='best', help='best | final | latest | a step number (default: best)')
+    ex.set_defaults(fn=cmd_export)
 
     b = sub.add_parser('bench', help='FLOPs, optimizer state and interleaved step time per variant')
     b.add_argument('--preset', default='tiny', choices=list(PRESETS))
