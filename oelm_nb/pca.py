@@ -191,6 +191,10 @@ def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GP
     if getattr(c, 'scale_attn_by_inverse_layer_idx', False) or getattr(c, 'reorder_and_upcast_attn', False) or not getattr(c, 'scale_attn_weights', True):
         raise ConfigError('from_hf_gpt2: non-default GPT-2 attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx / '
                           'reorder_and_upcast_attn) is not supported')
+    head, table = hf.get_output_embeddings().weight, hf.transformer.wte.weight
+    if head is not table and not torch.equal(head, table):  # our GPT has one tied table: an untied head would be dropped silently
+        raise ConfigError('from_hf_gpt2: this checkpoint has an untied output head (tie_word_embeddings=False and lm_head differs from wte); '
+                          'our GPT ties them, so its logits would differ. Use a tied GPT-2 checkpoint')
     cfg = model_config('tiny', vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
                        n_embd=c.n_embd, d_ff=c.n_inner, dropout=c.resid_pdrop, bias=True, attn_bias=True)
     model = GPT(cfg, init_seed=init_seed)
