@@ -21,9 +21,10 @@ from .stories import NAMES, WORDS, Story, generate_stories, make_names, syntheti
 _all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic_splits']  # the story corpus, re-exported
 
 # %% auto #0
-__all__ = ['EOT', 'GPT2_FILES', 'SPLITS', 'TINYSTORIES', 'FORMAT', 'DataError', 'BPETokenizer', 'TiktokenTokenizer',
-           'gpt2_tokenizer', 'load_tokenizer', 'token_dtype', 'recall_positions', 'read_documents', 'load_tinystories',
-           'unigram_ppl', 'prepare_data', 'TokenData', 'read_meta', 'load_split', 'batch', 'NAMES', 'WORDS', 'Story',
+__all__ = ['EOT', 'GPT2_FILES', 'SPLITS', 'TINYSTORIES', 'FORMAT', 'GPT2_VOCAB_SIZES', 'DataError', 'BPETokenizer',
+           'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer', 'token_dtype', 'recall_positions', 'read_documents',
+           'load_tinystories', 'unigram_ppl', 'prepare_data', 'PlainUnpickler', 'read_nanogpt_meta', 'TokenData',
+           'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'NAMES', 'WORDS', 'Story',
            'generate_stories', 'make_names', 'synthetic_splits']
 
 # %% ../nbs/04_data.ipynb #0ad88a93
@@ -436,6 +437,31 @@ def _check_meta(meta, path: Path) -> dict:
         need('recall.chance_level', rec.get('chance_level', _MISSING), lambda v: _is_num(v) and 0 <= v <= 1, 'a number in [0, 1]')
     return meta
 
+# %% ../nbs/04_data.ipynb #3951a5c7
+import io, pickle
+
+class PlainUnpickler(pickle.Unpickler):
+    "An unpickler for plain data: dicts, lists, tuples, sets, strings, bytes, numbers; any class or function reference is refused."
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f'it refers to {module}.{name}; only plain dicts, lists, strings and numbers are read')
+
+def read_nanogpt_meta(path) -> dict:
+    "nanoGPT's meta.pkl as our meta fields: vocab_size, and `itos` (token id -> text) for character-level data; nothing in it is executed."
+    path = Path(path)
+    try: raw = PlainUnpickler(io.BytesIO(path.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as e:
+        raise DataError(f"{path} was not read: {e}. meta.pkl must be nanoGPT's plain dict (vocab_size, itos, stoi); "
+                        'replace it, or write meta.json {"vocab_size": V, "dtype": "uint16"} next to it') from None
+    if not isinstance(raw, dict): raise DataError(f"{path} holds a {type(raw).__name__}, not nanoGPT's dict with vocab_size")
+    V, itos = raw.get('vocab_size'), raw.get('itos')
+    if not (_is_int(V) and V > 0): raise DataError(f'{path}: vocab_size is {V!r}; expected a positive integer')
+    meta = {'vocab_size': V, 'source': 'nanogpt meta.pkl'}
+    if itos is not None:
+        if not (isinstance(itos, dict) and all(_is_int(k) and 0 <= k < V and isinstance(v, str) for k, v in itos.items())):
+            raise DataError(f'{path}: itos must map token ids 0..{V - 1} to strings')
+        meta['itos'] = [itos.get(k, '') for k in range(V)]
+    return meta
+
 # %% ../nbs/04_data.ipynb #8c9ed177
 @dataclass
 class TokenData:
@@ -449,10 +475,12 @@ class TokenData:
 def read_meta(data_dir) -> dict:
     "meta.json of a data directory, every field that loading and training read checked (see `_check_meta`)."
     path = Path(data_dir) / 'meta.json'
+    if not path.exists() and (Path(data_dir) / 'meta.pkl').exists():  # a nanoGPT folder as it is
+        return _check_meta(read_nanogpt_meta(Path(data_dir) / 'meta.pkl'), Path(data_dir) / 'meta.pkl')
     if not path.exists():
         raise DataError(f'{path} is missing: a data directory needs meta.json next to train.bin/val.bin; run '
-                        f'prepare_data(DataConfig(...), {str(data_dir)!r}), or for nanoGPT-style files write '
-                        '{"vocab_size": V, "dtype": "uint16"} into it')
+                        f'prepare_data(DataConfig(...), {str(data_dir)!r}), or for nanoGPT-style files (no meta.pkl) write '
+                        '{"vocab_size": V, "dtype": "uint16"} into it (V = 50257 for GPT-2 tokens)')
     try: meta = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f'{e.msg} at line {e.lineno} column {e.colno}' if isinstance(e, json.JSONDecodeError) else str(e)
@@ -514,3 +542,42 @@ def batch(data: TokenData, # a loaded split
     rec = (torch.from_numpy(np.asarray(data.recall[idx[:, 1:]], dtype=np.int64)) if data.recall is not None
            else torch.zeros(len(starts), block_size, dtype=torch.int64))
     return tok[:, :-1].contiguous(), tok[:, 1:].contiguous(), rec
+
+# %% ../nbs/04_data.ipynb #eec02848
+class CharCodec:
+    "Character-level text <-> ids from nanoGPT's itos table."
+    eot_id = None
+    def __init__(self, itos: list[str]): self.itos, self.stoi = itos, {c: i for i, c in enumerate(itos) if c}
+    @property
+    def vocab_size(self) -> int: return len(self.itos)
+    def encode(self, text: str) -> list[int]:
+        missing = sorted({c for c in text if c not in self.stoi})
+        if missing: raise DataError(f'characters {missing[:10]} are not in this data set\'s vocabulary of {len(self.stoi)} characters')
+        return [self.stoi[c] for c in text]
+    def decode(self, ids) -> str:  # an id beyond the table (a model wider than the data) reads as U+FFFD
+        return ''.join(self.itos[int(i)] if 0 <= int(i) < len(self.itos) else '\ufffd' for i in ids)
+
+class IdCodec:
+    "Token ids as text, for data without a tokenizer: '12 7 301' <-> [12, 7, 301]."
+    eot_id = None
+    def __init__(self, vocab_size: int): self.vocab_size = vocab_size
+    def encode(self, text: str) -> list[int]:
+        try: ids = [int(t) for t in text.split()]
+        except ValueError: raise DataError(f"this data has no tokenizer, so a prompt is a list of token ids such as '12 7 301', not {text[:40]!r}") from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad: raise DataError(f'token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}')
+        return ids
+    def decode(self, ids) -> str: return ' '.join(str(int(i)) for i in ids)
+
+GPT2_VOCAB_SIZES = (50257, 50304)  # GPT-2's, and nanoGPT's padded size
+
+def data_codec(data_dir):
+    "What encodes and decodes a data directory's tokens: tokenizer.json; nanoGPT's characters; GPT-2's encoding (offline); else token ids."
+    d = Path(data_dir)
+    if (d / 'tokenizer.json').exists(): return load_tokenizer(d)
+    meta = read_meta(d)
+    if meta.get('itos'): return CharCodec(meta['itos'])
+    if meta['vocab_size'] in GPT2_VOCAB_SIZES:
+        try: return gpt2_tokenizer(timeout=1.0)
+        except DataError: pass  # no tiktoken files offline: ids
+    return IdCodec(meta['vocab_size'])

@@ -15,14 +15,15 @@ import torch
 from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, init_distributed
-from .data import prepare_data, load_split, load_tokenizer, read_meta, TokenData
+from .data import prepare_data, load_split, load_tokenizer, read_meta, data_codec, DataError, TokenData
 from .rundir import run_lock, check_same_run, fingerprint, child_env
 
 # %% auto #0
 __all__ = ['Overrides', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'COMMAND_ENV', 'SAMPLE_PROMPTS', 'run_name',
            'parse_run_name', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study', 'apply_overrides',
            'train_settings', 'resolve_spec', 'write_json', 'read_json', 'utc_now', 'provenance', 'record_provenance',
-           'write_summary', 'generate_samples', 'sample_prompts', 'start_run', 'prepare_run', 'train_run', 'launch_run']
+           'write_summary', 'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run',
+           'train_run', 'launch_run']
 
 # %% ../nbs/06_experiment.ipynb #cd5470db
 def run_name(variant: str, seed: int) -> str:
@@ -202,9 +203,9 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
     train = train_settings(st, preset, seed, steps)
     var = st.variant(variant, preset, train.get('max_steps', TrainConfig().max_steps), options)
     mdict = model_config(preset).to_dict()
-    if data_vocab is None and data_dir and (Path(data_dir) / 'meta.json').exists():
-        data_vocab = int(read_meta(data_dir)['vocab_size'])  # prepared data: the model is at least as wide as its vocabulary
-    if data_vocab: mdict['vocab_size'] = max(mdict['vocab_size'], data_vocab)
+    if data_vocab is None and data_dir and any((Path(data_dir) / f).exists() for f in ('meta.json', 'meta.pkl')):  # prepared data
+        data_vocab = int(read_meta(data_dir)['vocab_size'])
+    if data_vocab: mdict['vocab_size'] = data_vocab  # prepared data: the model's vocabulary is the data's (unless --set says otherwise)
     d = {'model': mdict, 'train': train, 'data': {**st.data.get(preset, {}), 'source': data},
          'out_dir': str(out_dir), 'data_dir': data_dir, 'study': st.name, 'name': variant, 'preset': preset, 'settings': {}}
     d = apply_overrides(d, {**var.overrides, **(overrides or {})})
@@ -283,15 +284,27 @@ SAMPLE_PROMPTS = ['Once upon a time, there was a', 'One day,']
 
 # %% ../nbs/06_experiment.ipynb #144b8208
 def sample_prompts(val_data: TokenData, tokenizer, n: int = 2, n_tokens: int = 8, fallback: list[str] = SAMPLE_PROMPTS) -> list[str]:
-    "The first `n_tokens` tokens of `n` evenly spaced documents of `val_data` (separated by the end-of-text id), decoded; `fallback` without a boundary."
+    "The first `n_tokens` tokens of `n` evenly spaced documents of `val_data` (separated by the end-of-text id), decoded; without document boundaries (nanoGPT data) `n` evenly spaced windows; `fallback` for a split too short."
     eot = getattr(tokenizer, 'eot_id', None)
     toks = np.asarray(val_data.tokens)
     ends = np.flatnonzero(toks == eot) if eot is not None else np.zeros(0, dtype=np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1]) if len(ends) else ends
     docs = [(int(s), int(e)) for s, e in zip(starts, ends) if e > s]  # non-empty documents, each ended by eot
-    if not docs or n < 1: return list(fallback)
+    if n < 1 or (not docs and len(toks) < n_tokens): return list(fallback)
+    if not docs:  # no end-of-text id: windows of the stream
+        return [tokenizer.decode(toks[s:s + n_tokens].tolist()) for s in np.unique(np.linspace(0, len(toks) - n_tokens, n).round().astype(int))]
     pick = np.unique(np.linspace(0, len(docs) - 1, min(n, len(docs))).round().astype(int))
     return [tokenizer.decode(toks[s:min(e, s + n_tokens)].tolist()) for s, e in (docs[k] for k in pick)]
+
+# %% ../nbs/06_experiment.ipynb #92592c78
+def run_samples(model: GPT, spec: RunSpec, val_d: TokenData) -> dict:
+    "The summary's `sample_prompts` and `samples` (decoded with `data_codec`), or empty samples and a `samples_note` saying why none were made."
+    try:
+        codec = data_codec(spec.resolved_data_dir)
+        prompts = sample_prompts(val_d, codec)
+        return {'sample_prompts': prompts, 'samples': generate_samples(model, codec, prompts, seed=spec.train.seed)}
+    except (DataError, ConfigError, UnicodeError, KeyError, IndexError, ValueError) as e:
+        return {'sample_prompts': [], 'samples': [], 'samples_note': f'no samples: {type(e).__name__}: {e}'}
 
 # %% ../nbs/06_experiment.ipynb #32a49585
 def start_run(spec: RunSpec, before_config: Callable | None = None) -> Path:
@@ -330,12 +343,9 @@ def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
     trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=run_name(spec.name, spec.train.seed))
     summary = trainer.fit()
     if not info.is_main: return summary
-    tok = load_tokenizer(spec.resolved_data_dir)
-    prompts = sample_prompts(val_d, tok)
-    samples = generate_samples(trainer.raw, tok, prompts, seed=spec.train.seed)
     return write_summary(spec, {**summary, 'model_variant': spec.model.variant, 'world_size': info.world_size,
                                 'unigram_ppl': train_d.meta.get('unigram_ppl'),
-                                'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level'), 'sample_prompts': prompts, 'samples': samples})
+                                'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level'), **run_samples(trainer.raw, spec, val_d)})
 
 # %% ../nbs/06_experiment.ipynb #52f6a572
 def launch_run(spec: RunSpec, nproc: int = 1, progress: bool | None = None) -> dict:

@@ -13,9 +13,8 @@ import matplotlib.pyplot as plt
 import torch
 from torch import nn
 from .core import ConfigBase, ConfigError, check, pick_device, autocast_dtype, set_seed
-from .experiment import (RunSpec, Study, Variant, train_run, prepare_run, read_json, write_json, write_summary,
-                                run_name, generate_samples, sample_prompts, TRAIN_PRESETS, DATA_PRESETS)
-from .data import load_tokenizer
+from .experiment import (RunSpec, Study, Variant, train_run, prepare_run, run_samples, read_json, write_json, write_summary,
+                                run_name, TRAIN_PRESETS, DATA_PRESETS)
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, evaluate, load_weights
 from .freeze import param_report
@@ -146,9 +145,7 @@ def _fit(spec: RunSpec, model: GPT, train_d, val_d, progress) -> tuple[dict, GPT
 
 def _samples(model: GPT, spec: RunSpec, val_d) -> dict:
     "The same short samples, from prompts taken from the validation data, that `train_run` writes into a summary."
-    tok = load_tokenizer(spec.resolved_data_dir)
-    prompts = sample_prompts(val_d, tok)
-    return {'sample_prompts': prompts, 'samples': generate_samples(model, tok, prompts, seed=spec.train.seed)}
+    return run_samples(model, spec, val_d)
 
 def _pca_curves(E: torch.Tensor, pca, source) -> dict:
     "What `explained_variance.json` holds: per k = 1..d the explained variance ratio, the relative reconstruction error and the mean cosine."

@@ -96,7 +96,7 @@ class Batch:
     options: dict = field(default_factory=dict) # the study's own flags
     overrides: dict = field(default_factory=dict) # --set KEY=VALUE
     data_dir: Path | None = None # prepared data (default: <out>/data)
-    data_vocab: int | None = None # the prepared data's vocabulary (meta.json), once known: the model's is raised to it
+    data_vocab: int | None = None # the prepared data's vocabulary (meta.json), once known: the model takes it
 
     @property
     def plan_steps(self) -> int:
@@ -348,7 +348,7 @@ def after_batch(batch: Batch, completed: list[str], log=print):
     except Exception as e: log(f'[oelm run] the measurement after the batch failed: {type(e).__name__}: {e}')
 
 def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
-    "Read the prepared data's vocabulary into `batch`: the model's vocabulary is raised to it (said once), or refused up front when --set fixed it below."
+    "Read the prepared data's vocabulary into `batch`: the model takes it (the change said once), or the batch is refused up front when --set fixed it below."
     batch.data_vocab = int(read_meta(batch.data_dir)['vocab_size'])
     now, was = batch.spec(before.name, before.train.seed).model.vocab_size, before.model.vocab_size
     if now < batch.data_vocab:  # only an explicit --set model.vocab_size keeps it below the data's

@@ -10,10 +10,10 @@ from .core import ConfigError, pick_device
 from .model import GPT
 from .experiment import RunSpec
 from .train import list_checkpoints, load_weights, read_checkpoint_meta
-from .data import load_tokenizer, DataError
+from .data import data_codec
 
 # %% auto #0
-__all__ = ['CHECKPOINT_NAMES', 'find_checkpoint', 'load_run_model', 'IdCodec', 'run_codec', 'sample']
+__all__ = ['CHECKPOINT_NAMES', 'find_checkpoint', 'load_run_model', 'run_codec', 'sample']
 
 # %% ../nbs/15_sample.ipynb #c13912ee
 CHECKPOINT_NAMES = ('best', 'final', 'latest')
@@ -67,22 +67,9 @@ def load_run_model(run_dir, # one run's directory
     return model.to(pick_device(device)).eval(), spec, ckpt
 
 # %% ../nbs/15_sample.ipynb #a44461fe
-class IdCodec:
-    "Token ids as text, for data without a tokenizer: '12 7 301' <-> [12, 7, 301]."
-    eot_id = None
-    def __init__(self, vocab_size: int): self.vocab_size = vocab_size
-    def encode(self, text: str) -> list[int]:
-        try: ids = [int(t) for t in text.split()]
-        except ValueError: raise ConfigError(f"this run's data has no tokenizer.json, so a prompt is a list of token ids such as '12 7 301', not {text[:40]!r}") from None
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad: raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
-        return ids
-    def decode(self, ids) -> str: return ' '.join(map(str, ids))
-
 def run_codec(spec: RunSpec):
-    "The run's tokenizer, or an `IdCodec` when its data directory has no tokenizer.json."
-    try: return load_tokenizer(spec.resolved_data_dir)
-    except DataError: return IdCodec(spec.model.vocab_size)
+    "What encodes and decodes the run's tokens (`data_codec` of its data directory): its tokenizer, nanoGPT's characters, GPT-2's encoding, or token ids."
+    return data_codec(spec.resolved_data_dir)
 
 # %% ../nbs/15_sample.ipynb #4628855f
 def sample(run_dir, # one run's directory
