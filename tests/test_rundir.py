@@ -7,6 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from oelm_nb.qk_freeze import QK_TRAIN
 import torch
 from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, tiny_args
 
@@ -78,7 +79,7 @@ def test_resume_or_skip_with_another_configuration_is_refused_and_restart_sets_a
     out, args, *_ = contested
     res = run_oelm(*args, '--set', 'train.lr=0.5')
     assert res.returncode == 2, res.stdout + res.stderr
-    assert 'gpt-s0: train.lr: 0.005 -> 0.5' in res.stderr and '--restart' in res.stderr, res.stderr
+    assert f"gpt-s0: train.lr: {QK_TRAIN['tiny']['lr']} -> 0.5" in res.stderr and '--restart' in res.stderr, res.stderr
     assert len(read_json(out / 'batch.json')['invocations']) == 1
 
     same = run_oelm(*args)  # the same configuration again: skipped, and recorded as another invocation
@@ -89,7 +90,7 @@ def test_resume_or_skip_with_another_configuration_is_refused_and_restart_sets_a
     fresh = run_oelm(*args, '--set', 'train.lr=0.004', '--restart')
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert 'gpt-s0: --restart, moved to gpt-s0.replaced-1' in fresh.stdout
-    assert read_json(out / 'gpt-s0.replaced-1' / 'config.json')['train']['lr'] == 0.005  # the old run is kept
+    assert read_json(out / 'gpt-s0.replaced-1' / 'config.json')['train']['lr'] == QK_TRAIN['tiny']['lr']  # the old run is kept
     assert read_json(out / 'gpt-s0' / 'config.json')['train']['lr'] == 0.004
     b = read_json(out / 'batch.json')
     assert [i['restart'] for i in b['invocations']] == [False, False, True]
@@ -113,26 +114,26 @@ def test_a_run_directory_refuses_another_seed_and_a_second_writer(tmp_path):
 # ====================================================================== killing the runner alone
 def test_killing_oelm_alone_stops_its_trainer_and_a_rerun_continues_cleanly(tmp_path):
     out = tmp_path / 'killed'
-    args = ('run', 'qk-freeze', '--variants', 'oelm', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(300))
+    args = ('run', 'qk-freeze', '--variants', 'oelm', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(150), '--set', 'train.eval_every=20')
     run = out / 'oelm-s0'
     log = tmp_path / 'first.log'
     with open(log, 'w') as f:
         proc = subprocess.Popen(oelm(*args), stdout=f, stderr=subprocess.STDOUT)  # same process group: only it is killed
-        try: wait_for(lambda: (run / 'metrics.jsonl').exists() and metric_steps(run)[-1] >= 60, 'step 60', proc, log=log)
+        try: wait_for(lambda: (run / 'metrics.jsonl').exists() and metric_steps(run)[-1] >= 40, 'step 40', proc, log=log)
         finally:
             proc.send_signal(signal.SIGKILL); proc.wait()
     workers = [w['pid'] for w in read_workers(run)]
     assert workers, 'the trainer did not record itself as working under the runner'
     wait_for(lambda: not procs_mentioning(out), 'the orphaned papermill child and kernel to stop', timeout=30)
     stopped_at = metric_steps(run)[-1]
-    assert stopped_at < 300, 'the run finished before the runner was killed'
+    assert stopped_at < 150, 'the run finished before the runner was killed'
     time.sleep(2)
     assert metric_steps(run)[-1] == stopped_at, 'something still writes the run after its runner was killed'
 
     res = run_oelm(*args)
     assert res.returncode == 0, res.stdout + res.stderr
     assert 'oelm-s0: started (resuming from step' in res.stdout, res.stdout
-    assert_steps_clean(out, 300)
+    assert_steps_clean(out, 150)
 
 
 # ====================================================================== flags refused up front
