@@ -108,7 +108,11 @@ def convergence_text(batch_dir, runs) -> str:
 def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
     options = {k: getattr(args, f'opt_{k}') for k in study.options if getattr(args, f'opt_{k}', None) is not None}
-    return (args.variants.split(',') if args.variants else None), _overrides(args.set), options
+    overrides = _overrides(args.set)
+    if getattr(args, 'init_from', None):
+        if not Path(args.init_from).exists(): raise ConfigError(f'--init-from {args.init_from}: no such file or directory')
+        overrides['train.init_from'] = str(Path(args.init_from).resolve())
+    return (args.variants.split(',') if args.variants else None), overrides, options
 
 def cmd_run(args) -> int:
     from oelm_nb.runner import run_study
@@ -199,6 +203,8 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
     r.add_argument('--set', action='append', metavar='KEY=VALUE', help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
+    r.add_argument('--init-from', default=None, metavar='PATH', help='start every run from these weights: a local Hugging Face GPT-2 directory '
+                   'or a nanoGPT ckpt.pt (the model must have its shape; --set model.* to match)')
     r.add_argument('--no-report', action='store_true', help='do not render report.html at the end')
     r.add_argument('--restart', action='store_true', help='set existing runs of this invocation aside (renamed <run>.replaced-N) and train them '
                    'afresh; needed to rerun a batch directory with another configuration')

@@ -181,6 +181,7 @@ class TrainConfig(ConfigBase):
     compile: bool = False # torch.compile the model
     loggers: tuple = () # extra loggers besides metrics.jsonl: 'tensorboard', 'wandb'
     progress: bool = True # tqdm progress bar
+    init_from: str | None = None # start from these weights: a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt
 
     def __post_init__(self):
         c = 'TrainConfig'
@@ -205,6 +206,8 @@ class TrainConfig(ConfigBase):
         check(self.dtype in DTYPES, c, 'dtype', self.dtype, f'must be one of {DTYPES}')
         check(self.device == 'auto' or self.device.split(':')[0] in ('cpu', 'cuda', 'mps'), c, 'device', self.device,
               "must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''), c, 'init_from', self.init_from,
+              'must be a path to a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt, or None')
         self.loggers = tuple(self.loggers or ())
         bad = [l for l in self.loggers if l not in LOGGERS]
         check(not bad, c, 'loggers', self.loggers, f'unknown logger(s) {bad}; choose from {LOGGERS}')

@@ -340,6 +340,9 @@ def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
     run_dir, train_d, val_d = prepare_run(spec, info)
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     model = GPT(spec.model, init_seed=spec.train.seed)
+    if spec.train.init_from:  # pretrained weights instead of the random init (a resumed run then loads its checkpoint over them)
+        from oelm_nb.export import load_init_weights
+        load_init_weights(model, spec.train.init_from)
     trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=run_name(spec.name, spec.train.seed))
     summary = trainer.fit()
     if not info.is_main: return summary

@@ -16,10 +16,10 @@ from filelock import FileLock, Timeout
 from .core import ConfigError
 
 # %% auto #0
-__all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'RunLocked', 'this_process', 'is_alive',
-           'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env', 'watch_holder', 'die_with_parent',
-           'run_lock', 'flatten', 'identity_fields', 'fingerprint', 'config_diff', 'describe_diff', 'RunMismatch',
-           'recorded_config', 'check_same_run']
+__all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'ABSENT_WHEN_DEFAULT', 'RunLocked',
+           'this_process', 'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env',
+           'watch_holder', 'die_with_parent', 'run_lock', 'flatten', 'identity_fields', 'fingerprint', 'config_diff',
+           'describe_diff', 'RunMismatch', 'recorded_config', 'check_same_run']
 
 # %% ../nbs/05a_rundir.ipynb #517d92f7
 LOCK_FILE, HOLDER_FILE, WORKERS_FILE = '.lock', '.lock.json', '.lock-workers.jsonl'
@@ -212,9 +212,12 @@ def flatten(d: dict, prefix: str = '') -> dict:
         else: out[key] = json.loads(json.dumps(v, default=str))
     return out
 
+ABSENT_WHEN_DEFAULT = {'train.init_from': None}  # fields added later: at their default they leave older runs' fingerprints as they were
+
 def identity_fields(config: dict) -> dict:
     "The fields of a run configuration (a `RunSpec` dict) that define its result."
-    return {k: v for k, v in flatten(config).items() if k not in VOLATILE_FIELDS}
+    return {k: v for k, v in flatten(config).items()
+            if k not in VOLATILE_FIELDS and not (k in ABSENT_WHEN_DEFAULT and v == ABSENT_WHEN_DEFAULT[k])}
 
 def fingerprint(config: dict) -> str:
     "A short hash of `identity_fields(config)`."

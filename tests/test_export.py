@@ -72,3 +72,40 @@ def test_a_factorized_model_is_refused_with_the_reason():
     from oelm_nb.model import GPT, model_config
     with pytest.raises(ConfigError, match='token table is factorized'):
         to_hf_gpt2(GPT(model_config('tiny', vocab_size=50, block_size=16, n_embd=32, n_embd_wte=8), init_seed=0))
+
+
+def first_train_loss(run_dir: Path) -> float:
+    rows = [json.loads(l) for l in (run_dir / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+    return next(r['train_loss'] for r in rows if 'train_loss' in r)
+
+
+def test_a_run_starts_from_an_exported_nanogpt_checkpoint(run, tmp_path):
+    assert run_oelm('export', str(run), str(tmp_path / 'nano'), '--to', 'nanogpt').returncode == 0
+    out = tmp_path / 'batch'
+    common = ('run', 'qk-freeze', '--variants', 'oelm-freeze', '--seeds', '1', '--no-report', *tiny_args(2),
+              '--set', 'data.n_train_stories=300', '--data', str(run.parent / 'data'))
+    res = run_oelm(*common, '--out', str(out), '--init-from', str(tmp_path / 'nano' / 'ckpt.pt'))
+    assert res.returncode == 0, res.stderr[-2000:]
+    cfg = json.loads((out / 'oelm-freeze-s1' / 'config.json').read_text())
+    assert cfg['train']['init_from'] == str((tmp_path / 'nano' / 'ckpt.pt').resolve())
+    fresh = tmp_path / 'fresh'
+    assert run_oelm(*common, '--out', str(fresh)).returncode == 0
+    trained = json.loads((run / 'summary.json').read_text())['final_train_loss']
+    started, scratch = first_train_loss(out / 'oelm-freeze-s1'), first_train_loss(fresh / 'oelm-freeze-s1')
+    assert started < scratch - 0.3 and abs(started - trained) < 0.5, (started, scratch, trained)  # it begins where the source ended
+    res = run_oelm(*common, '--out', str(tmp_path / 'x'), '--init-from', str(tmp_path / 'missing.pt'))
+    assert res.returncode == 2 and 'no such file or directory' in res.stderr
+
+
+def test_init_from_a_config_built_gpt2_directory_reproduces_its_logits(tmp_path):
+    from oelm_nb.export import load_init_weights
+    from oelm_nb.model import GPT, model_config
+    cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu')
+    torch.manual_seed(0); hf = transformers.GPT2LMHeadModel(cfg).eval(); hf.save_pretrained(tmp_path / 'gpt2')
+    ours = GPT(model_config('tiny', vocab_size=120, block_size=64, n_embd=32, n_layer=2, n_head=4, attn_bias=True), init_seed=5)
+    load_init_weights(ours, tmp_path / 'gpt2').eval()
+    ids = torch.randint(0, 120, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(): assert (ours(ids)[0] - hf(ids).logits).abs().max().item() < 1e-5
+    from oelm_nb.core import ConfigError
+    with pytest.raises(ConfigError, match='Match it with --set model.vocab_size=120 --set model.block_size=64 --set model.n_layer=2'):
+        load_init_weights(GPT(model_config('tiny', vocab_size=120, block_size=64, n_embd=64, n_layer=2, n_head=4), init_seed=0), tmp_path / 'gpt2')
