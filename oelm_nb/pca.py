@@ -124,16 +124,31 @@ def _layer_arrays(tok):
 
 def save_pca_mats(model: GPT, # a factorized model (e.g. from `pca_factorize`)
                   out_dir: str | Path,
+                  names: str = 'ours', # ours: *_weight/*_bias in nn.Linear layout; document: `scale_up [k, d]`, `scale_down [d, k]` (x @ W) plus *_bias
                  ) -> tuple[Path, Path]:
     "Write `wte_pca_k{k}.npy` and `scale_mats_pca_k{k}.npz` to `out_dir`; return both paths."
+    if names not in ('ours', 'document'): raise ConfigError(f"save_pca_mats: names={names!r}; use 'ours' or 'document'")
     tok = model.transformer.tok
     if _no_scale_layers(model): raise ConfigError('save_pca_mats: model has no scale_up/scale_down; factorize it with pca_factorize first')
     out_dir = Path(out_dir); out_dir.mkdir(parents=True, exist_ok=True)
     k = tok.wte.weight.shape[1]
     wte_path, mats_path = out_dir / f'wte_pca_k{k}.npy', out_dir / f'scale_mats_pca_k{k}.npz'
     np.save(wte_path, tok.wte.weight.detach().cpu().numpy())
-    np.savez(mats_path, **_layer_arrays(tok))
+    arrays = _layer_arrays(tok)
+    if names == 'document': arrays = {'scale_up': arrays['scale_up_weight'].T, 'scale_down': arrays['scale_down_weight'].T,
+                                      'scale_up_bias': arrays['scale_up_bias'], 'scale_down_bias': arrays['scale_down_bias']}
+    np.savez(mats_path, **arrays)
     return wte_path, mats_path
+
+def _our_keys(mats: dict, tok) -> dict:
+    "Arrays named as the PCA document's tools write them (`scale_up [k, d]`, `scale_down [d, k]`, optional biases) renamed to ours."
+    if not {'scale_up', 'scale_down'} <= set(mats): return mats
+    out = {}
+    for name in ('scale_up', 'scale_down'):
+        w, lin = mats[name], getattr(tok, name)
+        out[f'{name}_weight'] = w.T if w.T.shape == tuple(lin.weight.shape) else w  # x @ W layout: transpose to nn.Linear's
+        out[f'{name}_bias'] = mats.get(f'{name}_bias', np.zeros(lin.out_features, dtype=w.dtype))
+    return out
 
 @torch.no_grad()
 def load_pca_mats(model: GPT, # a factorized model with n_embd_wte = k
@@ -148,7 +163,9 @@ def load_pca_mats(model: GPT, # a factorized model with n_embd_wte = k
         if not p.exists(): raise FileNotFoundError(f'load_pca_mats: {p} not found; write it with save_pca_mats(model, {str(in_dir)!r})')
     wte = np.load(wte_path, allow_pickle=False)
     with np.load(mats_path, allow_pickle=False) as z: mats = {n: z[n] for n in z.files}
-    if set(mats) != set(_SCALE_KEYS): raise ValueError(f'load_pca_mats: {mats_path} holds {sorted(mats)}; expected {list(_SCALE_KEYS)}')
+    mats = _our_keys(mats, tok)  # the document's `scale_up` / `scale_down` (x @ W layout) read as ours
+    if set(mats) != set(_SCALE_KEYS): raise ValueError(f'load_pca_mats: {mats_path} holds {sorted(mats)}; expected {list(_SCALE_KEYS)} '
+                                                       "or the PCA document's scale_up, scale_down (with optional *_bias)")
     want = {'wte': tuple(tok.wte.weight.shape), **{n: tuple(t.shape) for n, t in _layer_arrays(tok).items()}}
     got = {'wte': wte.shape, **{n: a.shape for n, a in mats.items()}}
     if want != got: raise ValueError(f'load_pca_mats: shapes in {in_dir} are {got}; model {type(model).__name__} expects {want}')
