@@ -5,6 +5,7 @@
 # %% ../nbs/12_cvfp.ipynb #50eeb4fd
 from __future__ import annotations
 import json, math, time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, asdict
 from typing import Callable
 
@@ -22,10 +23,11 @@ __all__ = ['DIVERSITY_LOSSES', 'DIVERSITY_DESCRIPTIONS', 'ER_BANDS', 'ER_FAIL', 
            'EffectiveRank', 'effective_rank', 'context_spread', 'EffectiveRankCheck', 'er_verdict',
            'effective_rank_check', 'IdentityCheck', 'identity_check', 'final_diff_grade', 'ConvergenceVerdict',
            'convergence_verdict', 'CVFPConfig', 'cvfp_config', 'ContextLayer', 'TokenLayer', 'ContextBlock',
-           'TokenBlock', 'CVFPModel', 'build_context_cache', 'logits_from_cache', 'Phase1Result', 'val_effective_rank',
-           'train_phase1', 'markov_tokens', 'ConvergenceCheck', 'cvfp_convergence_check', 'BatchSizing',
-           'per_token_bytes', 'phase2_batch_size', 'Phase2Result', 'freeze_context_block', 'evaluate_cached',
-           'train_phase2', 'PowerLawFit', 'fit_power_law', 'sample_schedule', 'AlphaProgression', 'alpha_progression']
+           'TokenBlock', 'CVFPModel', 'one_thread', 'context_scan', 'build_context_cache', 'logits_from_cache',
+           'Phase1Result', 'val_effective_rank', 'train_phase1', 'markov_tokens', 'ConvergenceCheck',
+           'cvfp_convergence_check', 'BatchSizing', 'per_token_bytes', 'phase2_batch_size', 'Phase2Result',
+           'freeze_context_block', 'evaluate_cached', 'train_phase2', 'PowerLawFit', 'fit_power_law', 'sample_schedule',
+           'AlphaProgression', 'alpha_progression']
 
 # %% ../nbs/12_cvfp.ipynb #470cd943
 def cvfp_loss(context: torch.Tensor, # (N, C) contexts of this iteration
@@ -210,9 +212,11 @@ class CVFPConfig(ConfigBase):
     phase1_max_iterations: int = 40 # stop after this many iterations (the New-LLM guidelines: 40)
     convergence_threshold: float = 1e-3 # a token has converged when its mean squared change is below this
     convergence_target: float = 0.95 # stop early once this share of tokens has converged
-    phase1_val_patience: int = 3 # with validation tokens: stop after this many iterations without a higher validation ER and restore the best iteration's weights (0: never)
+    phase1_val_patience: int = 0 # with validation tokens: stop after this many iterations (from phase1_min_iterations on) without a higher validation ER (0: never; every iteration runs)
+    phase1_restore_best: bool = True # with validation tokens: end with the weights of the iteration with the highest validation ER among those from phase1_min_iterations on
     parallel: bool = True # Phase 1 iterations >= 1 in parallel (token i reads previous_contexts[i-1])
     phase2_lr: float = 1e-3 # AdamW learning rate of Phase 2
+    phase2_train_embedding: bool = False # Phase 2 trains the tied token embedding (= output head) too; the New-LLM guidelines freeze it (frozen 334 vs trained 1189 val PPL at 500 samples)
     phase2_epochs: int = 3 # passes over the cached positions
     phase2_batch_size: int | None = None # tokens per Phase 2 step (None: from the memory budget)
     phase2_min_batch_size: int = 16 # clamp of the memory-derived batch size
@@ -231,7 +235,7 @@ class CVFPConfig(ConfigBase):
             v = getattr(self, name)
             check(v > 0, c, name, v, 'must be a positive integer')
         check(self.diversity in DIVERSITY_LOSSES, c, 'diversity', self.diversity, f'must be one of {list(DIVERSITY_LOSSES)}')
-        check(0.0 <= self.dist_reg_weight <= 1.0, c, 'dist_reg_weight', self.dist_reg_weight, 'must be in [0, 1] (seed default 0.9)')
+        check(0.0 <= self.dist_reg_weight <= 1.0, c, 'dist_reg_weight', self.dist_reg_weight, 'must be in [0, 1] (the New-LLM guidelines: 0.9)')
         check(self.phase1_lr > 0, c, 'phase1_lr', self.phase1_lr, 'must be positive (e.g. 2e-3)')
         check(self.phase2_lr > 0, c, 'phase2_lr', self.phase2_lr, 'must be positive (e.g. 1e-3)')
         check(self.phase1_min_iterations <= self.phase1_max_iterations, c, 'phase1_min_iterations', self.phase1_min_iterations,
@@ -337,20 +341,43 @@ class CVFPModel(nn.Module):
                ) -> torch.Tensor:  # (N, V)
         return logits_from_cache(self, ids, build_context_cache(self, ids, start))
 
+@contextmanager
+def one_thread():
+    "One intra-op CPU thread inside: per-token vector ops gain nothing from more, and on a shared CPU each op would wait for the busiest core."
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try: yield
+    finally: torch.set_num_threads(n)
+
 @torch.no_grad()
+def context_scan(block: ContextBlock, e: torch.Tensor, # (N, E) token inputs (`model.embed(ids)`)
+                 start: torch.Tensor, # (1, C) context before the first token
+                ) -> list[torch.Tensor]:  # L x (N, C)
+    "`block` over the tokens one by one without gradient, carrying the final-layer context; the token half of each first Linear is computed for all tokens at once."
+    C = start.shape[-1]
+    layers = list(block.layers)
+    pre = [F.linear(e, L.fnn[0].weight[:, C:], L.fnn[0].bias) for L in layers]  # (N, H) per layer: W_token @ e_t + b for every t
+    w1 = [L.fnn[0].weight[:, :C] for L in layers]
+    w2, b2 = [L.fnn[2].weight for L in layers], [L.fnn[2].bias for L in layers]
+    norm = [(L.norm.weight, L.norm.bias, L.norm.eps) for L in layers]
+    gelu = [L.fnn[1].approximate for L in layers]
+    outs = [e.new_empty(e.shape[0], C) for _ in layers]
+    ctx = start.reshape(C)
+    with one_thread():
+        for t in range(e.shape[0]):
+            for l in range(len(layers)):  # ContextLayer.forward on one token, as matrix-vector products
+                h = F.gelu(torch.addmv(pre[l][t], w1[l], ctx), approximate=gelu[l])
+                ctx = F.layer_norm(ctx + torch.addmv(b2[l], w2[l], h), (C,), *norm[l])
+                outs[l][t] = ctx
+    return outs
+
 def build_context_cache(model: CVFPModel,
                         ids: torch.Tensor, # (N,) token ids
                         start: torch.Tensor | None = None, # (1, C) starting context (default zeros)
                        ) -> list[torch.Tensor]:  # L x (N, C)
     "Per-layer ContextBlock outputs for each token, carrying the final-layer context from token to token."
-    e = model.embed(ids)
-    ctx = model.zero_context() if start is None else start
-    outs = [[] for _ in range(model.cfg.num_layers)]
-    for t in range(len(ids)):
-        layer_outs = model.context_block(ctx, e[t:t + 1])
-        for l, o in enumerate(layer_outs): outs[l].append(o)
-        ctx = layer_outs[-1]
-    return [torch.cat(o) for o in outs]
+    with torch.no_grad():
+        return context_scan(model.context_block, model.embed(ids), model.zero_context() if start is None else start)
 
 def logits_from_cache(model: CVFPModel, ids: torch.Tensor, # (N,) tokens whose next token is predicted
                       cache: list[torch.Tensor], # L x (N, C) their ContextBlock outputs
@@ -371,7 +398,7 @@ class Phase1Result:
     parallel: bool
     seconds: float # wall time of the training iterations (validation passes excluded)
     stop_reason: str = 'max_iterations' # 'max_iterations' | 'converged' | 'val_effective_rank'
-    best_iteration: int | None = None # with early stopping on validation ER: the iteration whose weights were restored
+    best_iteration: int | None = None # with validation tokens and phase1_restore_best: the iteration whose weights were kept
     @property
     def contexts(self) -> torch.Tensor: return self.layer_outputs[-1]
     @property
@@ -384,7 +411,7 @@ class Phase1Result:
 def _sequential_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, grad: bool) -> list[torch.Tensor]:
     "Tokens one by one from `start`, detaching the context between tokens; L x (N, C)."
     ctx, outs = start, [[] for _ in block.layers]
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), one_thread():
         for t in range(e.shape[0]):
             layer_outs = block(ctx, e[t:t + 1])
             for l, o in enumerate(layer_outs): outs[l].append(o)
@@ -421,7 +448,7 @@ def train_phase1(model: CVFPModel,
     n = len(ids)
     carry, previous, history, converged = model.zero_context(), None, [], 0
     best_val, since_best, stop, val_time, best = -1.0, 0, 'max_iterations', 0.0, None
-    restore = val_ids is not None and cfg.phase1_val_patience > 0
+    restore = val_ids is not None and cfg.phase1_restore_best
     t_start = time.perf_counter()
     for it in range(max_it):
         t0, learn = time.perf_counter(), previous is not None
@@ -438,18 +465,20 @@ def train_phase1(model: CVFPModel,
             rec.update(loss=loss.item(), cvfp=cv.item(), diversity=dv.item(), converged=converged, rate=converged / n)
         if track_rank: rec['effective_rank'] = effective_rank(ctx).percent
         rec['seconds'] = time.perf_counter() - t0
+        eligible = learn and it + 1 >= cfg.phase1_min_iterations  # stopping here is allowed, so is keeping these weights
         if learn and val_ids is not None:
             tv = time.perf_counter()
             rec['val_effective_rank'] = val_effective_rank(model, val_ids).percent
-            since_best = 0 if rec['val_effective_rank'] > best_val else since_best + 1
-            best_val = max(best_val, rec['val_effective_rank'])
+            if eligible:
+                since_best = 0 if rec['val_effective_rank'] > best_val else since_best + 1
+                best_val = max(best_val, rec['val_effective_rank'])
             val_time += time.perf_counter() - tv
         history.append(rec)
         if verbose: print(rec)
         previous, carry = ctx.detach(), ctx[-1:].detach()  # carry-over: never reset to zero
-        if restore and learn and since_best == 0:  # a new best validation ER: keep these weights and the state the final pass starts from
+        if restore and eligible and since_best == 0:  # a new best validation ER: keep these weights and the state the final pass starts from
             best = (it, {k: v.detach().clone() for k, v in block.state_dict().items()}, previous, carry, converged)
-        if learn and it + 1 >= cfg.phase1_min_iterations:
+        if eligible:
             if converged / n >= cfg.convergence_target: stop = 'converged'; break
             if val_ids is not None and cfg.phase1_val_patience and since_best >= cfg.phase1_val_patience: stop = 'val_effective_rank'; break
     seconds = time.perf_counter() - t_start - val_time
@@ -554,6 +583,8 @@ class Phase2Result:
     val_acc: float | None = None
     best_val_ppl: float | None = None # lowest validation PPL over the evaluations (one per epoch by default)
     records: list = field(default_factory=list) # the Trainer's metrics records (step, tokens, train_loss, val_*)
+    train_embedding: bool = False # whether the tied embedding was trained too
+    trainable_params: int = 0 # parameters Phase 2 trained
 
 def freeze_context_block(model: CVFPModel):
     "Phase 2: no gradient reaches the ContextBlock."
@@ -582,6 +613,8 @@ def train_phase2(model: CVFPModel,
     cfg = model.cfg
     freeze_context_block(model)
     if cache is None: cache = build_context_cache(model, ids)
+    val_cache = None if val_ids is None else build_context_cache(model, val_ids)  # both caches through the embedding the ContextBlock was trained with
+    model.embedding.weight.requires_grad_(cfg.phase2_train_embedding)  # tied: the output head trains with it
     dev = model.embedding.weight.device
     sizing = phase2_batch_size(cfg, dev, cpu_budget_bytes)
     n, bs = len(ids) - 1, sizing.batch_size
@@ -597,19 +630,19 @@ def train_phase2(model: CVFPModel,
         logits = logits_from_cache(m, ids[pos], [c[pos] for c in cache])
         return F.cross_entropy(logits, ids[pos + 1]), {}
 
-    eval_fn = None
-    if val_ids is not None:
-        val_cache = build_context_cache(model, val_ids)
-        eval_fn = lambda m: evaluate_cached(m, val_ids, val_cache)
+    eval_fn = None if val_ids is None else (lambda m: evaluate_cached(m, val_ids, val_cache))
     tcfg = TrainConfig(max_steps=cfg.phase2_epochs * per_epoch, batch_size=bs, lr=cfg.phase2_lr, min_lr=cfg.phase2_lr,
                        warmup_steps=0, weight_decay=0.0, grad_clip=0.0, eval_every=per_epoch if eval_every is None else eval_every,
                        log_every=1, seed=cfg.seed,
                        device=str(dev), progress=False)
     trainer = Trainer(model, tcfg, None, loss_fn=loss_fn, batch_fn=batch_fn, eval_fn=eval_fn, tokens_per_batch=bs)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the tied head is counted once
     summary = trainer.fit(resume=False)
+    model.embedding.weight.requires_grad_(False)
     model.eval()
     recs = trainer.records
-    res = Phase2Result([r['train_loss'] for r in recs], sizing, summary['steps'], summary['wall_time_s'], records=list(recs))
+    res = Phase2Result([r['train_loss'] for r in recs], sizing, summary['steps'], summary['wall_time_s'], records=list(recs),
+                       train_embedding=cfg.phase2_train_embedding, trainable_params=trainable)
     if recs and 'val_loss' in recs[-1]:
         res.val_loss, res.val_ppl, res.val_acc = recs[-1]['val_loss'], recs[-1]['val_ppl'], recs[-1]['val_acc']
         res.best_val_ppl = min(r['val_ppl'] for r in recs if 'val_ppl' in r)
@@ -634,7 +667,7 @@ def fit_power_law(tokens, # token counts (> 0)
     return PowerLawFit(float(math.exp(logA)), float(alpha), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
 
 def sample_schedule(init: int = 50, multiplier: float = 2.0, n: int = 5) -> list[int]:
-    "Sample sizes init * multiplier^i, i < n (seed: 50, 100, 200, 400, 800)."
+    "Sample sizes init * multiplier^i, i < n (the New-LLM guidelines: 50, 100, 200, 400, 800)."
     return [int(round(init * multiplier ** i)) for i in range(n)]
 
 @dataclass

@@ -14,23 +14,27 @@ from .experiment import start_run, Study, Variant, RunSpec, train_run, write_jso
 from .train import read_metrics
 from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, CVFPModel, EffectiveRank, Phase1Result,
                          effective_rank, val_effective_rank, identity_check, cvfp_convergence_check, build_context_cache,
-                         train_phase1, train_phase2, fit_power_law, sample_schedule, alpha_progression,
+                         train_phase1, train_phase2, evaluate_cached, fit_power_law, sample_schedule, alpha_progression,
                          effective_rank_check, er_verdict, ER_BANDS, ER_FAIL, ATTRACTOR_SPREAD, FINAL_DIFF_GOOD, FINAL_DIFF_FAIL)
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['CVFP_KINDS', 'EMBEDDING_KEYS', 'CVFP_OPTIONS', 'SPEEDUP_TARGET', 'CHECKS', 'TIMINGS', 'SEED_PHASE1', 'SEED_TABLE',
-           'CVFP_STUDY', 'CVFPSettings', 'first_stories', 'load_embedding', 'phase1_evaluation', 'embed_run',
-           'cvfp_run', 'speed_run', 'run_cvfp', 'sample_sizes', 'common_settings', 'cvfp_variants', 'is_cvfp_summary',
-           'Run', 'batch_runs', 'cvfp_runs', 'fmt', 'er_text', 'rate_text', 'pass_fail', 'small_num', 'batch_sentence',
-           'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences', 'phase1_table',
-           'phase1_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts',
-           'checks_summary', 'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table', 'batch_alpha',
-           'write_alpha_progression', 'report_alpha', 'alpha_table', 'alpha_sentences', 'layers_sentence',
-           'phase1_settings_sentence', 'document_table', 'odcm_sentence']
+__all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'CVFP_OPTIONS', 'SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS',
+           'TIMINGS', 'GUIDELINES_EMBEDDING', 'ALPHA_PPL', 'GUIDELINES_PHASE1', 'GUIDELINES_TABLE', 'CVFP_STUDY',
+           'CVFPSettings', 'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding', 'phase1_evaluation',
+           'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp', 'sample_sizes', 'common_settings', 'cvfp_variants',
+           'is_cvfp_summary', 'Run', 'batch_runs', 'cvfp_runs', 'fmt', 'er_text', 'rate_text', 'pass_fail', 'small_num',
+           'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences',
+           'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table', 'iteration_sentence',
+           'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts', 'checks_summary',
+           'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table',
+           'embedding_table', 'embedding_sentence', 'batch_alpha', 'write_alpha_progression', 'report_alpha',
+           'alpha_seed_table', 'alpha_table', 'alpha_sentences', 'layers_sentence', 'phase1_settings_sentence',
+           'document_table', 'odcm_sentence', 'er_table']
 
 # %% ../nbs/12a_cvfp_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
+VAL_SELECTIONS = ('covered', 'first') # covered: stories whose tokens all occur in the run's training tokens first (the New-LLM guidelines' rule); first: the split's first tokens
 
 @dataclass
 class CVFPSettings(CVFPConfig):
@@ -40,7 +44,8 @@ class CVFPSettings(CVFPConfig):
     tokens: int = 6400 # phase1-speed: training tokens timed
     speed_iterations: int = 10 # phase1-speed: Phase 1 iterations of each version (fixed, so both do the same work)
     embeddings: str | None = None # embed: take the embedding from this path instead of training a GPT
-    val_tokens: int = 10_000 # validation tokens (first of the split; fewer if the split is shorter): validation ER, early stopping, PPL (the New-LLM guidelines: 10,000)
+    val_tokens: int = 10_000 # validation tokens (fewer if the split is shorter): validation ER, best Phase 1 iteration, checks, PPL (the New-LLM guidelines: 10,000)
+    val_selection: str = 'covered' # a key of VAL_SELECTIONS: how the validation tokens are chosen
     check_tokens: int = 1280 # the first validation tokens that the identity and convergence checks use
     check_passes: int = 10 # passes of the convergence check (the New-LLM guidelines: 10)
     cpu_budget_mb: int = 16 # Phase 2 memory budget on CPU (sets the batch size)
@@ -49,6 +54,7 @@ class CVFPSettings(CVFPConfig):
         super().__post_init__()
         c = 'CVFPSettings'
         check(self.kind in CVFP_KINDS, c, 'kind', self.kind, f'must be one of {CVFP_KINDS}')
+        check(self.val_selection in VAL_SELECTIONS, c, 'val_selection', self.val_selection, f'must be one of {VAL_SELECTIONS}')
         check(self.samples is None or self.samples > 0, c, 'samples', self.samples, 'must be a positive integer (stories)')
         for k in ('tokens', 'speed_iterations', 'val_tokens', 'check_tokens', 'cpu_budget_mb'): check(getattr(self, k) > 0, c, k, getattr(self, k), 'must be a positive integer')
         check(self.check_passes >= 3, c, 'check_passes', self.check_passes, 'must be >= 3')
@@ -68,6 +74,45 @@ def first_stories(tokens, # (N,) token ids (a memmap is fine)
     ends = np.flatnonzero(toks == eot)
     if not 0 < n <= len(ends): raise ConfigError(f'{n} stories asked for, the split has {len(ends)}; lower the sample size or raise data.n_train_stories')
     return torch.from_numpy(toks[:ends[n - 1] + 1].astype(np.int64))
+
+# %% ../nbs/12a_cvfp_study.ipynb #daeefc65
+def _story_spans(toks: np.ndarray, eot: int) -> tuple[np.ndarray, np.ndarray]:
+    "Start and end (exclusive) of each story, each through its end-of-text token (a tail without one is a story too)."
+    ends = np.flatnonzero(toks == eot) + 1
+    if not len(ends) or ends[-1] != len(toks): ends = np.r_[ends, len(toks)]
+    return np.r_[0, ends[:-1]], ends
+
+def unseen_mask(ids, train_ids) -> np.ndarray:
+    "True where a token of `ids` never occurs in `train_ids`."
+    ids, tr = np.asarray(ids), np.unique(np.asarray(train_ids))
+    return ~np.isin(ids, tr)
+
+def select_val_tokens(val_tokens, # (M,) the validation split (a memmap is fine)
+                      train_ids, # the run's training tokens
+                      eot: int, # end-of-text id closing every story
+                      n: int, # validation tokens wanted
+                      mode: str = 'covered', # a key of VAL_SELECTIONS
+                     ) -> tuple[torch.Tensor, dict]:
+    "Validation tokens chosen by `mode` and their coverage by the training tokens (stories available, used, tokens unseen in training)."
+    if mode not in VAL_SELECTIONS: raise ConfigError(f'val_selection={mode!r} is invalid: must be one of {VAL_SELECTIONS}')
+    toks = np.asarray(val_tokens).astype(np.int64)
+    unseen = unseen_mask(toks, train_ids)
+    starts, ends = _story_spans(toks, eot)
+    lens, bad = ends - starts, np.add.reduceat(unseen.astype(np.int64), starts) if len(toks) else np.zeros(0, np.int64)
+    covered = bad == 0
+    if mode == 'first': order = np.arange(len(starts))
+    else: order = np.r_[np.flatnonzero(covered), np.flatnonzero(~covered)[np.argsort((bad / lens)[~covered], kind='stable')]]
+    take, got = [], 0
+    for k in order:
+        if got >= n: break
+        m = min(int(lens[k]), n - got); take.append(np.arange(starts[k], starts[k] + m)); got += m
+    pos = np.concatenate(take) if take else np.zeros(0, np.int64)
+    k_unseen, k_first = int(unseen[pos].sum()), int(unseen[:min(n, len(toks))].sum())
+    info = {'val_selection': mode, 'val_stories_split': len(starts), 'val_covered_stories': int(covered.sum()),
+            'val_covered_tokens': int(lens[covered].sum()), 'val_stories_used': len(take), 'val_tokens': len(pos),
+            'val_unseen_tokens': k_unseen, 'val_unseen_percent': 100.0 * k_unseen / max(1, len(pos)), 'val_coverage_rule': k_unseen == 0,
+            'first_unseen_percent': 100.0 * k_first / max(1, min(n, len(toks)))}
+    return torch.from_numpy(toks[pos]), info
 
 # %% ../nbs/12a_cvfp_study.ipynb #28b3d1c2
 EMBEDDING_KEYS = ('tok.wte.weight', 'wte.weight', 'embed_tokens.weight', 'word_embeddings.weight', 'embed_in.weight', 'lm_head.weight')
@@ -149,7 +194,7 @@ def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor
                 'criteria': [_crit(f'loss slope per pass (linear fit over {len(conv.losses)} losses)', v.slope,
                                    'CONVERGING < -0.001; CONVERGED |slope| < 0.001 and std < 0.01; DIVERGING > 0.001; else UNSTABLE', v.verdict),
                              _crit('loss std over the passes', v.std, 'CONVERGED needs < 0.01', 'reported'),
-                             _crit('reduction, last loss vs first (%)', v.reduction_percent, 'reported (seed example: -59.93%)', 'reported'),
+                             _crit('reduction, last loss vs first (%)', v.reduction_percent, 'reported (guidelines example: -59.93%)', 'reported'),
                              _crit('final diff (last pass-to-pass MSE)', conv.final_diff,
                                    f'GOOD < {FINAL_DIFF_GOOD:g}, FAIL > {FINAL_DIFF_FAIL:g}, else MARGINAL', v.final_grade)]},
         }}
@@ -167,6 +212,11 @@ def _val_ids(val, n: int, need: int = 2) -> torch.Tensor:
     "The first `n` validation tokens, or all of them when the split is shorter (the summary records how many)."
     if len(val.tokens) < need: raise ConfigError(f'the validation split has {len(val.tokens)} tokens, fewer than the {need} the checks need (settings.check_tokens); add stories')
     return torch.from_numpy(np.asarray(val.tokens[:n]).astype(np.int64))
+
+def _chosen_val(val, train_ids, s) -> tuple[torch.Tensor, dict]:
+    "The run's validation tokens by `s.val_selection` and their coverage (`select_val_tokens`)."
+    _val_ids(val, 0, s.check_tokens)  # the split is long enough for the checks
+    return select_val_tokens(val.tokens, train_ids.cpu().numpy(), val.meta['eot_id'], s.val_tokens, s.val_selection)
 
 def _upstream_embedding(spec: RunSpec) -> torch.Tensor:
     from safetensors.torch import load_file
@@ -205,23 +255,30 @@ def cvfp_run(spec: RunSpec) -> dict:
     train, val = _data(spec)
     emb = _upstream_embedding(spec)
     dev = pick_device(spec.train.device)
-    ids, val_ids = first_stories(train.tokens, train.meta['eot_id'], s.samples).to(dev), _val_ids(val, s.val_tokens, s.check_tokens).to(dev)
+    ids = first_stories(train.tokens, train.meta['eot_id'], s.samples)
+    val_ids, cov = _chosen_val(val, ids, s)
+    common_ids = _val_ids(val, s.val_tokens, s.check_tokens)  # the same for every run: the split's first tokens
+    ids, val_ids, common_ids = ids.to(dev), val_ids.to(dev), common_ids.to(dev)
     t0 = time.perf_counter()
     model = CVFPModel(cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1]), emb).to(dev)
     r1 = train_phase1(model, ids, val_ids=val_ids)
     t1 = time.perf_counter()
     ev = phase1_evaluation(model, r1, val_ids, s.check_tokens, s.check_passes)
+    common_cache = build_context_cache(model, common_ids)  # before Phase 2, through the embedding the ContextBlock was trained with
     t2 = time.perf_counter()
     p2 = train_phase2(model, ids, cache=r1.layer_outputs, val_ids=val_ids, cpu_budget_bytes=s.cpu_budget_mb * 2**20)
+    common = evaluate_cached(model, common_ids, common_cache)
     t3 = time.perf_counter()
     _jsonl(out / 'phase1.jsonl', r1.history); _jsonl(out / 'metrics.jsonl', p2.records)
     save_model(model, str(out / 'model.safetensors'))
     summary = {'status': 'completed', 'algorithm': s.diversity, 'samples': s.samples, 'parallel': s.parallel, 'dist_reg_weight': cfg.dist_reg_weight,
                'context_dim': cfg.context_dim, 'embed_dim': model.cfg.embed_dim, 'num_layers': cfg.num_layers,
                'phase1_lr': cfg.phase1_lr, 'min_iterations': cfg.phase1_min_iterations, 'val_patience': cfg.phase1_val_patience,
-               'val_tokens_requested': s.val_tokens,
-               **ev, 'phase1_train_s': r1.seconds,
+               'restore_best': cfg.phase1_restore_best, 'val_tokens_requested': s.val_tokens,
+               **ev, **cov, 'phase1_train_s': r1.seconds,
                'best_val_ppl': p2.best_val_ppl, 'final_val_ppl': p2.val_ppl, 'final_val_loss': p2.val_loss, 'val_acc': p2.val_acc,
+               'common_val_tokens': len(common_ids), 'common_val_ppl': common['val_ppl'], 'common_val_acc': common['val_acc'],
+               'phase2_train_embedding': p2.train_embedding, 'phase2_trainable_params': p2.trainable_params,
                'phase2_steps': p2.steps, 'phase2_batch_size': p2.sizing.batch_size, 'phase2_batch_source': p2.sizing.source,
                'phase1_s': t1 - t0, 'checks_s': t2 - t1, 'phase2_s': t3 - t2, 'wall_time_s': t3 - t0,
                'params_trainable_phase1': sum(p.numel() for p in model.context_block.parameters()),
@@ -237,11 +294,12 @@ def speed_run(spec: RunSpec) -> dict:
     emb = _upstream_embedding(spec)
     if len(train.tokens) < s.tokens: raise ConfigError(f"the training split has {len(train.tokens)} tokens, fewer than settings.tokens={s.tokens}")
     dev = pick_device(spec.train.device)
-    ids = torch.from_numpy(np.asarray(train.tokens[:s.tokens]).astype(np.int64)).to(dev)
-    val_ids = _val_ids(val, s.val_tokens).to(dev)
+    ids = torch.from_numpy(np.asarray(train.tokens[:s.tokens]).astype(np.int64))
+    val_ids, cov = _chosen_val(val, ids, s)
+    ids, val_ids = ids.to(dev), val_ids.to(dev)
     n_it = s.speed_iterations
     cfg = cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1], phase1_min_iterations=n_it, phase1_max_iterations=n_it)  # both run every iteration
-    summary = {'status': 'completed', 'algorithm': s.diversity, 'tokens': len(ids), 'iterations': n_it, 'num_layers': cfg.num_layers}
+    summary = {'status': 'completed', 'algorithm': s.diversity, 'tokens': len(ids), 'iterations': n_it, 'num_layers': cfg.num_layers, **cov}
     for name in ('sequential', 'parallel'):
         model = CVFPModel(cfg, emb).to(dev)
         r = train_phase1(model, ids, parallel=(name == 'parallel'), track_rank=False)
@@ -277,6 +335,8 @@ CVFP_OPTIONS = {
     'parallel': dict(flags=['--parallel'], action='store_const', const=True, help='Phase 1 parallel version (default)'),
     'sequential': dict(flags=['--sequential'], action='store_const', const=True, help='Phase 1 sequential version'),
     'embeddings': dict(metavar='PATH', help='take the embedding from a run directory, a local HF model directory or a .safetensors file instead of training a GPT'),
+    'train_embedding': dict(flags=['--train-embedding'], action='store_const', const=True,
+                            help='also run each algorithm and sample size with the tied embedding trained in Phase 2 (variants ALG-nN-train-emb)'),
 }
 
 def sample_sizes(opts: dict, preset: str) -> list[int]:
@@ -300,7 +360,7 @@ def common_settings(opts: dict, preset: str) -> dict:
     over = {f'settings.{k}': v for k, v in CVFP_PRESETS['seed'].items()} if preset == 'gpt2-124m' else {}
     if opts.get('dist_reg_weight') is not None:
         w = opts['dist_reg_weight']
-        if not 0 <= w <= 1: raise ConfigError(f'--dist-reg-weight {w} must be in [0, 1] (seed default 0.9)')
+        if not 0 <= w <= 1: raise ConfigError(f'--dist-reg-weight {w} must be in [0, 1] (the New-LLM guidelines: 0.9)')
         over['settings.dist_reg_weight'] = float(w)
     if opts.get('sequential'): over['settings.parallel'] = False
     if opts.get('parallel'): over['settings.parallel'] = True
@@ -311,7 +371,7 @@ def common_settings(opts: dict, preset: str) -> dict:
     return over
 
 def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
-    "`embed`, `phase1-speed` and one CVFP run per algorithm and sample size (largest first) for the flags given."
+    "`embed`, `phase1-speed` and one CVFP run per algorithm and sample size (largest first; with --train-embedding a second one that trains the embedding) for the flags given."
     algs = list(opts.get('algorithms') or ['MCDL', 'ODCM'])
     bad = [a for a in algs if a not in DIVERSITY_LOSSES]
     if bad: raise ConfigError(f"--algorithms: unknown {bad}; choose from " + '; '.join(f'{k} ({v})' for k, v in DIVERSITY_DESCRIPTIONS.items()))
@@ -321,6 +381,8 @@ def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
         for a in algs:
             out[f'{a}-n{n}'] = Variant({**common, 'settings.kind': 'cvfp', 'settings.diversity': a, 'settings.samples': n,
                                         'settings.phase2_epochs': 10}, ('embed',))
+            if opts.get('train_embedding'):
+                out[f'{a}-n{n}-train-emb'] = Variant({**out[f'{a}-n{n}'].overrides, 'settings.phase2_train_embedding': True}, ('embed',))
     return out
 
 # %% ../nbs/12a_cvfp_study.ipynb #29821e12
@@ -352,9 +414,11 @@ def batch_runs(batch_dir) -> list[Run]:
 def _runs(runs) -> list[Run]: return runs if isinstance(runs, list) else batch_runs(runs)
 def _done(runs, key: str) -> list[Run]: return [r for r in _runs(runs) if r.status == 'completed' and r.summary.get(key) is not None]
 
-def cvfp_runs(runs) -> list[Run]:
+def cvfp_runs(runs, trained_embedding: bool | None = False, # False: frozen embedding (the protocol); True: Phase 2 trained it; None: both
+             ) -> list[Run]:
     "The completed CVFP runs of a batch (directory or `batch_runs` list), sorted by algorithm, sample size and seed."
-    return sorted([r for r in _runs(runs) if r.status == 'completed' and is_cvfp_summary(r.summary)],
+    keep = lambda s: trained_embedding is None or bool(s.get('phase2_train_embedding')) == trained_embedding
+    return sorted([r for r in _runs(runs) if r.status == 'completed' and is_cvfp_summary(r.summary) and keep(r.summary)],
                   key=lambda r: (str(r.summary.get('algorithm')), r.summary['samples'], r.seed))
 
 # %% ../nbs/12a_cvfp_study.ipynb #624b3532
@@ -459,6 +523,71 @@ def phase1_sentence(runs) -> str:
             f"embedding dim {fmt(s.get('embed_dim'))}, {fmt(s.get('num_layers'))} layer(s). "
             + ' '.join(f'{k}: {v}' for k, v in DIVERSITY_DESCRIPTIONS.items() if k in algs))
 
+# %% ../nbs/12a_cvfp_study.ipynb #a6ac2959
+OLD_PATIENCE = 3 # the early-stopping patience of the previous protocol, replayed for comparison
+
+def replay_early_stopping(val_er: dict, # iteration -> validation ER (%) of the learning iterations (1, 2, ...)
+                          patience: int, # stop after this many iterations without a new best (0: never)
+                          min_iterations: int = 5, # stopping (and keeping) allowed once it + 1 >= this
+                          from_min: bool = True, # True: best and patience count from min_iterations on (this protocol); False: from iteration 1 (the previous one)
+                         ) -> tuple[int, int | None, float | None]:
+    "(last iteration run, kept iteration, its validation ER) of `train_phase1`'s early-stopping rule replayed on recorded values."
+    best, best_it, since, last = -1.0, None, 0, None
+    for it in sorted(val_er):
+        last, ok = it, it + 1 >= min_iterations
+        if ok or not from_min:
+            if val_er[it] > best: best, best_it, since = val_er[it], it, 0
+            else: since += 1
+        if ok and patience and since >= patience: break
+    return last, best_it, (None if best_it is None else val_er[best_it])
+
+def _val_curve(r: Run) -> dict:
+    return {h['iteration']: h['val_effective_rank'] for h in read_metrics(r.run_dir, 'phase1.jsonl') if h.get('val_effective_rank') is not None}
+
+def _longest_plateau(curve: dict, min_iterations: int) -> int:
+    "Most iterations in a row, from min_iterations on, without a new best validation ER."
+    best, run, most = -1.0, 0, 0
+    for it in sorted(curve):
+        if it + 1 < min_iterations: continue
+        if curve[it] > best: best, run = curve[it], 0
+        else: run += 1; most = max(most, run)
+    return most
+
+def iteration_table(runs) -> pd.DataFrame:
+    "Per CVFP run: iterations, stopping rule, kept iteration and its validation ER, the last one's, the longest plateau, and the previous rule's replay."
+    rows = []
+    for r in cvfp_runs(runs):
+        s, cur = r.summary, _val_curve(r)
+        mi, kept = s.get('min_iterations') or 5, s.get('best_iteration')
+        old_stop, old_it, old_er = replay_early_stopping(cur, OLD_PATIENCE, mi, from_min=False) if cur else (None, None, None)
+        rows.append({'run': r.name, 'algorithm': s.get('algorithm'), 'stories': s.get('samples'),
+                     'iterations': f"{fmt(s.get('iterations'))}/{fmt(s.get('max_iterations'))}",
+                     'patience': 'none' if not s.get('val_patience') else fmt(s.get('val_patience')), 'kept iteration': fmt(kept),
+                     'val ER kept (%)': fmt(cur.get(kept), '.2f'), 'val ER last (%)': fmt(cur[max(cur)] if cur else None, '.2f'),
+                     'longest plateau': fmt(_longest_plateau(cur, mi) if cur else None),
+                     f'patience {OLD_PATIENCE} from iteration 1: stop / keep': 'n/a' if old_it is None else f'{old_stop} / {old_it}',
+                     f'patience {OLD_PATIENCE}: val ER kept (%)': fmt(old_er, '.2f')})
+    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+def iteration_sentence(runs) -> str:
+    "Per algorithm: iterations run, iterations kept, mean validation ER kept against what the previous rule would have kept."
+    cv = cvfp_runs(runs)
+    if not cv: return 'No completed CVFP run.'
+    out = []
+    for alg in sorted({r.summary.get('algorithm') for r in cv}):
+        rs = [r for r in cv if r.summary.get('algorithm') == alg]
+        its = [r.summary.get('iterations') for r in rs if r.summary.get('iterations') is not None]
+        kept = [r.summary['best_iteration'] for r in rs if r.summary.get('best_iteration') is not None]
+        curves = [(_val_curve(r), r.summary.get('min_iterations') or 5, r.summary.get('best_iteration')) for r in rs]
+        now = [c[k] for c, _, k in curves if k in c]
+        old = [replay_early_stopping(c, OLD_PATIENCE, mi, from_min=False) for c, mi, _ in curves if c]
+        rng = lambda xs: 'n/a' if not xs else f'{min(xs)}' if min(xs) == max(xs) else f'{min(xs)}-{max(xs)}'
+        out.append(f"**{alg}**: {rng(its)} iterations run in {len(rs)} run(s), weights kept from iteration {rng(kept)}, validation ER kept "
+                   f"{fmt(np.mean(now) if now else None, '.1f')}% on average; patience {OLD_PATIENCE} from iteration 1 would have stopped at "
+                   f"iteration {rng([o[0] for o in old])} keeping iteration {rng([o[1] for o in old if o[1] is not None])} "
+                   f"({fmt(np.mean([o[2] for o in old]) if old else None, '.1f')}% on average).")
+    return ' '.join(out)
+
 # %% ../nbs/12a_cvfp_study.ipynb #01ca6eff
 CHECKS = {'effective_rank': 'Check 1: effective rank', 'identity': 'Check 2: identity mapping', 'convergence': 'Check 3: CVFP convergence'} # summary key -> name
 
@@ -508,7 +637,39 @@ def checks_summary(runs) -> str:
     rules = '; '.join(f"{name}: {(c0.get(k) or {}).get('rule', 'n/a')}" for k, name in CHECKS.items())
     below = sum(check_verdict('effective_rank', (r.summary.get('checks') or {}).get('effective_rank')) == 'BELOW BAND' for r in cv)
     return (f'Rules. {rules}. ' + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items())
-            + f' ({below} run(s) between the failure line and the seed\'s effective-rank band).')
+            + f' ({below} run(s) between the failure line and the New-LLM guidelines\' effective-rank band).')
+
+# %% ../nbs/12a_cvfp_study.ipynb #a5c80487
+def coverage_table(runs) -> pd.DataFrame:
+    "Per CVFP run: how its validation tokens were chosen, the covered stories available, and the share of its validation tokens unseen in training."
+    rows = []
+    for r in cvfp_runs(runs):
+        g = r.summary.get
+        rows.append({'run': r.name, 'algorithm': g('algorithm'), 'stories': g('samples'), 'selection': fmt(g('val_selection')),
+                     'covered val stories available': 'n/a' if g('val_covered_stories') is None else f"{g('val_covered_stories'):,} of {fmt(g('val_stories_split'), ',')}",
+                     'their tokens': fmt(g('val_covered_tokens'), ','), 'val tokens used': fmt(g('val_tokens'), ','), 'stories used': fmt(g('val_stories_used'), ','),
+                     'unseen in training': 'n/a' if g('val_unseen_tokens') is None else f"{g('val_unseen_tokens'):,} ({g('val_unseen_percent'):.1f}%)",
+                     'rule holds': 'n/a' if g('val_coverage_rule') is None else 'yes' if g('val_coverage_rule') else 'NO',
+                     'first tokens unseen (%)': fmt(g('first_unseen_percent'), '.1f')})
+    return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+def coverage_sentence(runs) -> str:
+    "In how many runs the coverage rule holds, and per sample size where it cannot: covered tokens available and the unseen share."
+    cv = [r for r in cvfp_runs(runs) if r.summary.get('val_coverage_rule') is not None]
+    if not cv: return 'The runs recorded no validation coverage (they predate the coverage rule).'
+    ok = sum(bool(r.summary['val_coverage_rule']) for r in cv)
+    by = {}
+    for r in cv: by.setdefault(r.summary['samples'], r.summary)
+    bad = [(n, s) for n, s in sorted(by.items()) if not s['val_coverage_rule']]
+    asked = cv[0].summary.get('val_tokens_requested') or cv[0].summary.get('val_tokens')
+    s = (f"The New-LLM guidelines' coverage rule (every validation token occurs in the training tokens) holds in {ok} of {len(cv)} runs"
+         + (", at every sample size: every validation token used comes from a fully covered story." if not bad else '. '))
+    if bad:
+        s += ("It cannot hold at " + '; '.join(f"{n} stories ({s['val_covered_stories']:,} covered stories, {s['val_covered_tokens']:,} tokens, for "
+                                                 f"{fmt(asked, ',')} asked: {s['val_unseen_percent']:.1f}% of the validation tokens unseen in training, "
+                                                 f"against {s['first_unseen_percent']:.1f}% for the split's first tokens)" for n, s in bad)
+              + '. There the covered stories come first and the rest are those with the fewest unseen tokens.')
+    return s
 
 # %% ../nbs/12a_cvfp_study.ipynb #a8e47025
 def _curves(runs, file: str, key: str, cols: tuple) -> pd.DataFrame:
@@ -542,47 +703,122 @@ def timing_table(runs) -> pd.DataFrame:
             for r in cvfp_runs(runs)]
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
 
-# %% ../nbs/12a_cvfp_study.ipynb #d111b1c0
-def _alpha_points(batch_dir) -> dict:
-    "algorithm -> samples -> [(train tokens, best val PPL, run folder)] of the completed CVFP runs of a batch."
+# %% ../nbs/12a_cvfp_study.ipynb #29d8c167
+GUIDELINES_EMBEDDING = {500: {'frozen': 334.31, 'trained': 1189.15, 'frozen acc %': 18.88, 'trained acc %': 11.58},
+                        1000: {'frozen': 280.27, 'trained': 840.46, 'frozen acc %': 19.91, 'trained acc %': 13.03}} # the New-LLM guidelines' "embedding freeze adopted" table (validation PPL and accuracy by samples)
+
+def _pairs(runs) -> list[tuple[Run, Run]]:
+    "(frozen run, trained-embedding run) with the same algorithm, sample size and seed."
+    key = lambda r: (r.summary.get('algorithm'), r.summary['samples'], r.seed)
+    frozen = {key(r): r for r in cvfp_runs(runs)}
+    return [(frozen[key(t)], t) for t in cvfp_runs(runs, True) if key(t) in frozen]
+
+def embedding_table(runs) -> pd.DataFrame:
+    "Frozen against trained embedding per algorithm, sample size and seed: final validation PPL, accuracy, change and trained parameters."
+    rows = []
+    for f, t in _pairs(runs):
+        fs, ts = f.summary, t.summary
+        ch = None if _na(fs.get('final_val_ppl'), ts.get('final_val_ppl')) else 100 * (fs['final_val_ppl'] - ts['final_val_ppl']) / ts['final_val_ppl']
+        rows.append({'algorithm': fs.get('algorithm'), 'stories': fs['samples'], 'seed': f.seed,
+                     'frozen: val PPL': fmt(fs.get('final_val_ppl'), '.2f'), 'trained: val PPL': fmt(ts.get('final_val_ppl'), '.2f'),
+                     'frozen vs trained (%)': fmt(ch, '+.1f'), 'frozen: val acc': fmt(fs.get('val_acc'), '.2%'), 'trained: val acc': fmt(ts.get('val_acc'), '.2%'),
+                     'frozen: trained params': fmt(fs.get('phase2_trainable_params'), ','), 'trained: trained params': fmt(ts.get('phase2_trainable_params'), ',')})
+    return pd.DataFrame(rows).set_index(['algorithm', 'stories', 'seed']) if rows else pd.DataFrame()
+
+def embedding_sentence(runs) -> str:
+    "Whether freezing the embedding gives the lower final validation PPL, in how many pairs and by how much, beside the New-LLM guidelines."
+    ps = [(f.summary['final_val_ppl'], t.summary['final_val_ppl']) for f, t in _pairs(runs)
+          if not _na(f.summary.get('final_val_ppl'), t.summary.get('final_val_ppl'))]
+    g = '; '.join(f"{n:,} samples: frozen {v['frozen']:.2f} vs trained {v['trained']:.2f} ({100 * (v['frozen'] - v['trained']) / v['trained']:+.1f}%)"
+                  for n, v in GUIDELINES_EMBEDDING.items())
+    if not ps: return f"No run trained the embedding (run the batch with `--train-embedding` for the comparison). The New-LLM guidelines: {g}."
+    wins, fm, tm = sum(f < t for f, t in ps), float(np.mean([f for f, _ in ps])), float(np.mean([t for _, t in ps]))
+    head = ('**The frozen embedding gives the lower validation PPL**' if wins == len(ps) else
+            '**The trained embedding gives the lower validation PPL**' if wins == 0 else
+            f'**The frozen embedding gives the lower validation PPL in {wins} of {len(ps)} pairs**')
+    return (f"{head} (final epoch, {len(ps)} pair(s) of runs with the same algorithm, sample size and seed): frozen {fm:.2f} vs trained {tm:.2f} on average "
+            f"({100 * (fm - tm) / tm:+.1f}%), lower in {wins} of {len(ps)}. The New-LLM guidelines: {g}.")
+
+# %% ../nbs/12a_cvfp_study.ipynb #492d346d
+ALPHA_PPL = {'final_val_ppl': "final epoch's validation PPL (the run's validation tokens)",
+             'common_val_ppl': 'final PPL on the common set (the first validation tokens, the same for every run)',
+             'best_val_ppl': "best epoch's validation PPL (chosen on the same data: the previous protocol)"} # summary key -> what it is
+
+def _alpha_points(batch_dir, ppl: str = 'final_val_ppl') -> dict:
+    "algorithm -> samples -> [(train tokens, PPL, run folder, seed)] of the completed CVFP runs (frozen embedding) of a batch."
     pts = {}
     for r in cvfp_runs(batch_dir):
         s = r.summary
-        if s.get('best_val_ppl') is None: continue
-        pts.setdefault(s['algorithm'], {}).setdefault(int(s['samples']), []).append((s['train_tokens'], s['best_val_ppl'], r.name))
+        if s.get(ppl) is None: continue
+        pts.setdefault(s['algorithm'], {}).setdefault(int(s['samples']), []).append((s['train_tokens'], s[ppl], r.name, r.seed))
     return pts
+
+def _fit(points: list, window: int) -> dict:
+    "Fit over all points and the sliding windows; points are dicts with samples, tokens and ppl."
+    toks, ppl = [p['tokens'] for p in points], [p['ppl'] for p in points]
+    f = fit_power_law(toks, ppl)
+    return {'overall': {'alpha': f.alpha, 'A': f.A, 'r2': f.r2, 'tokens': [toks[0], toks[-1]]},
+            'progression': alpha_progression([p['samples'] for p in points], ppl, min(window, len(points)), toks).to_dict()}
+
+def _spread(values: dict) -> dict:
+    "Mean, standard deviation (n - 1; None for one value), min and max of {seed: alpha}."
+    v = np.array(list(values.values()), float)
+    return {'values': values, 'n': len(v), 'mean': float(v.mean()), 'sd': float(v.std(ddof=1)) if len(v) > 1 else None,
+            'min': float(v.min()), 'max': float(v.max())}
 
 def batch_alpha(batch_dir, # a batch directory of `oelm run cvfp`
                 window: int = 4, # points per sliding window
+                ppl: str = 'final_val_ppl', # a key of ALPHA_PPL: which PPL of each run is fitted
                ) -> dict:
-    "Power-law fits of validation PPL against training tokens per algorithm, from the run directories' summaries."
-    pts = _alpha_points(batch_dir)
-    out = {'window': window, 'fit': 'log(PPL) = log(A) + alpha * log(tokens), least squares', 'algorithms': {}}
-    for alg, by_n in pts.items():
+    "Power-law fits of validation PPL against training tokens per algorithm, on the seed means and per seed, from the run directories' summaries."
+    if ppl not in ALPHA_PPL: raise ConfigError(f'ppl={ppl!r} is invalid: choose from {list(ALPHA_PPL)}')
+    out = {'window': window, 'fit': 'log(PPL) = log(A) + alpha * log(tokens), least squares', 'ppl': ppl, 'ppl_is': ALPHA_PPL[ppl], 'algorithms': {}}
+    for alg, by_n in _alpha_points(batch_dir, ppl).items():
         ns = sorted(by_n)
-        points = [{'samples': n, 'tokens': by_n[n][0][0], 'ppl': float(np.mean([p for _, p, _ in by_n[n]])),
-                   'runs': [r for _, _, r in by_n[n]]} for n in ns]
+        points = [{'samples': n, 'tokens': by_n[n][0][0], 'ppl': float(np.mean([p for _, p, _, _ in by_n[n]])),
+                   'runs': [r for _, _, r, _ in by_n[n]]} for n in ns]
         a = {'points': points}
-        if len(points) >= 2:
-            toks, ppl = [p['tokens'] for p in points], [p['ppl'] for p in points]
-            f = fit_power_law(toks, ppl)
-            a['overall'] = {'alpha': f.alpha, 'A': f.A, 'r2': f.r2, 'tokens': [toks[0], toks[-1]]}
-            a['progression'] = alpha_progression(ns, ppl, min(window, len(points)), toks).to_dict()
+        if len(points) >= 2: a.update(_fit(points, window))
         else: a['note'] = f'{len(points)} completed point(s): a fit needs at least 2'
+        seeds = {}
+        for sd in sorted({x[3] for n in ns for x in by_n[n]}):
+            sp = [{'samples': n, 'tokens': x[0], 'ppl': float(x[1])} for n in ns for x in by_n[n] if x[3] == sd]
+            if len(sp) >= 2:
+                f = _fit(sp, window)
+                seeds[str(sd)] = {'points': sp, **f['overall'], 'alpha_change_percent': f['progression']['alpha_change_percent']}
+        if seeds: a['seeds'], a['seed_alpha'] = seeds, _spread({k: v['alpha'] for k, v in seeds.items()})
         out['algorithms'][alg] = a
     return out
 
-def write_alpha_progression(batch_dir, window: int = 4) -> dict:
+def write_alpha_progression(batch_dir, window: int = 4, ppl: str = 'final_val_ppl') -> dict:
     "Compute `batch_alpha` and write it to <batch_dir>/alpha_progression.json."
-    a = batch_alpha(batch_dir, window)
+    a = batch_alpha(batch_dir, window, ppl)
     write_json(Path(batch_dir) / 'alpha_progression.json', a)
     return a
 
 # %% ../nbs/12a_cvfp_study.ipynb #3173fe7a
 def report_alpha(batch_dir) -> dict:
-    "`write_alpha_progression` with the window size the batch was run with."
+    "`batch_alpha` on the final-epoch PPL with the batch's window size, plus every ALPHA_PPL's overall and per-seed alphas; written to alpha_progression.json."
     opts = (read_json(Path(batch_dir) / 'batch.json') or {}).get('options') or {}
-    return write_alpha_progression(batch_dir, int(opts.get('window_size') or 4))
+    w = int(opts.get('window_size') or 4)
+    a = batch_alpha(batch_dir, w)
+    a['protocols'] = {p: {alg: {k: x.get(k) for k in ('overall', 'seed_alpha', 'seeds')} for alg, x in batch_alpha(batch_dir, w, p)['algorithms'].items()}
+                      for p in ALPHA_PPL}
+    write_json(Path(batch_dir) / 'alpha_progression.json', a)
+    return a
+
+def alpha_seed_table(alpha: dict) -> pd.DataFrame:
+    "Per algorithm and PPL: the alpha of the fit on the seed means, each seed's alpha, and their mean, standard deviation and range."
+    rows = []
+    for p, algs in (alpha.get('protocols') or {alpha.get('ppl', 'final_val_ppl'): alpha['algorithms']}).items():
+        for alg, a in algs.items():
+            o, sa = a.get('overall') or {}, a.get('seed_alpha')
+            if not o and not sa: continue
+            rows.append({'algorithm': alg, 'PPL': ALPHA_PPL.get(p, p), 'fit on the seed means': 'n/a' if not o else f"{o['alpha']:.4f} (R^2 {o['r2']:.3f})",
+                         **{f'seed {k}': f"{v['alpha']:.4f}" for k, v in (a.get('seeds') or {}).items()},
+                         'mean over seeds': fmt(sa and sa['mean'], '.4f'), 'sd': fmt(sa and sa['sd'], '.4f'),
+                         'range': 'n/a' if not sa else f"{sa['max'] - sa['min']:.4f}"})
+    return pd.DataFrame(rows).set_index(['algorithm', 'PPL']).fillna('n/a') if rows else pd.DataFrame()
 
 def alpha_table(alpha: dict) -> pd.DataFrame:
     "alpha, A and R^2 of each algorithm's fit over all points and over each window, from `batch_alpha`."
@@ -602,20 +838,24 @@ def alpha_sentences(alpha: dict) -> list[str]:
         if 'overall' not in a: out.append(f"**{alg}**: {a['note']}."); continue
         o, pr = a['overall'], a['progression']
         ch = pr['alpha_change']
+        sa = a.get('seed_alpha')
+        seeds = ('' if not sa or sa['n'] < 2 else
+                 f" Per seed: {', '.join(f'{v:.5f} (seed {k})' for k, v in sa['values'].items())}; mean {sa['mean']:.5f}, sd {sa['sd']:.5f}, "
+                 f"range {sa['max'] - sa['min']:.5f}.")
         out.append(f"**{alg}**: alpha {o['alpha']:.5f} (R^2 {o['r2']:.4f}) over {len(a['points'])} sample sizes; "
                    + (f"window alpha {pr['windows'][0]['alpha']:.5f} -> {pr['windows'][-1]['alpha']:.5f} (change {ch:+.5f}"
                       + ('' if pr.get('alpha_change_percent') is None else f", {pr['alpha_change_percent']:+.1f}%") + f", {pr['trend']})" if ch is not None
-                      else f"one window of {pr['window']} points (no change to report)") + '.')
+                      else f"one window of {pr['window']} points (no change to report)") + '.' + seeds)
     return out or ['No algorithm has completed runs to fit.']
 
 # %% ../nbs/12a_cvfp_study.ipynb #91e30ad4
-SEED_PHASE1 = {'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000} # the New-LLM guidelines' Phase 1 settings (summary key -> value)
-SEED_TABLE = {'MCDL': {'val PPL': 289.1, 'val acc %': 20.3, 'alpha': -0.423, 'val ER %': 82.7},
+GUIDELINES_PHASE1 = {'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000} # the New-LLM guidelines' Phase 1 settings (summary key -> value)
+GUIDELINES_TABLE = {'MCDL': {'val PPL': 289.1, 'val acc %': 20.3, 'alpha': -0.423, 'val ER %': 82.7},
               'ODCM': {'val PPL': 308.5, 'val acc %': 19.6, 'alpha': -0.568, 'val ER %': 86.7}} # the New-LLM guidelines' table (context_dim 500, dwr 0.9)
 
 def layers_sentence(runs) -> str:
     "Which CVFP and speed runs break the New-LLM guidelines' num_layers = 1 rule, or that none does."
-    rs = cvfp_runs(runs) + _done(runs, 'speedup')
+    rs = cvfp_runs(runs, None) + _done(runs, 'speedup')
     if not rs: return 'No completed CVFP run.'
     bad = [r for r in rs if r.summary.get('num_layers', 1) != 1]  # a summary without the field predates the rule's check
     if not bad: return f"All {len(rs)} CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
@@ -623,24 +863,27 @@ def layers_sentence(runs) -> str:
             + ', '.join(f"`{r.name}` ({fmt(r.summary.get('num_layers'))} layers)" for r in bad) + '.')
 
 def phase1_settings_sentence(runs) -> str:
-    "The Phase 1 settings the CVFP runs recorded, against the New-LLM guidelines', and how often early stopping kept an earlier iteration's weights."
+    "The Phase 1 settings the CVFP runs recorded, against the New-LLM guidelines', the stopping rule, and how often an earlier iteration's weights were kept."
     cv = cvfp_runs(runs)
     if not cv: return 'No completed CVFP run.'
     names = {'min_iterations': 'minimum iterations', 'max_iterations': 'maximum iterations', 'phase1_lr': 'Adam learning rate', 'val_tokens': 'validation tokens'}
     diffs = []
-    for k, seed in SEED_PHASE1.items():
+    for k, ref in GUIDELINES_PHASE1.items():
         got = {}
         for r in cv: got.setdefault(r.summary.get(k), []).append(r.name)
         for v, rn in got.items():
-            if v != seed: diffs.append(f"{names[k]} {fmt(v, ',') if isinstance(v, int) else fmt(v)} (seed {seed:,}) in {len(rn)} run(s)")
+            if v != ref: diffs.append(f"{names[k]} {fmt(v, ',') if isinstance(v, int) else fmt(v)} (guidelines {ref:,}) in {len(rn)} run(s)")
     short = [r for r in cv if (r.summary.get('val_tokens') or 0) < (r.summary.get('val_tokens_requested') or 0)]
     s = ("Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation effective rank on 10,000 tokens."
          if not diffs else "**Phase 1 differs from the New-LLM guidelines:** " + '; '.join(diffs) + '.')
     if short: s += f" The validation split held fewer tokens than asked in {len(short)} run(s) (e.g. `{short[0].name}`: {short[0].summary['val_tokens']:,})."
     kept = [r for r in cv if r.summary.get('best_iteration') is not None and r.summary['best_iteration'] < r.summary.get('iterations', 0) - 1]
     stopped = sum(r.summary.get('stop_reason') == 'val_effective_rank' for r in cv)
-    return s + (f" Early stopping on validation effective rank ended {stopped} of {len(cv)} runs; {len(kept)} kept the weights of an earlier,"
-                " better iteration (Phase 1 table: 'weights of iteration').")
+    pats = sorted({r.summary['val_patience'] for r in cv if r.summary.get('val_patience') is not None})
+    rule = ('not recorded' if not pats else 'no early stopping, every run runs all its iterations' if pats == [0] else
+            'early stopping on validation effective rank with patience ' + ' / '.join(str(p) if p else 'none' for p in pats))
+    return s + (f" Stopping rule: {rule}; stopped early by validation effective rank: {stopped} of {len(cv)} runs; {len(kept)} kept the weights "
+                "of an earlier iteration with a higher validation effective rank, chosen from the minimum iterations on (Phase 1 table: 'weights of iteration').")
 
 def _mean(rs, k):
     xs = [r.summary.get(k) for r in rs if r.summary.get(k) is not None]
@@ -654,16 +897,18 @@ def document_table(runs, alpha: dict) -> pd.DataFrame:
         if rs:
             n = max(r.summary['samples'] for r in rs); rs = [r for r in rs if r.summary['samples'] == n]
             m = lambda k: _mean(rs, k)
-            o = (alpha.get('algorithms', {}).get(alg) or {}).get('overall') or {}
+            a = alpha.get('algorithms', {}).get(alg) or {}
+            o, sa = a.get('overall') or {}, a.get('seed_alpha')
+            al = f"{sa['mean']:.3f} ± {sa['sd']:.3f} ({sa['n']} seeds)" if sa and sa['n'] > 1 else fmt(o.get('alpha'), '.3f')
             rows.append({'algorithm': alg, 'source': f'ours ({n} stories, {len(rs)} seed(s))', 'train ER %': fmt(m('train_er_percent'), '.1f'),
                          'val ER %': fmt(m('val_er_percent'), '.1f'), 'CVFP loss': small_num(m('cvfp_loss')),
                          'train convergence %': fmt(m('train_convergence_rate'), '.1f'), 'val convergence %': fmt(m('val_convergence_rate'), '.1f'),
-                         'val PPL': fmt(m('best_val_ppl'), '.2f'), 'val acc %': fmt(None if m('val_acc') is None else 100 * m('val_acc'), '.1f'),
-                         'alpha': fmt(o.get('alpha'), '.3f')})
-        t = SEED_TABLE[alg]
+                         'val PPL': fmt(m('final_val_ppl'), '.2f'), 'best-epoch val PPL': fmt(m('best_val_ppl'), '.2f'),
+                         'val acc %': fmt(None if m('val_acc') is None else 100 * m('val_acc'), '.1f'), 'alpha': al})
+        t = GUIDELINES_TABLE[alg]
         rows.append({'algorithm': alg, 'source': 'the New-LLM guidelines', 'train ER %': 'n/a', 'val ER %': f"{t['val ER %']:.1f}", 'CVFP loss': 'n/a',
-                     'train convergence %': 'n/a', 'val convergence %': 'n/a', 'val PPL': f"{t['val PPL']:.1f}", 'val acc %': f"{t['val acc %']:.1f}",
-                     'alpha': f"{t['alpha']:.3f}"})
+                     'train convergence %': 'n/a', 'val convergence %': 'n/a', 'val PPL': f"{t['val PPL']:.1f}", 'best-epoch val PPL': 'n/a',
+                     'val acc %': f"{t['val acc %']:.1f}", 'alpha': f"{t['alpha']:.3f}"})
     return pd.DataFrame(rows).set_index(['algorithm', 'source'])
 
 def odcm_sentence(runs) -> str:
@@ -686,6 +931,23 @@ def odcm_sentence(runs) -> str:
     return (f"{verdict}: ODCM {o:.1f}% vs MCDL {m:.1f}% (mean over {k} sample size(s), {o - m:+.1f} points; higher at {wins} of {k}); "
             f"training effective rank ODCM {to:.1f}% vs MCDL {tm:.1f}% (higher at {tw} of {tk}). The New-LLM guidelines: 86.7% vs 82.7% (+4.0 points).")
 
+def er_table(runs) -> pd.DataFrame:
+    "Per sample size: validation and training effective rank (%) of MCDL and ODCM, the mean over seeds with each seed's value, and ODCM - MCDL."
+    by = {}
+    for r in cvfp_runs(runs): by.setdefault(r.summary['samples'], {}).setdefault(r.summary.get('algorithm'), []).append(r)
+    cell = lambda rs, k: 'n/a' if not rs or _mean(rs, k) is None else (f"{_mean(rs, k):.1f}" + ('' if len(rs) < 2 else
+                         ' (' + ', '.join(fmt(r.summary.get(k), '.1f') for r in rs) + ')'))
+    rows = []
+    for n in sorted(by):
+        d, row = by[n], {'stories': n}
+        for part in ('val', 'train'):
+            k = f'{part}_er_percent'
+            for alg in ('MCDL', 'ODCM'): row[f'{part} ER % {alg}'] = cell(d.get(alg), k)
+            o, m = (_mean(d.get('ODCM') or [], k), _mean(d.get('MCDL') or [], k))
+            row[f'{part} ER ODCM - MCDL'] = 'n/a' if _na(o, m) else f'{o - m:+.1f}'
+        rows.append(row)
+    return pd.DataFrame(rows).set_index('stories') if rows else pd.DataFrame()
+
 # %% ../nbs/12a_cvfp_study.ipynb #ed82c37d
 CVFP_STUDY = Study(
     name='cvfp',
@@ -696,5 +958,5 @@ CVFP_STUDY = Study(
     # the embedding GPT: the tiny preset's recipe with fewer steps (about a minute on one CPU thread)
     train={**TRAIN_PRESETS, 'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 400}},
     data=DATA_PRESETS,
-    options=CVFP_OPTIONS, default_seeds=(0,),
+    options=CVFP_OPTIONS, default_seeds=(0, 1),
     notebook='experiments/cvfp.ipynb', report='reports/cvfp.ipynb')

@@ -56,7 +56,7 @@ class PCASettings(ConfigBase):
         check(self.lowrank_init in FACTORIZED_INITS, c, 'lowrank_init', self.lowrank_init, f'must be one of {FACTORIZED_INITS}')
 
 # %% ../nbs/11a_pca_study.ipynb #3a756c93
-PCA_KS = {'tiny': (8, 16, 32, 48), 'gpt2-124m': (64, 128, 256, 512)}  # other presets: the seed's k/d ratios (default_ks)
+PCA_KS = {'tiny': (8, 16, 32, 48), 'gpt2-124m': (64, 128, 256, 512)}  # other presets: the PCA document's k/d ratios (default_ks)
 PCA_LORA = {'tiny': dict(rank=4, alpha=8.0, dropout=0.1), 'gpt2-124m': dict(rank=32, alpha=64.0, dropout=0.1)}
 PCA_LORA_TRAIN = {  # fine-tuning schedule; steps = half the baseline's, warmup and eval cadence as shares of them
     'tiny': dict(lr=1e-2, min_lr=2e-4, weight_decay=0.01, warmup_share=0.02, eval_share=0.1),
@@ -64,7 +64,7 @@ PCA_LORA_TRAIN = {  # fine-tuning schedule; steps = half the baseline's, warmup 
 }
 
 def default_ks(preset: str) -> tuple[int, ...]:
-    "The study's ks for `preset`: the table above, else the seed's k/d ratios rounded to multiples of 8."
+    "The study's ks for `preset`: the table above, else the PCA document's k/d ratios rounded to multiples of 8."
     if preset in PCA_KS: return PCA_KS[preset]
     d = PRESETS[preset]['n_embd']
     return tuple(sorted({max(8, round(d * f / 8) * 8) for f in (1 / 12, 1 / 6, 1 / 3, 2 / 3)}))

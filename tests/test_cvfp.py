@@ -11,7 +11,7 @@ from oelm_nb.core import ConfigError
 from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, alpha_progression, build_context_cache,
                           combined_loss, convergence_verdict, cvfp_config, cvfp_convergence_check, cvfp_loss, effective_rank, fit_power_law,
                           identity_check, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, odcm_cov_loss, phase2_batch_size, train_phase1,
-                          train_phase2, val_effective_rank, context_spread, effective_rank_check, final_diff_grade)
+                          train_phase2, val_effective_rank, context_spread, effective_rank_check, final_diff_grade, context_scan)
 
 SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)  # two layers: the per-layer cache is exercised
 
@@ -185,11 +185,28 @@ def test_early_stopping_on_validation_effective_rank(patience):
         if patience and it + 1 >= cfg.phase1_min_iterations and since >= patience: expected = it + 1; break
     assert r.iterations == expected
     assert r.stop_reason == ('val_effective_rank' if expected < cfg.phase1_max_iterations else 'max_iterations')
-    # early stopping restores the best iteration's weights: the final evaluation reads the best number (without it, the last)
+    # the best iteration's weights are restored (with or without early stopping): the final evaluation reads the best number
     best = 1 + int(np.argmax(vals))
-    assert r.best_iteration == (best if patience else None)
-    assert val_effective_rank(model, val).percent == (max(vals) if patience else vals[-1])
+    assert r.best_iteration == best
+    assert val_effective_rank(model, val).percent == max(vals)
     assert val_effective_rank(model, val).percent == effective_rank(build_context_cache(model, val)[-1]).percent
+
+
+@pytest.mark.parametrize('min_it', [3, 5])
+def test_kept_iteration_is_the_best_from_the_minimum_iterations_on(min_it):
+    "Keeping an iteration's weights is stopping there after the fact: only iterations with it + 1 >= phase1_min_iterations can be kept."
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=min_it, phase1_max_iterations=7, convergence_target=1.0)
+    ids, val = markov_tokens(120, cfg.vocab_size), markov_tokens(60, cfg.vocab_size, seed=7)
+    model = CVFPModel(cfg)
+    r = train_phase1(model, ids, val_ids=val)
+    assert (r.iterations, r.stop_reason) == (7, 'max_iterations')  # no early stopping by default
+    vals = {h['iteration']: h['val_effective_rank'] for h in r.history[1:]}
+    eligible = {it: v for it, v in vals.items() if it + 1 >= min_it}
+    assert r.best_iteration == max(eligible, key=eligible.get)
+    assert val_effective_rank(model, val).percent == max(eligible.values())
+    off = CVFPModel(cfg.replace(phase1_restore_best=False))
+    r_off = train_phase1(off, ids, val_ids=val)
+    assert r_off.best_iteration is None and val_effective_rank(off, val).percent == r_off.history[-1]['val_effective_rank']
 
 
 def test_restored_weights_are_the_best_iterations():
@@ -222,7 +239,7 @@ def test_check1_spread_and_bands():
 
 
 def test_val_early_stopping_does_not_change_training():
-    cfg = CVFPConfig(**SMALL, phase1_min_iterations=5, phase1_max_iterations=5, phase1_val_patience=0)
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=5, phase1_max_iterations=5, phase1_val_patience=0, phase1_restore_best=False)
     ids = markov_tokens(80, cfg.vocab_size)
     a, b = train_phase1(CVFPModel(cfg), ids), train_phase1(CVFPModel(cfg), ids, val_ids=markov_tokens(30, cfg.vocab_size, seed=3))
     assert torch.equal(a.contexts, b.contexts) and a.seconds > 0 and b.seconds > 0
@@ -314,6 +331,41 @@ def test_phase2_trains_token_block_only():
     assert torch.equal(emb_before, model.embedding.weight) and model.head.weight is model.embedding.weight
     assert any(not torch.equal(a, b) for a, b in zip(tok_before, model.token_block.parameters()))
     assert p2.val_ppl is not None and math.isfinite(p2.val_ppl)
+
+
+def test_phase2_trains_the_tied_embedding_when_asked():
+    "phase2_train_embedding: the embedding (= head) trains with the TokenBlock; the ContextBlock and the cached contexts do not change."
+    cfg = CVFPConfig(**SMALL, phase2_epochs=2, phase2_batch_size=32, phase2_lr=3e-3)
+    ids, val = markov_tokens(200, cfg.vocab_size), markov_tokens(50, cfg.vocab_size, seed=1)
+    frozen, trained = CVFPModel(cfg), CVFPModel(cfg.replace(phase2_train_embedding=True))
+    emb0 = trained.embedding.weight.clone()
+    ctx0 = {k: v.clone() for k, v in trained.context_block.state_dict().items()}
+    cache, val_cache = build_context_cache(trained, ids), build_context_cache(trained, val)  # through the embedding before Phase 2
+    pf, pt = train_phase2(frozen, ids, val_ids=val), train_phase2(trained, ids, cache=cache, val_ids=val)
+    assert not torch.equal(trained.embedding.weight, emb0) and trained.head.weight is trained.embedding.weight
+    assert all(torch.equal(v, trained.context_block.state_dict()[k]) for k, v in ctx0.items())
+    assert not trained.embedding.weight.requires_grad and not frozen.embedding.weight.requires_grad
+    n_tok, n_emb = sum(p.numel() for p in trained.token_block.parameters()), trained.embedding.weight.numel()
+    assert (pf.train_embedding, pf.trainable_params) == (False, n_tok) and (pt.train_embedding, pt.trainable_params) == (True, n_tok + n_emb)
+    # the validation PPL is measured on contexts cached before Phase 2 (the old embedding), with the new embedding as token input and head
+    from oelm_nb.cvfp import evaluate_cached
+    assert pt.val_ppl == pytest.approx(evaluate_cached(trained, val, val_cache)['val_ppl'], rel=1e-6)
+    assert pf.val_ppl != pt.val_ppl
+
+
+def test_context_scan_matches_the_module_token_by_token():
+    "The fast scan computes what calling the ContextBlock token by token computes."
+    model = CVFPModel(CVFPConfig(**SMALL))
+    ids = markov_tokens(150, model.cfg.vocab_size)
+    start = torch.randn(1, model.cfg.context_dim)
+    ctx, outs = start, []
+    with torch.no_grad():
+        for t in range(len(ids)):
+            o = model.context_block(ctx, model.embed(ids[t:t + 1])); outs.append(o); ctx = o[-1]
+    ref = [torch.cat([o[l] for o in outs]) for l in range(model.cfg.num_layers)]
+    got = context_scan(model.context_block, model.embed(ids), start)
+    for a, b in zip(ref, got): torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert [tuple(g.shape) for g in got] == [(150, model.cfg.context_dim)] * 2 and not got[-1].requires_grad
 
 
 def test_batch_size_from_cpu_budget():

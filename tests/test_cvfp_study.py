@@ -26,7 +26,7 @@ TOO_MANY = 1000  # stories: the tiny corpus has 300, so this run fails
 # ====================================================================== the shared batch
 @pytest.fixture(scope='module')
 def batch(tmp_path_factory):
-    "`oelm run cvfp --algorithms MCDL --samples 2 4 1000 --sequential --jobs 2` on tiny data: (dir, rc, stdout, stderr)."
+    "`oelm run cvfp --algorithms MCDL --samples 2 4 1000 --sequential --seeds 0 --jobs 2` on tiny data: (dir, rc, stdout, stderr)."
     root = tmp_path_factory.getbasetemp()
     if os.environ.get('PYTEST_XDIST_WORKER'): root = root.parent
     out, done = root / 'oelm-cvfp-batch', root / 'oelm-cvfp-batch.result.json'
@@ -34,10 +34,27 @@ def batch(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             res = subprocess.run(oelm('run', 'cvfp', '--algorithms', 'MCDL', '--samples', *map(str, (*SAMPLES, TOO_MANY)), '--sequential',
-                                      '--jobs', '2', '--out', str(out), *TINY, *SMALL_CVFP), capture_output=True, text=True, timeout=TIMEOUT)
+                                      '--seeds', '0', '--jobs', '2', '--out', str(out), *TINY, *SMALL_CVFP), capture_output=True, text=True, timeout=TIMEOUT)
             done.write_text(json.dumps({'rc': res.returncode, 'stdout': res.stdout, 'stderr': res.stderr}))
         r = read_json(done)
     return out, r['rc'], r['stdout'], r['stderr']
+
+
+def coverage(data_dir: Path, n_train: int, n_val: int) -> dict:
+    "Independently of select_val_tokens: the validation stories all of whose tokens occur in the first n_train training stories, and the unseen share of the first n_val validation tokens."
+    meta = read_json(data_dir / 'meta.json')
+    dt, eot = np.dtype(meta['dtype']), meta['eot_id']
+    tr, va = np.fromfile(data_dir / 'train.bin', dtype=dt), np.fromfile(data_dir / 'val.bin', dtype=dt)
+    seen = set(tr[:story_tokens(data_dir, n_train)].tolist())
+    stories, cur = [], []
+    for t in va.tolist():
+        cur.append(t)
+        if t == eot: stories.append(cur); cur = []
+    if cur: stories.append(cur)
+    covered = [st for st in stories if all(t in seen for t in st)]
+    first = va[:n_val].tolist()
+    return {'stories': len(stories), 'covered': len(covered), 'covered_tokens': sum(map(len, covered)),
+            'first_unseen_percent': 100 * sum(t not in seen for t in first) / len(first), 'seen': seen}
 
 
 def story_tokens(data_dir: Path, n: int) -> int:
@@ -83,6 +100,16 @@ def test_cvfp_run_summaries(batch):
         assert read_json(d / 'config.json')['settings']['parallel'] is False
         assert s['train_tokens'] == story_tokens(data_dir, n)
         assert (s['val_tokens'], s['check_tokens']) == (600, 200)
+        # the coverage rule: the numbers select_val_tokens recorded, against an independent count on the token files
+        cov = coverage(data_dir, n, 600)
+        assert (s['val_selection'], s['val_stories_split'], s['val_covered_stories'], s['val_covered_tokens']) == ('covered', cov['stories'], cov['covered'], cov['covered_tokens'])
+        assert s['first_unseen_percent'] == pytest.approx(cov['first_unseen_percent'])
+        assert s['val_coverage_rule'] == (s['val_unseen_tokens'] == 0) and s['val_unseen_percent'] == pytest.approx(100 * s['val_unseen_tokens'] / 600)
+        assert s['val_coverage_rule'] == (cov['covered_tokens'] >= 600)  # covered stories first: the rule holds exactly when they suffice
+        assert s['val_unseen_percent'] <= s['first_unseen_percent'] + 1e-9  # the choice never covers worse than the split's first tokens
+        # the common set: the split's first tokens, the final model's PPL
+        assert s['common_val_tokens'] == 600 and 1 < s['common_val_ppl'] < 1000 and 0 <= s['common_val_acc'] <= 1
+        assert (s['phase2_train_embedding'], s['val_patience'], s['restore_best']) == (False, 0, True)
         for part in ('train', 'val'):
             tot = s['train_tokens'] if part == 'train' else s['check_tokens']
             assert 0 <= s[f'{part}_converged_tokens'] <= tot
@@ -145,11 +172,14 @@ def test_alpha_progression_from_the_runs(batch):
     m = a['algorithms']['MCDL']
     sums = [read_json(out / f'MCDL-n{n}-s0' / 'summary.json') for n in SAMPLES]
     assert [p['samples'] for p in m['points']] == list(SAMPLES)  # the failed run is left out
-    toks, ppl = np.log([s['train_tokens'] for s in sums]), np.log([s['best_val_ppl'] for s in sums])
+    toks, ppl = np.log([s['train_tokens'] for s in sums]), np.log([s['final_val_ppl'] for s in sums])  # the final epoch, never the best
     slope, icpt = np.polyfit(toks, ppl, 1)
     assert m['overall']['alpha'] == pytest.approx(slope, rel=1e-9) and m['overall']['A'] == pytest.approx(math.exp(icpt), rel=1e-9)
     assert m['overall']['r2'] == pytest.approx(1.0)  # two points lie on their line
     assert m['progression']['window'] == 2 and len(m['progression']['windows']) == 1
+    assert a['ppl'] == 'final_val_ppl' and m['seed_alpha']['n'] == 1 and m['seeds']['0']['alpha'] == pytest.approx(slope, rel=1e-9)
+    best = np.polyfit(toks, np.log([s['best_val_ppl'] for s in sums]), 1)[0]
+    assert a['protocols']['best_val_ppl']['MCDL']['overall']['alpha'] == pytest.approx(best, rel=1e-9)
 
 
 def test_report_states_the_numbers(batch):
@@ -167,13 +197,16 @@ def test_report_states_the_numbers(batch):
         assert f"{s['train_convergence_rate']:.1f}% ({s['train_converged_tokens']:,}/{s['train_tokens']:,} tokens)" in t
         assert f"{s['val_convergence_rate']:.1f}% ({s['val_converged_tokens']:,}/{s['check_tokens']:,} tokens)" in t
         assert f"{s['train_er']:.2f}/64 ({s['train_er_percent']:.1f}%)" in t and f"{s['val_er']:.2f}/64 ({s['val_er_percent']:.1f}%)" in t
-        assert f"{s['best_val_ppl']:.2f}" in t and f"{s['iterations']}/3" in t
+        assert f"{s['best_val_ppl']:.2f}" in t and f"{s['final_val_ppl']:.2f}" in t and f"{s['iterations']}/3" in t
     a = read_json(out / 'alpha_progression.json')['algorithms']['MCDL']['overall']
     assert f"alpha {a['alpha']:.5f} (R^2 {a['r2']:.4f})" in t
     assert 'PASS' in t or 'FAIL' in t
     assert re.search(r'Check 2: identity mapping passed in \d+ of 2 runs', t)
     assert "All 3 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)." in t
-    assert 'maximum iterations 3 (seed 40)' in t and 'validation tokens 600 (seed 10,000)' in t
+    assert 'maximum iterations 3 (guidelines 40)' in t and 'validation tokens 600 (guidelines 10,000)' in t
+    assert 'Stopping rule: no early stopping, every run runs all its iterations' in t
+    assert "The New-LLM guidelines' coverage rule (every validation token occurs in the training tokens) holds in" in t
+    assert 'No run trained the embedding' in t and 'fit on the seed means' in t
     assert 'PASS >= 81 (guidelines band 81-82), FAIL < 30' in t and 'No sample size has both MCDL and ODCM runs' in t
     assert f"cosine {sp['par_seq_cosine_mean']:.4f} mean" in t
 
@@ -204,6 +237,11 @@ def test_flags_reach_the_plan_and_the_runs():
     assert sorted(v[2:]) == sorted(f'{alg}-n{n}' for alg in ('MCDL', 'ODCM') for n in (20, 40, 80, 160, 320))
     opts = study_plan(st, parse('--init-samples', '5', '--multiplier', '3', '--window-size', '2', '--num-windows', '1', '--algorithms', 'MCDL'))[2]
     assert st.planned('tiny', 400, opts)[2:] == ['MCDL-n15', 'MCDL-n5']
+    assert st.default_seeds == (0, 1)  # two seeds by default: the report shows the spread of alpha over seeds
+    te = study_plan(st, parse('--train-embedding', '--samples', '3', '--algorithms', 'ODCM'))[2]
+    assert te['train_embedding'] is True and st.planned('tiny', 400, te)[2:] == ['ODCM-n3', 'ODCM-n3-train-emb']
+    spec = resolve_spec('cvfp', 'ODCM-n3-train-emb', 'tiny', 0, None, '/tmp/x/ODCM-n3-train-emb-s0', 'synthetic', None, {}, options=te)
+    assert spec.settings.config(0).phase2_train_embedding is True and spec.settings.samples == 3
 
 
 @pytest.mark.parametrize('argv,message', [
@@ -269,6 +307,34 @@ def test_embed_run_takes_a_hf_style_directory(tiny_data, tmp_path):
     with pytest.raises(ConfigError, match='does not exist'): load_embedding(tmp_path / 'missing')
     save_file({'w': torch.randn(3, 3)}, str(tmp_path / 'noemb.safetensors'))
     with pytest.raises(ConfigError, match='no token-embedding tensor'): load_embedding(tmp_path / 'noemb.safetensors')
+
+
+def test_train_embedding_twin(tiny_data, tmp_path):
+    "--train-embedding: same Phase 1 as the frozen run, Phase 2 trains the tied embedding; the frozen run's embedding is the upstream one."
+    from safetensors.torch import save_file, load_file
+    from oelm_nb.cvfp_study import run_cvfp
+    from oelm_nb.experiment import resolve_spec
+    src = tmp_path / 'emb.safetensors'
+    save_file({'model.embed_tokens.weight': torch.randn(300, 16, generator=torch.Generator().manual_seed(0))}, str(src))
+    b = tmp_path / 'b'
+    small = {'settings.val_tokens': 300, 'settings.check_tokens': 100, 'settings.phase1_max_iterations': 4, 'settings.phase1_min_iterations': 3,
+             'settings.phase2_epochs': 2, 'settings.context_dim': 16}
+    run_cvfp(resolve_spec('cvfp', 'embed', 'tiny', 0, None, str(b / 'embed-s0'), str(tiny_data), None, {'settings.embeddings': str(src)}))
+    opts = {'samples': [3], 'algorithms': ['MCDL'], 'train_embedding': True}
+    sums = {v: run_cvfp(resolve_spec('cvfp', v, 'tiny', 0, None, str(b / f'{v}-s0'), str(tiny_data), None, small, options=opts))
+            for v in ('MCDL-n3', 'MCDL-n3-train-emb')}
+    f, t = sums['MCDL-n3'], sums['MCDL-n3-train-emb']
+    assert (f['phase2_train_embedding'], t['phase2_train_embedding']) == (False, True)
+    strip = lambda p: [{k: v for k, v in h.items() if k != 'seconds'} for h in read_jsonl(p)]
+    assert strip(b / 'MCDL-n3-s0' / 'phase1.jsonl') == strip(b / 'MCDL-n3-train-emb-s0' / 'phase1.jsonl')  # the same Phase 1
+    assert (f['val_er'], f['train_er'], f['best_iteration']) == (t['val_er'], t['train_er'], t['best_iteration'])
+    up = load_file(str(b / 'embed-s0' / 'embedding.safetensors'))['embedding']
+    mf, mt = load_file(str(b / 'MCDL-n3-s0' / 'model.safetensors')), load_file(str(b / 'MCDL-n3-train-emb-s0' / 'model.safetensors'))
+    emb = lambda m: m['embedding.weight'] if 'embedding.weight' in m else m['head.weight']  # tied: saved once
+    assert torch.equal(emb(mf), up) and not torch.equal(emb(mt), up)
+    n_emb = up.numel()
+    assert t['phase2_trainable_params'] == f['phase2_trainable_params'] + n_emb == t['params_trainable_phase2'] + n_emb
+    assert f['final_val_ppl'] != t['final_val_ppl']
 
 
 def test_cvfp_run_needs_its_embed_run_and_valid_settings(tiny_data, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json, math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from oelm_nb.experiment import write_json
 from oelm_nb import cvfp_study as cs
@@ -143,23 +144,27 @@ def test_checks(batch):
     assert len(d) == 6 * 7
 
 
-def test_against_the_seed(batch, tmp_path):
+def test_against_the_guidelines(batch, tmp_path):
     # the fake runs have 2 layers and no speed-run layer count: every CVFP run breaks the rule, by name
     s = cs.layers_sentence(batch)
     assert s.startswith("**6 of 7 run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely do not change\"): `run0-s0` (2 layers)")
     one = make_batch(tmp_path / 'one', summaries={(a, n, 0): {**cvfp_summary(a, n), 'num_layers': 1} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)})
     assert cs.layers_sentence(one) == "All 7 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
-    assert cs.phase1_settings_sentence(batch).startswith('**Phase 1 differs from the New-LLM guidelines:** minimum iterations n/a (seed 5) in 6 run(s); '
-                                                         'maximum iterations 10 (seed 40) in 6 run(s); Adam learning rate n/a (seed 0.002) in 6 run(s); '
-                                                         'validation tokens 640 (seed 10,000) in 6 run(s).')
-    seedlike = {(a, n, 0): {**cvfp_summary(a, n), 'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000,
-                            'val_tokens_requested': 10_000, 'best_iteration': 2, 'stop_reason': 'val_effective_rank'} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
-    assert cs.phase1_settings_sentence(make_batch(tmp_path / 'seedlike', summaries=seedlike)) == (
+    assert cs.phase1_settings_sentence(batch).startswith('**Phase 1 differs from the New-LLM guidelines:** minimum iterations n/a (guidelines 5) in 6 run(s); '
+                                                         'maximum iterations 10 (guidelines 40) in 6 run(s); Adam learning rate n/a (guidelines 0.002) in 6 run(s); '
+                                                         'validation tokens 640 (guidelines 10,000) in 6 run(s).')
+    assert 'Stopping rule: not recorded;' in cs.phase1_settings_sentence(batch)
+    like = {(a, n, 0): {**cvfp_summary(a, n), 'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000, 'iterations': 40,
+                        'val_tokens_requested': 10_000, 'best_iteration': 20 + n // 10, 'stop_reason': 'max_iterations', 'val_patience': 0}
+            for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
+    assert cs.phase1_settings_sentence(make_batch(tmp_path / 'like', summaries=like)) == (
         'Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation effective rank on 10,000 tokens. '
-        "Early stopping on validation effective rank ended 6 of 6 runs; 6 kept the weights of an earlier, better iteration (Phase 1 table: 'weights of iteration').")
+        'Stopping rule: no early stopping, every run runs all its iterations; stopped early by validation effective rank: 0 of 6 runs; 6 kept the weights '
+        "of an earlier iteration with a higher validation effective rank, chosen from the minimum iterations on (Phase 1 table: 'weights of iteration').")
     dt = cs.document_table(batch, cs.report_alpha(batch))
-    assert dt.loc[('ODCM', 'ours (40 stories, 1 seed(s))')].tolist() == ['50.0', '40.0', '0.062500', '10.0', '100.0', f"{ppl('ODCM', 40):.2f}", '12.5', '-0.300']
-    assert dt.loc[('MCDL', 'the New-LLM guidelines')].tolist() == ['n/a', '82.7', 'n/a', 'n/a', 'n/a', '289.1', '20.3', '-0.423']
+    assert dt.loc[('ODCM', 'ours (40 stories, 1 seed(s))')].tolist() == ['50.0', '40.0', '0.062500', '10.0', '100.0', f"{2 * ppl('ODCM', 40):.2f}",
+                                                                        f"{ppl('ODCM', 40):.2f}", '12.5', '-0.300']
+    assert dt.loc[('MCDL', 'the New-LLM guidelines')].tolist() == ['n/a', '82.7', 'n/a', 'n/a', 'n/a', '289.1', 'n/a', '20.3', '-0.423']
     hi = {(a, n, 0): {**cvfp_summary(a, n), 'val_er_percent': 40.0 + (5 if a == 'ODCM' and n > 10 else 0)} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
     assert cs.odcm_sentence(make_batch(tmp_path / 'hi', summaries=hi)) == (
         '**Our ODCM raises the validation effective rank above MCDL at only 2 of 3 sample sizes**, where the New-LLM guidelines found it higher: ODCM 43.3% vs '
@@ -173,7 +178,8 @@ def test_alpha(batch):
     assert a['window'] == 2 and (batch / 'alpha_progression.json').exists()
     t = cs.alpha_table(a)
     assert t.index.tolist() == [(alg, w) for alg in ('MCDL', 'ODCM') for w in ('all points', '1', '2')]
-    assert t.loc[('ODCM', 'all points')].tolist() == ['10-40', '1,000-4,000', '-0.30000', '550', '1.0000']
+    assert t.loc[('ODCM', 'all points')].tolist() == ['10-40', '1,000-4,000', '-0.30000', '1.1e+03', '1.0000']  # the final epoch's PPL, twice the best here
+    assert a['ppl'] == 'final_val_ppl' and a['protocols']['best_val_ppl']['ODCM']['overall']['A'] == pytest.approx(550)
     s = cs.alpha_sentences(a)
     assert len(s) == 2 and s[1].startswith('**ODCM**: alpha -0.30000 (R^2 1.0000) over 3 sample sizes; window alpha -0.30000 -> -0.30000 (change ')
 
@@ -201,7 +207,7 @@ def test_failed_run_is_listed_and_left_out(tmp_path):
 
 
 def test_missing_run_and_metrics(tmp_path):
-    no_ppl = {k: v for k, v in cvfp_summary('MCDL', 20).items() if k != 'best_val_ppl'}
+    no_ppl = {k: v for k, v in cvfp_summary('MCDL', 20).items() if k not in ('best_val_ppl', 'final_val_ppl')}
     no_checks = {k: v for k, v in cvfp_summary('ODCM', 20).items() if k not in ('checks', 'val_er', 'stop_reason')}
     b = make_batch(tmp_path / 'b', samples=(10, 20, 40), summaries={('MCDL', 20, 0): no_ppl, ('ODCM', 20, 0): no_checks})
     write_json(b / 'batch.json', {**json.loads((b / 'batch.json').read_text()), 'variants': ['embed', 'phase1-speed', 'run0', 'ghost']})
@@ -216,6 +222,54 @@ def test_missing_run_and_metrics(tmp_path):
     a = cs.batch_alpha(b, 2)  # the run without a PPL is no alpha point
     assert [p['samples'] for p in a['algorithms']['MCDL']['points']] == [10, 40]
     assert cs.alpha_table(a).loc[('MCDL', 'all points'), 'stories'] == '10-40'
+
+
+def test_alpha_per_seed_with_mean_and_spread(tmp_path):
+    "Each seed is fitted on its own: alpha per seed, their mean, sd (n - 1) and range; the fit on the seed means beside them."
+    def with_alpha(alg, n, seed, al):
+        p = 500 * (100 * n) ** al
+        return {**cvfp_summary(alg, n, seed), 'best_val_ppl': p / 2, 'final_val_ppl': p, 'common_val_ppl': 3 * p}
+    alphas = {0: -0.30, 1: -0.36}
+    b = make_batch(tmp_path / 'b', algs=('MCDL',), samples=(10, 20, 40), seeds=(0, 1),
+                   summaries={('MCDL', n, sd): with_alpha('MCDL', n, sd, al) for n in (10, 20, 40) for sd, al in alphas.items()})
+    a = cs.report_alpha(b)
+    m = a['algorithms']['MCDL']
+    assert {k: round(v['alpha'], 9) for k, v in m['seeds'].items()} == {'0': -0.3, '1': -0.36}
+    sa = m['seed_alpha']
+    assert (sa['n'], round(sa['mean'], 9), round(sa['min'], 9), round(sa['max'], 9)) == (2, -0.33, -0.36, -0.3)
+    assert sa['sd'] == pytest.approx(0.06 / math.sqrt(2))
+    # the fit on the mean PPL over seeds is another number than the mean of the seeds' alphas
+    toks, mean_ppl = [1000, 2000, 4000], [(500 * t ** -0.3 + 500 * t ** -0.36) / 2 for t in (1000, 2000, 4000)]
+    assert m['overall']['alpha'] == pytest.approx(np.polyfit(np.log(toks), np.log(mean_ppl), 1)[0])
+    t = cs.alpha_seed_table(a)
+    assert t.loc[('MCDL', cs.ALPHA_PPL['final_val_ppl'])].tolist()[1:] == ['-0.3000', '-0.3600', '-0.3300', f'{0.06 / math.sqrt(2):.4f}', '0.0600']
+    assert t.loc[('MCDL', cs.ALPHA_PPL['common_val_ppl']), 'seed 1'] == '-0.3600'  # 3x the PPL: the same slope
+    assert cs.alpha_sentences(a)[0].endswith('Per seed: -0.30000 (seed 0), -0.36000 (seed 1); mean -0.33000, sd 0.04243, range 0.06000.')
+    assert cs.document_table(b, a).loc[('MCDL', 'ours (40 stories, 2 seed(s))'), 'alpha'] == '-0.330 ± 0.042 (2 seeds)'
+
+
+def test_coverage_and_embedding_without_records(batch):
+    "Runs from before the coverage rule and without --train-embedding say so instead of failing."
+    assert cs.coverage_sentence(batch) == 'The runs recorded no validation coverage (they predate the coverage rule).'
+    assert cs.coverage_table(batch).loc['run0-s0', 'rule holds'] == 'n/a'
+    assert cs.embedding_sentence(batch).startswith('No run trained the embedding (run the batch with `--train-embedding` for the comparison).')
+    assert len(cs.embedding_table(batch)) == 0
+
+
+def test_embedding_pairs(tmp_path):
+    trained = lambda a, n, s: {**cvfp_summary(a, n, s), 'phase2_train_embedding': True, 'final_val_ppl': 3 * ppl(a, n) * (1 if n < 40 else 0.1)}
+    b = make_batch(tmp_path / 'b', samples=(10, 40))
+    # the trained twins: extra run folders with their own labels
+    for (a, n) in (('MCDL', 10), ('MCDL', 40)):
+        d = b / f'tw{a}{n}-s0'; d.mkdir(); write_json(d / 'summary.json', trained(a, n, 0))
+    write_json(b / 'batch.json', {**json.loads((b / 'batch.json').read_text()), 'variants': json.loads((b / 'batch.json').read_text())['variants'] + ['twMCDL10', 'twMCDL40']})
+    t = cs.embedding_table(b)
+    assert t.index.tolist() == [('MCDL', 10, 0), ('MCDL', 40, 0)]
+    f10, t10 = 2 * ppl('MCDL', 10), 3 * ppl('MCDL', 10)
+    assert t.loc[('MCDL', 10, 0), ['frozen: val PPL', 'trained: val PPL', 'frozen vs trained (%)']].tolist() == [f'{f10:.2f}', f'{t10:.2f}', f'{100 * (f10 - t10) / t10:+.1f}']
+    s = cs.embedding_sentence(b)
+    assert s.startswith('**The frozen embedding gives the lower validation PPL in 1 of 2 pairs**') and 'lower in 1 of 2' in s
+    assert len(cs.phase1_table(b)) == 4 and len(cs.cvfp_runs(b, None)) == 6  # the trained twins stay out of the other tables
 
 
 def test_empty_batch(tmp_path):

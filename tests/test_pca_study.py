@@ -33,7 +33,7 @@ def test_plan_is_the_13_run_matrix_plus_the_control():
     assert variants[:2] == ['baseline', 'baseline-cont']
     for m in ('lowrank', 'pca', 'pca-lora'):
         assert [v for v in variants if v.rpartition('-k')[0] == m] == [f'{m}-k{k}' for k in (64, 128, 256, 512)]
-    assert st.planned('gpt2-124m', 10_000) == variants  # the seed's ks are gpt2-124m's default
+    assert st.planned('gpt2-124m', 10_000) == variants  # the PCA document's ks are gpt2-124m's default
     tiny = st.planned('tiny', 500)
     assert len(tiny) == 14 and all(int(v.rpartition('-k')[2]) < D for v in tiny[2:])
     assert {u for v in variants for u in plan[v].upstream} == {'baseline'}
