@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 PIPFILTER := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 RUN_OUT ?= runs/qk-freeze
 
-.PHONY: all setup run test test-fast sync-check readme-check nbtest pytest docs readme lab clean
+.PHONY: all setup run test test-fast sync-check readme-check nbtest nbdev-test pytest docs readme lab clean
 
 all: test
 
@@ -39,8 +39,14 @@ test: $(STAMP) sync-check readme-check nbtest pytest
 sync-check: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" bash tools/check_sync.sh
 
+# Every library notebook executed once, as nbdev_test runs it (cells flagged slow/cuda or `eval: false` skipped), into the
+# docs build's cache (_mkdocs/proc): the docs test in pytest then renders these executed notebooks instead of running them again.
 nbtest: $(STAMP)
-	@echo "[test] nbdev_test (cells flagged slow/cuda are skipped)"
+	@echo "[test] notebook checks: every library notebook executed (cells flagged slow/cuda are skipped)"
+	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py --check-only --jobs 2
+
+# nbdev's own runner, for comparison (make test uses the executor above)
+nbdev-test: $(STAMP)
 	@cd nbs && ../$(BIN)/nbdev_test --n_workers 2 --timing
 
 pytest: $(STAMP)

@@ -594,8 +594,19 @@ def main(argv=None):
     ap.add_argument('--no-check-links', action='store_true', help='skip the internal link check')
     ap.add_argument('--execute', choices=EXECUTE_MODES, default='all',
                     help="library notebooks: run every cell (default), only what show_doc needs, or nothing")
+    ap.add_argument('--check-only', action='store_true',
+                    help="only execute the library notebooks (nbdev_test's rules: cells flagged with settings.ini tst_flags or "
+                         "'#| eval: false' skipped) into the build folder's cache, failing on the first cell that raises; "
+                         "`make test` runs this as its notebook checks, and the docs build then reuses the executed notebooks")
     a = ap.parse_args(argv)
     try:
+        if a.check_only:
+            t0, cfg = time.time(), nbdev_config()
+            build_dir = Path(a.build_dir or ROOT / '_mkdocs').resolve()
+            docs = [d for d in discover(cfg.nbs_path) if d.library]
+            run_stage1(docs, build_dir / 'proc', a.jobs, not a.no_cache, 'all')
+            log(f'{len(docs)} library notebook(s) ran without an error in {time.time() - t0:.0f}s')
+            return 0
         build(a.site_dir, a.build_dir, a.jobs, not a.no_cache, not a.no_check_links, a.execute)
     except DocsBuildError as e:
         print(f'\n[docs] FAILED: {e}', file=sys.stderr)
