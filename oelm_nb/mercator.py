@@ -16,9 +16,10 @@ from .core import ConfigBase, ConfigError, check
 from .model import GPT
 
 # %% auto #0
-__all__ = ['LOSSES', 'MERCATOR_PRESETS', 'STAGES', 'STAGE_BOUNDS', 'safe_norm', 'cosine', 'mercator_loss', 'mse_loss',
-           'MercatorConfig', 'mercator_config', 'ElasticBottleneck', 'KVProjector', 'stage_index', 'cosine_stage',
-           'centered_cosine', 'gpt_kv', 'cache_layers', 'hf_kv', 'extract_kv', 'flatten_heads', 'kv_width', 'layer_map',
+__all__ = ['LOSSES', 'MERCATOR_PRESETS', 'STAGES', 'STAGE_BOUNDS', 'PASS_LINES', 'PASS_LABELS', 'COLLAPSE_GAP', 'safe_norm',
+           'cosine', 'mercator_loss', 'center', 'mse_loss', 'logit_kd_loss', 'MercatorConfig', 'mercator_config',
+           'ElasticBottleneck', 'KVProjector', 'stage_index', 'cosine_stage', 'centered_cosine', 'pass_label',
+           'collapsed', 'gpt_kv', 'cache_layers', 'hf_kv', 'extract_kv', 'flatten_heads', 'kv_width', 'layer_map',
            'ModelLoadError', 'load_causal_lm', 'distill_hook', 'kv_projector']
 
 # %% ../nbs/13_mercator.ipynb #503f8a3c
@@ -50,6 +51,16 @@ def mercator_loss(student: torch.Tensor, # (..., D) student vectors
     if beta: per = per + beta * (safe_norm(s).log() - safe_norm(t).log()).pow(2)
     return _masked_mean(per, mask)
 
+def center(x: torch.Tensor, # (..., D) vectors of one layer (K or V)
+           mask: torch.Tensor | None = None, # (...) True/1 at positions that count
+          ) -> torch.Tensor:
+    "`x` minus its mean vector over the (unmasked) positions: what is left once the direction every token shares is removed."
+    flat = x.reshape(-1, x.shape[-1])
+    if mask is None: return x - flat.mean(0)
+    keep = mask.to(torch.bool).expand(x.shape[:-1]).reshape(-1, 1)
+    mean = torch.where(keep, flat, torch.zeros_like(flat)).sum(0) / keep.sum().clamp(min=1)
+    return x - mean
+
 def mse_loss(student: torch.Tensor, # (..., D) student vectors
              teacher: torch.Tensor, # (..., D) teacher vectors
              alpha: float = 1.0, # weight of the loss
@@ -59,6 +70,23 @@ def mse_loss(student: torch.Tensor, # (..., D) student vectors
     "The baseline: alpha x mean squared error per position (mean over D), averaged over unmasked positions."
     if student.shape != teacher.shape: raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} must have the same shape; project the teacher first")
     return alpha * _masked_mean((student.float() - teacher.float()).pow(2).mean(-1), mask)
+
+# %% ../nbs/13_mercator.ipynb #91e71aee
+def logit_kd_loss(student_logits: torch.Tensor, # (..., V) student logits
+                  teacher_logits: torch.Tensor, # (..., V') teacher logits over the same tokenizer
+                  temperature: float = 2.0, # softening temperature tau
+                  mask: torch.Tensor | None = None, # (...) True/1 at positions that count
+                  vocab: int | None = None, # compare the first `vocab` logits (the shared tokenizer's size); None: both widths must match
+                 ) -> torch.Tensor:
+    "Hinton et al.'s distillation loss: tau^2 x KL(teacher || student) of the temperature-softened next-token distributions."
+    if vocab is not None: student_logits, teacher_logits = student_logits[..., :vocab], teacher_logits[..., :vocab]
+    if student_logits.shape != teacher_logits.shape:
+        raise ConfigError(f"logit distillation compares distributions over one vocabulary, but the student's logits are {tuple(student_logits.shape)} "
+                          f"and the teacher's {tuple(teacher_logits.shape)}; teacher and student must share a tokenizer (pass vocab= its size)")
+    log_t = F.log_softmax(teacher_logits.float() / temperature, -1)
+    log_s = F.log_softmax(student_logits.float() / temperature, -1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # (...)
+    return temperature ** 2 * _masked_mean(kl, mask)
 
 # %% ../nbs/13_mercator.ipynb #fcd91d99
 LOSSES = {'mercator': mercator_loss, 'mse': mse_loss}
@@ -71,7 +99,8 @@ class MercatorConfig(ConfigBase):
     mlp_ratio: float = 1.0 # projector hidden width / max(d_in, d_out)
     dropout: float = 0.1 # dropout in the projector
     loss: str = 'mercator' # a key of LOSSES: mercator | mse
-    lr_projector: float = 1e-3 # projector learning rate (the Mercator guide; the student's is the Trainer's lr, 5e-5 in the seed)
+    lr_projector: float = 1e-3 # projector learning rate (the Mercator guide: 1e-3, 20x its student's 5e-5, which is the Trainer's lr)
+    centered: bool = False # score K/V after subtracting each layer's mean vector (`center`): no credit for a shared direction
 
     def __post_init__(self):
         c = 'MercatorConfig'
@@ -81,7 +110,7 @@ class MercatorConfig(ConfigBase):
         check(self.mlp_ratio > 0, c, 'mlp_ratio', self.mlp_ratio, 'must be positive (0.5 low, 1.0 default, 2.0 high capacity)')
         check(0 <= self.dropout < 1, c, 'dropout', self.dropout, 'must be in [0, 1)')
         check(self.loss in LOSSES, c, 'loss', self.loss, f'must be one of {list(LOSSES)}')
-        check(self.lr_projector > 0, c, 'lr_projector', self.lr_projector, 'must be positive (seed: 1e-3)')
+        check(self.lr_projector > 0, c, 'lr_projector', self.lr_projector, 'must be positive (the Mercator guide: 1e-3)')
 
     @property
     def loss_fn(self): return LOSSES[self.loss]
@@ -97,6 +126,7 @@ MERCATOR_PRESETS = {
     'high-capacity': dict(beta=0.01, mlp_ratio=2.0),
     'low-capacity': dict(beta=0.01, mlp_ratio=0.5),
     'mse': dict(loss='mse'),
+    'centered': dict(beta=0.01, centered=True),
 }
 
 def mercator_config(preset: str = 'weak', # a key of MERCATOR_PRESETS
@@ -150,6 +180,20 @@ def centered_cosine(student: torch.Tensor, # (..., D) one layer's student vector
     keep = torch.ones(len(s), dtype=torch.bool, device=s.device) if mask is None else mask.to(torch.bool).expand(student.shape[:-1]).reshape(-1)
     s, t = s[keep], t[keep]
     return cosine(s - s.mean(0), t - t.mean(0)).mean()
+
+# %% ../nbs/13_mercator.ipynb #68769943
+PASS_LINES = (0.80, 0.90, 0.95)  # the Mercator guide's acceptance: pass, good, excellent
+PASS_LABELS = ('below pass', 'pass', 'good', 'excellent')
+
+def pass_label(c: float) -> str:
+    "The Mercator guide's verdict on a final KV cosine: excellent >= 0.95, good >= 0.90, pass >= 0.80, else below pass."
+    return PASS_LABELS[sum(c >= b for b in PASS_LINES)]
+
+COLLAPSE_GAP = 0.1  # a run whose raw cosine exceeds its centered one by more than this has collapsed
+
+def collapsed(raw: float, centered: float, gap: float = COLLAPSE_GAP) -> bool:
+    "The collapse rule: the raw KV cosine exceeds the centered one by more than `gap`, so most of the agreement is one shared direction."
+    return bool(raw - centered > gap)
 
 # %% ../nbs/13_mercator.ipynb #14507f47
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -251,39 +295,54 @@ def _freeze_teacher(teacher: nn.Module) -> nn.Module:
 def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF causal LM)
                  projector: KVProjector, # teacher KV width -> student KV width, one bottleneck per mapped layer and K/V
                  layer_map: list[int], # teacher layer of each student layer
-                 cfg: MercatorConfig | None = None, # loss kind, alpha, beta
+                 cfg: MercatorConfig | None = None, # loss kind, alpha, beta, centered
                  weight: float = 1.0, # weight of the KV loss next to the cross-entropy
                  pad_id: int | None = None, # token id of padding: those positions are masked out
-                 train_student: bool = True, # False: the KV loss reaches the projector only (a probe; the student learns from CE alone)
+                 train_student: bool = True, # False: the KV loss reaches the projector only (a probe)
+                 kd_weight: float = 0.0, # weight of the logit distillation loss (0: off)
+                 kd_temperature: float = 2.0, # its temperature
+                 kd_vocab: int | None = None, # the shared tokenizer's size (logits beyond it are padding rows)
+                 warmup_steps: int = 0, # optimizer steps in which the projector trains alone
                 ):
-    "A `Trainer` loss hook: student cross-entropy + weight x Mercator (or MSE) loss on mapped layers' K and V."
+    "A `Trainer` loss hook: student cross-entropy + weight x Mercator (or MSE) loss on mapped layers' K and V (+ kd_weight x logit KD)."
     cfg = cfg or MercatorConfig()
     _freeze_teacher(teacher)
     lmap, loss_fn = list(layer_map), cfg.loss_fn
 
-    def hook(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
-        x, y, _ = batch
-        mask = None if pad_id is None else (x != pad_id)
-        if next(teacher.parameters()).device != x.device: teacher.to(x.device)
-        teacher.eval()
-        with torch.no_grad(): _, t_kv = extract_kv(teacher, x, None if mask is None else mask.long())
-        logits, s_kv = extract_kv(model, x, None if mask is None else mask.long())
-        if len(s_kv) != len(lmap): raise ConfigError(f"layer_map has {len(lmap)} entries but the student has {len(s_kv)} layers; use layer_map({len(t_kv)}, {len(s_kv)})")
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+    def kv_terms(s_kv, t_kv, mask, student_moves: bool):
+        "(KV loss, raw cosine, centered cosine), each the mean over the mapped layers and K/V."
         kv_loss, cos, ccos = 0.0, 0.0, 0.0
         for i, ti in enumerate(lmap):
             for j, kind in enumerate('kv'):
                 s = flatten_heads(s_kv[i][j]).float()
-                if not train_student: s = s.detach()
+                if not student_moves: s = s.detach()
                 t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)
-                kv_loss = kv_loss + loss_fn(s, t, cfg.alpha, cfg.beta, mask)
+                scored = (center(s, mask), center(t, mask)) if cfg.centered else (s, t)
+                kv_loss = kv_loss + loss_fn(*scored, cfg.alpha, cfg.beta, mask)
                 with torch.no_grad():
                     cos += _masked_mean(cosine(s, t), mask).item()
                     ccos += centered_cosine(s, t, mask).item()
         n = 2 * len(lmap)
-        kv_loss, cos, ccos = kv_loss / n, cos / n, ccos / n
-        return ce + weight * kv_loss, {'ce_loss': ce.item(), 'kv_loss': kv_loss.item(), 'kv_cos': cos,
-                                       'kv_cos_centered': ccos, 'kv_stage': stage_index(cos)}
+        return kv_loss / n, cos / n, ccos / n
+
+    def hook(model: nn.Module, batch: tuple, step: int | None = None) -> tuple[torch.Tensor, dict]:
+        x, y, _ = batch
+        mask = None if pad_id is None else (x != pad_id)
+        if next(teacher.parameters()).device != x.device: teacher.to(x.device)
+        teacher.eval()
+        with torch.no_grad(): t_logits, t_kv = extract_kv(teacher, x, None if mask is None else mask.long())
+        logits, s_kv = extract_kv(model, x, None if mask is None else mask.long())
+        if len(s_kv) != len(lmap): raise ConfigError(f"layer_map has {len(lmap)} entries but the student has {len(s_kv)} layers; use layer_map({len(t_kv)}, {len(s_kv)})")
+        warming = step is not None and step < warmup_steps
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+        kv_loss, cos, ccos = kv_terms(s_kv, t_kv, mask, train_student and not warming)
+        logs = {'ce_loss': ce.item(), 'kv_loss': kv_loss.item(), 'kv_cos': cos, 'kv_cos_centered': ccos, 'kv_stage': stage_index(cos)}
+        if warming: return weight * kv_loss if weight else kv_loss, logs  # the projector alone
+        loss = ce + weight * kv_loss
+        if kd_weight:
+            kd = logit_kd_loss(logits, t_logits, kd_temperature, y != -1, kd_vocab)
+            loss, logs['kd_loss'] = loss + kd_weight * kd, kd.item()
+        return loss, logs
     return hook
 
 def kv_projector(teacher: nn.Module, student: nn.Module, cfg: MercatorConfig | None = None) -> KVProjector:

@@ -20,16 +20,16 @@ from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, 
 from .mercator_study import MERCATOR_STUDY
 
 # %% auto #0
-__all__ = ['BASELINE', 'RUN_COLUMNS', 'RUN_TABLE_COLUMNS', 'STAGE_COLORS', 'COLLAPSE_GAP', 'ONE_SEED_NOTE', 'mercator_runs',
-           'completed_runs', 'student_variants', 'distilled_variants', 'batch_line', 'stage_of', 'runs_table',
-           'style_runs_table', 'failed_runs_note', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table',
-           'collapse_guard', 'style_agreement', 'plot_agreement', 'ppl_table', 'teacher_ppl', 'vs_baseline_text',
-           'style_ppl', 'plot_ppl', 'verdict_tested', 'verdict_untested', 'verdict', 'alignment', 'mse_table',
-           'style_mse', 'mse_sentence', 'plot_training_curves']
+__all__ = ['BASELINE', 'RUN_COLUMNS', 'RUN_TABLE_COLUMNS', 'STAGE_COLORS', 'ONE_SEED_NOTE', 'mercator_runs', 'completed_runs',
+           'student_variants', 'distilled_variants', 'batch_line', 'stage_of', 'runs_table', 'style_runs_table',
+           'failed_runs_note', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard',
+           'style_agreement', 'plot_agreement', 'ppl_table', 'teacher_ppl', 'vs_baseline_text', 'style_ppl', 'plot_ppl',
+           'verdict_tested', 'verdict_untested', 'verdict', 'alignment', 'mse_table', 'style_mse', 'mse_sentence',
+           'plot_training_curves']
 
 # %% ../nbs/13b_mercator_analysis.ipynb #b36f5e5a
 import pandas as pd
-from .mercator import STAGES, STAGE_BOUNDS
+from .mercator import STAGES, STAGE_BOUNDS, COLLAPSE_GAP, PASS_LINES, PASS_LABELS, pass_label, collapsed
 
 BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
 RUN_COLUMNS = ('best_val_ppl', 'final_kv_cos', 'final_kv_cos_centered', 'teacher_val_ppl', 'steps', 'wall_time_s')
@@ -108,8 +108,6 @@ def plot_kv_curves(curves: pd.DataFrame):
     return fig
 
 # %% ../nbs/13b_mercator_analysis.ipynb #cbc419df
-COLLAPSE_GAP = 0.1  # raw - centered cosine above this: the raw agreement is largely one shared direction
-
 def layer_means(run_dirs) -> str:
     "The centered cosine per student layer, mean over the runs in `run_dirs` that recorded one ('' when none did)."
     layers = [l for d in run_dirs if (l := (read_json(Path(d) / 'summary.json') or {}).get('kv_cos_centered_layers'))]

@@ -16,36 +16,51 @@ from .experiment import (start_run, Study, Variant, RunSpec, train_run, prepare_
                                 TRAIN_PRESETS, DATA_PRESETS)
 from .model import GPT, model_config
 from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,
-                             cosine, centered_cosine, cosine_stage, stage_index, extract_kv, flatten_heads, _freeze_teacher, _masked_mean, _unwrap)
+                             cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, COLLAPSE_GAP, extract_kv, flatten_heads, _freeze_teacher, _masked_mean, _unwrap)
 
 # %% auto #0
-__all__ = ['ROLES', 'TEACHER_DTYPES', 'HF_SETTINGS', 'OUR_FAMILY_SETTINGS', 'MERCATOR_STUDY', 'MercatorSettings', 'teacher_model',
-           'resolve_checkpoint', 'resolve_dataset', 'record_text', 'load_texts', 'DocBatches', 'distill_eval',
-           'lm_eval_batches', 'teacher_checkpoint', 'mercator_run', 'mercator_common', 'mercator_variants']
+__all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'FINE_TUNE_LR', 'FINE_TUNE_SETTINGS', 'STUDENTS', 'MERCATOR_STUDY',
+           'MercatorSettings', 'teacher_model', 'resolve_checkpoint', 'resolve_dataset', 'record_text', 'load_records',
+           'load_texts', 'DocBatches', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'nf4_unavailable',
+           'check_teacher_dtype', 'teacher_load_kwargs', 'gsm8k_accuracy', 'task_records', 'mercator_run',
+           'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants']
 
 # %% ../nbs/13a_mercator_study.ipynb #01cbcafb
-ROLES = ('teacher', 'student')
-TEACHER_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
+ROLES = ('teacher', 'pretrain', 'student')
+TEACHER_DTYPES = ('auto', 'float32', 'bfloat16', 'float16', 'nf4')
+STARTS = ('pretrain', 'scratch')
 
 @dataclass
 class MercatorSettings(MercatorConfig):
     "A run of the Mercator study: the loss and projector (a MercatorConfig) plus the run's role, teacher and data."
-    role: str = 'student' # teacher | student
+    role: str = 'student' # teacher | pretrain (the student's language-model pre-training) | student (fine-tuned from it)
+    start: str = 'pretrain' # our family: students fine-tune the batch's `pretrain` run (the Mercator guide's protocol) | scratch
     distill: bool = True # False: the KV loss trains the projector only (probe); the student learns from cross-entropy alone
     kv_weight: float = 1.0 # weight of the KV loss next to the student's cross-entropy
+    kd_weight: float = 0.0 # weight of logit distillation (Hinton KD, tau^2 KL) next to the cross-entropy (0: off)
+    kd_temperature: float = 2.0 # its softening temperature
+    projector_warmup: int = 0 # optimizer steps in which the projector trains alone before the student moves
     teacher_run: str | None = None # a finished teacher run directory of this package (default: the batch's `teacher` run)
     teacher_hf: str | None = None # HF mode: local checkpoint directory of the teacher
     student_hf: str | None = None # HF mode: local checkpoint directory of the student
     dataset: str | None = None # HF mode: HF datasets `name[:config]` or a local .jsonl/.txt (None: the story corpus' text)
     text_field: str | None = None # HF mode: field holding the text (None: text, question+answer, prompt+completion)
     max_length: int = 512 # HF mode: tokens kept per document
-    teacher_dtype: str = 'auto' # HF mode: teacher weights, auto = bfloat16 on CUDA, float32 elsewhere
+    teacher_dtype: str = 'auto' # HF mode: teacher weights, auto = bfloat16 on CUDA, float32 elsewhere; nf4 = 4 bits (bitsandbytes, CUDA)
+    task_eval: int = 64 # HF mode: validation question/answer records scored by exact match after training (0: off)
+    max_new_tokens: int = 256 # HF mode: greedy tokens generated per task question
 
     def __post_init__(self):
         super().__post_init__()  # alpha, beta, loss, mlp_ratio, dropout, lr_projector
         c = 'MercatorSettings'
         check(self.role in ROLES, c, 'role', self.role, f'must be one of {ROLES}')
         check(self.kv_weight >= 0, c, 'kv_weight', self.kv_weight, 'must be non-negative')
+        check(self.kd_weight >= 0, c, 'kd_weight', self.kd_weight, 'must be non-negative (0 turns logit distillation off)')
+        check(self.kd_temperature > 0, c, 'kd_temperature', self.kd_temperature, 'must be positive (Hinton KD: 2 here)')
+        check(self.projector_warmup >= 0, c, 'projector_warmup', self.projector_warmup, 'must be a non-negative number of steps')
+        check(self.start in STARTS, c, 'start', self.start, f'must be one of {STARTS}')
+        check(self.task_eval >= 0 and self.max_new_tokens >= 1, c, 'task_eval' if self.task_eval < 0 else 'max_new_tokens',
+              self.task_eval if self.task_eval < 0 else self.max_new_tokens, 'must be non-negative (max_new_tokens at least 1)')
         check(self.max_length >= 2, c, 'max_length', self.max_length, 'must be at least 2 tokens')
         check(self.teacher_dtype in TEACHER_DTYPES, c, 'teacher_dtype', self.teacher_dtype, f'must be one of {TEACHER_DTYPES}')
         check((self.teacher_hf is None) == (self.student_hf is None), c, 'student_hf' if self.teacher_hf else 'teacher_hf', None,
@@ -114,34 +129,40 @@ def record_text(rec: dict, field: str | None = None) -> str:
         if all(k in rec for k in keys): return '\n'.join(str(rec[k]) for k in keys)
     raise ConfigError(f"cannot tell which field holds the text among {sorted(rec)}; set --set extra.text_field=NAME")
 
-def load_texts(dataset: str, # --dataset (see resolve_dataset)
-               field: str | None = None, # text field
-               val_fraction: float = 0.05, # share held out when the data set has no validation/test split
-               seed: int = 0,
-              ) -> tuple[list[str], list[str]]:
-    "(train, val) texts of a local file or a cached HF data set."
+def load_records(dataset: str, # --dataset (see resolve_dataset)
+                 val_fraction: float = 0.05, # share held out when the data set has no validation/test split
+                 seed: int = 0,
+                ) -> tuple[list[dict], list[dict]]:
+    "(train, val) records of a local file or a cached HF data set; a .txt file gives {'text': document} records."
     path, config = resolve_dataset(dataset)
     p = Path(path)
     if p.is_file() and p.suffix == '.txt':
         from oelm_nb.data import read_documents
-        texts, splits = read_documents(p), None
+        recs, splits = [{'text': d} for d in read_documents(p)], None
     elif p.is_file():
         lines = [l for l in p.read_text(encoding='utf-8').splitlines() if l.strip()]
         try: recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
         except json.JSONDecodeError as e: raise ConfigError(f"--dataset {p}: not valid JSON ({e.msg}, line {e.lineno})") from None
-        texts, splits = [record_text(r, field) for r in recs], None
+        if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+            raise ConfigError(f"--dataset {p}: expected JSON objects (one per line in .jsonl, a list of them in .json)")
+        splits = None
     else:
         try: import datasets
         except ImportError: raise ConfigError("--dataset with a data set directory needs `datasets`: pip install 'oelm_nb[hf]'") from None
         ds = datasets.load_dataset(path, config)
         val_name = next((s for s in ('validation', 'test') if s in ds), None)
-        splits = ([record_text(r, field) for r in ds['train']], [record_text(r, field) for r in ds[val_name]]) if val_name else None
-        texts = None if splits else [record_text(r, field) for r in ds['train']]
+        splits = (list(ds['train']), list(ds[val_name])) if val_name else None
+        recs = None if splits else list(ds['train'])
     if splits: return splits
-    if len(texts) < 2: raise ConfigError(f"--dataset {dataset}: {len(texts)} record(s); need at least 2 to hold some out for validation")
-    perm = np.random.default_rng(seed).permutation(len(texts))
-    n_val = min(max(1, round(len(texts) * val_fraction)), len(texts) - 1)
-    return [texts[i] for i in sorted(perm[n_val:])], [texts[i] for i in sorted(perm[:n_val])]
+    if len(recs) < 2: raise ConfigError(f"--dataset {dataset}: {len(recs)} record(s); need at least 2 to hold some out for validation")
+    perm = np.random.default_rng(seed).permutation(len(recs))
+    n_val = min(max(1, round(len(recs) * val_fraction)), len(recs) - 1)
+    return [recs[i] for i in sorted(perm[n_val:])], [recs[i] for i in sorted(perm[:n_val])]
+
+def load_texts(dataset: str, field: str | None = None, val_fraction: float = 0.05, seed: int = 0) -> tuple[list[str], list[str]]:
+    "(train, val) texts of `load_records`, one per record (`record_text`)."
+    train, val = load_records(dataset, val_fraction, seed)
+    return [record_text(r, field) for r in train], [record_text(r, field) for r in val]
 
 class DocBatches:
     "Tokenized documents served as right-padded (x, y, None) batches; y = -1 where there is no next token."
@@ -262,24 +283,29 @@ def _load_gpt_teacher(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, Path, d
 
 # %% ../nbs/13a_mercator_study.ipynb #cca2d507
 def _student_summary(spec, ds, summary, ev, lmap, teacher_info, extra) -> dict:
+    cen = ev['val_kv_cos_centered']
     return {**summary, 'role': 'student',
-            'distill': ds.distill, 'loss': ds.loss, 'alpha': ds.alpha, 'beta': ds.beta, 'kv_weight': ds.kv_weight,
-            'lr_student': spec.train.lr, 'lr_projector': ds.lr_projector, 'layer_map': lmap,
+            'distill': ds.distill, 'loss': ds.loss, 'alpha': ds.alpha, 'beta': ds.beta, 'kv_weight': ds.kv_weight, 'centered_loss': ds.centered,
+            'mlp_ratio': ds.mlp_ratio, 'kd_weight': ds.kd_weight, 'kd_temperature': ds.kd_temperature, 'projector_warmup': ds.projector_warmup,
+            'lr_student': spec.train.lr, 'lr_projector': ds.lr_projector, 'grad_clip': spec.train.grad_clip, 'layer_map': lmap,
             'val_loss': summary.get('final_val_loss'),
-            'final_kv_cos': ev['val_kv_cos'], 'final_kv_cos_centered': ev['val_kv_cos_centered'],
+            'final_kv_cos': ev['val_kv_cos'], 'final_kv_cos_centered': cen,
             'kv_cos_layers': ev['val_kv_cos_layers'], 'kv_cos_centered_layers': ev['val_kv_cos_centered_layers'],
-            'kv_stage': cosine_stage(ev['val_kv_cos']), 'kv_stage_centered': cosine_stage(ev['val_kv_cos_centered']),
-            'kv_stage_index': stage_index(ev['val_kv_cos']), 'kv_stage_centered_index': stage_index(ev['val_kv_cos_centered']),
+            'kv_stage': cosine_stage(ev['val_kv_cos']), 'kv_stage_centered': cosine_stage(cen),
+            'kv_stage_index': stage_index(ev['val_kv_cos']), 'kv_stage_centered_index': stage_index(cen),
+            'kv_pass': pass_label(cen), 'kv_pass_raw': pass_label(ev['val_kv_cos']),
+            'collapsed': collapsed(ev['val_kv_cos'], cen),
             **teacher_info, **extra}
 
-def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad_id, eval_extra=None, progress=None):
+def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad_id, eval_extra=None, progress=None, kd_vocab=None):
     "Build the projector and the hook, train the student through the Trainer; returns (summary, final eval, projector, layer map)."
     from oelm_nb.train import Trainer
     (n_t, _), (n_s, _) = kv_width(teacher), kv_width(student)
     lmap = layer_map(n_t, n_s)
     torch.manual_seed(spec.train.seed + 1)  # the projector's init: the same in every variant of this seed
     proj = kv_projector(teacher, student, ds)
-    hook = distill_hook(teacher, proj, lmap, ds, weight=ds.kv_weight, pad_id=pad_id, train_student=ds.distill)
+    hook = distill_hook(teacher, proj, lmap, ds, weight=ds.kv_weight, pad_id=pad_id, train_student=ds.distill,
+                        kd_weight=ds.kd_weight, kd_temperature=ds.kd_temperature, kd_vocab=kd_vocab, warmup_steps=ds.projector_warmup)
     def eval_fn(model):
         return {**(eval_extra(model) if eval_extra else {}), **distill_eval(model, teacher, proj, lmap, eval_batches, pad_id, with_ce=eval_extra is None)}
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
@@ -291,9 +317,9 @@ def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad
     return summary, ev, proj, lmap
 
 # %% ../nbs/13a_mercator_study.ipynb #845820c0
-def _gpt_teacher_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
-    run_dir = Path(spec.out_dir)
-    if ds.teacher_run:  # taken from a finished run: check it, do not train
+def _gpt_lm_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
+    "The teacher or the student's pre-training: a language-model run (a teacher given by --teacher-run is checked, not trained)."
+    if ds.role == 'teacher' and ds.teacher_run:
         start_run(spec)
         teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
         n, d = kv_width(teacher)
@@ -301,34 +327,74 @@ def _gpt_teacher_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict
                 'teacher_dir': str(Path(ds.teacher_run).resolve()), 'teacher_checkpoint': str(ckpt), 'kv_layers': n, 'kv_width': d,
                 **{k: ts.get(k) for k in ('best_val_ppl', 'best_val_loss', 'final_val_loss', 'recall_acc')}, 'val_loss': ts.get('final_val_loss')}
     summary = train_run(spec, progress)
-    n, d = spec.model.n_layer, spec.model.n_embd
-    return {**summary, 'role': 'teacher', 'kv_layers': n, 'kv_width': d, 'val_loss': summary.get('final_val_loss')}
+    return {**summary, 'role': ds.role, 'kv_layers': spec.model.n_layer, 'kv_width': spec.model.n_embd, 'val_loss': summary.get('final_val_loss')}
+
+def _initial_student(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, dict]:
+    "The student before distillation: the batch's pre-trained student (same seed), or a random init; and what it was."
+    student = GPT(spec.model, init_seed=spec.train.seed)  # with start='scratch': the same initial student in every variant of this seed
+    if ds.start == 'scratch': return student, {'start': 'scratch'}
+    from oelm_nb.train import load_weights
+    pdir = spec.upstream_dir('pretrain')
+    if not (pdir / 'config.json').exists():
+        raise ConfigError(f"the student fine-tunes the pre-trained student {pdir}, which does not exist; run the `pretrain` variant first "
+                          "(`oelm run mercator` adds it), or --set settings.start=scratch")
+    pspec = RunSpec.load_json(pdir / 'config.json')
+    if pspec.model.to_dict() != spec.model.to_dict():
+        raise ConfigError(f"pre-trained student {pdir} has another model configuration than this student; both come from the same preset and --set flags")
+    ckpt = teacher_checkpoint(pdir)
+    ps = read_json(pdir / 'summary.json') or {}
+    return load_weights(student, ckpt, 'model'), {'start': 'pretrain', 'start_dir': str(pdir.resolve()), 'start_checkpoint': str(ckpt),
+                                                  'start_val_ppl': ps.get('best_val_ppl'), 'start_recall_acc': ps.get('recall_acc')}
 
 def _gpt_student_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     from oelm_nb.train import evaluate, eval_starts
     from oelm_nb.data import batch as make_batch
     run_dir, train_d, val_d = prepare_run(spec)
     teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
-    student = GPT(spec.model, init_seed=spec.train.seed)  # the same initial student in every variant of this seed
+    student, start = _initial_student(spec, ds)
     T, bs, nb = spec.model.block_size, spec.train.batch_size, spec.train.eval_batches
     starts = eval_starts(len(val_d.tokens), T, bs * nb)
     batches = [make_batch(val_d, starts[i * bs:(i + 1) * bs], T) for i in range(nb)]
     dev = pick_device(spec.train.device)
     lm_eval = lambda m: evaluate(m, val_d, T, bs, nb, dev)  # loss, PPL and recall on the same windows as the teacher's evaluation
-    summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, dict(train_data=train_d, val_data=val_d), batches, None, lm_eval, progress)
+    summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, dict(train_data=train_d, val_data=val_d), batches, None, lm_eval,
+                                             progress, kd_vocab=spec.model.vocab_size)
     (n_t, d_t), (n_s, d_s) = kv_width(teacher), kv_width(student)
     tinfo = {'teacher_dir': str(_teacher_dir(spec, ds).resolve()), 'teacher_checkpoint': str(ckpt), 'teacher_val_ppl': ts.get('best_val_ppl'),
              'teacher_recall_acc': ts.get('recall_acc'), 'teacher_kv': [n_t, d_t], 'student_kv': [n_s, d_s]}
-    return _student_summary(spec, ds, summary, ev, lmap, tinfo, {'unigram_ppl': train_d.meta.get('unigram_ppl'),
-                            'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level')})
+    return _student_summary(spec, ds, summary, ev, lmap, tinfo, {**start, 'task': 'recall', 'task_acc': summary.get('recall_acc'),
+                            'unigram_ppl': train_d.meta.get('unigram_ppl'), 'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level')})
 
 # %% ../nbs/13a_mercator_study.ipynb #039cf9ef
+def nf4_unavailable() -> str | None:
+    "Why a 4-bit (nf4) teacher cannot load here, or None when it can (a CUDA device and bitsandbytes)."
+    if not torch.cuda.is_available(): return 'this machine has no CUDA device'
+    try: import bitsandbytes  # noqa: F401
+    except ImportError: return 'bitsandbytes is not installed (pip install bitsandbytes)'
+    return None
+
+def check_teacher_dtype(dtype: str):
+    "A clear `ConfigError` before any run starts when the teacher's dtype cannot be had here."
+    if dtype == 'nf4' and (why := nf4_unavailable()):
+        raise ConfigError(f"--teacher-dtype nf4 loads the teacher in 4 bits through bitsandbytes, which needs a CUDA GPU, and {why}; "
+                          "use --teacher-dtype bfloat16 (or float32) here, or run on a GPU machine")
+
+def teacher_load_kwargs(dtype: str, device: torch.device) -> dict:
+    "`from_pretrained` keyword arguments of the teacher's dtype: a torch dtype, or a 4-bit NF4 quantization (the Mercator guide's)."
+    if dtype == 'nf4':
+        check_teacher_dtype(dtype)
+        from transformers import BitsAndBytesConfig
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.bfloat16)
+        return {'quantization_config': q, 'device_map': {'': device.index or 0}}
+    return {'dtype': torch.bfloat16 if device.type == 'cuda' else torch.float32} if dtype == 'auto' else {'dtype': getattr(torch, dtype)}
+
 def _hf_pair(spec: RunSpec, ds: MercatorSettings, device) -> tuple:
     "Teacher and student causal LMs and the student's tokenizer, checked to share a vocabulary."
     from transformers import AutoTokenizer
     t_path, s_path = resolve_checkpoint(ds.teacher_hf, '--teacher'), resolve_checkpoint(ds.student_hf, '--student')
-    t_dtype = {'auto': torch.bfloat16 if device.type == 'cuda' else torch.float32}.get(ds.teacher_dtype) or getattr(torch, ds.teacher_dtype)
-    teacher = load_causal_lm(t_path, dtype=t_dtype).to(device)
+    kw = teacher_load_kwargs(ds.teacher_dtype, device)
+    teacher = load_causal_lm(t_path, **kw)
+    if 'device_map' not in kw: teacher = teacher.to(device)  # a quantized model is placed by from_pretrained
     student = load_causal_lm(s_path, dtype=torch.float32).to(device)
     tok = AutoTokenizer.from_pretrained(s_path)
     if teacher.get_input_embeddings().num_embeddings < len(tok) or student.get_input_embeddings().num_embeddings < len(tok):
@@ -353,6 +419,37 @@ def _hf_data(spec: RunSpec, ds: MercatorSettings, tok, pad_id: int) -> tuple['Do
     return (DocBatches(enc(train_t), spec.train.batch_size, pad_id, spec.train.seed),
             DocBatches(enc(val_t), spec.train.batch_size, pad_id, spec.train.seed))
 
+# %% ../nbs/13a_mercator_study.ipynb #ac73e91f
+@torch.no_grad()
+def gsm8k_accuracy(model: nn.Module, # a transformers causal LM
+                   tokenizer, # its tokenizer
+                   records: list[dict], # {'question', 'answer'} records (GSM8K format)
+                   max_new_tokens: int = 256, # greedy tokens per question
+                   n_examples: int = 3, # (question, continuation, correct) kept for the report
+                  ) -> dict:
+    "Exact-match accuracy of greedy answers to GSM8K-format questions: task_acc, task_n and a few examples."
+    from oelm_nb.data import gsm8k_correct
+    was = model.training; model.eval()
+    dev = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    hits, examples = 0, []
+    try:
+        for rec in records:
+            ids = tokenizer(str(rec['question']) + '\n', return_tensors='pt', add_special_tokens=False)['input_ids'].to(dev)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            ok = gsm8k_correct(text, str(rec['answer']))
+            hits += ok
+            if len(examples) < n_examples: examples.append({'question': str(rec['question']), 'output': text, 'correct': ok})
+    finally: model.train(was)
+    return {'task': 'gsm8k', 'task_acc': hits / len(records) if records else None, 'task_n': len(records), 'task_examples': examples}
+
+def task_records(spec: RunSpec, ds: MercatorSettings) -> list[dict]:
+    "The validation records the task is scored on: the first `task_eval` with question and answer fields ([] when none or off)."
+    if not ds.dataset or not ds.task_eval: return []
+    _, val = load_records(ds.dataset, spec.data.val_fraction, spec.data.seed)
+    return [r for r in val if 'question' in r and 'answer' in r][:ds.task_eval]
+
 # %% ../nbs/13a_mercator_study.ipynb #59b5d306
 def _hf_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     run_dir = start_run(spec)
@@ -365,64 +462,100 @@ def _hf_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
             'dataset': ds.dataset or 'story corpus', 'teacher_kv': [n_t, d_t], 'student_kv': [n_s, d_s], 'layer_map': layer_map(n_t, n_s),
             'n_train_docs': len(train_b.docs), 'n_val_docs': len(val_b.docs)}
     vb = val_b.fixed(spec.train.eval_batches)
-    if ds.role == 'teacher':  # HF mode: the teacher is given; check both load, and score the teacher on the validation sample
+    tasks = task_records(spec, ds)
+    score = lambda m: gsm8k_accuracy(m, tok, tasks, ds.max_new_tokens) if tasks else {'task': None, 'task_acc': None}
+    if ds.role == 'teacher':  # HF mode: the teacher is given; check both load, and score the teacher on the validation sample and the task
         ev = lm_eval_batches(_freeze_teacher(teacher), vb)
         return {'status': 'completed', 'role': 'teacher', **info, 'val_loss': ev['val_loss'], 'best_val_ppl': ev['val_ppl'],
-                'best_val_loss': ev['val_loss'], 'final_val_ppl': ev['val_ppl']}
+                'best_val_loss': ev['val_loss'], 'final_val_ppl': ev['val_ppl'], **score(teacher)}
     tcfg_kw = dict(train_data=None, batch_fn=lambda step, micro: train_b.train(step, micro), tokens_per_batch=spec.train.batch_size * train_b.max_len)
-    summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, tcfg_kw, vb, pad_id, None, progress)
+    summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, tcfg_kw, vb, pad_id, None, progress, kd_vocab=len(tok))
     student.save_pretrained(run_dir / 'student'); tok.save_pretrained(run_dir / 'student')
     ts = read_json(spec.upstream_dir('teacher') / 'summary.json') or {}
-    return _student_summary(spec, ds, summary, ev, lmap, {**info, 'teacher_val_ppl': ts.get('best_val_ppl'),
-                            'student_dir': str(run_dir / 'student')}, {})
+    return _student_summary(spec, ds, summary, ev, lmap, {**info, 'teacher_val_ppl': ts.get('best_val_ppl'), 'teacher_task_acc': ts.get('task_acc'),
+                            'student_dir': str(run_dir / 'student')}, {'start': 'student_hf', **score(student)})
 
 def mercator_run(spec: RunSpec, # the run's specification (study 'mercator')
                  progress: bool | None = None, # progress bar (None: spec.train.progress)
                 ) -> dict:
     "Do one run of the mercator study (teacher or student, our GPT family or HF checkpoints); writes and returns summary.json."
     ds = spec.settings
-    if ds.hf: summary = _hf_run(spec, ds, progress)
-    elif ds.role == 'teacher': summary = _gpt_teacher_run(spec, ds, progress)
-    else: summary = _gpt_student_run(spec, ds, progress)
+    if ds.hf:
+        if ds.role == 'pretrain': raise ConfigError("HF mode has no `pretrain` run: --student is the pre-trained student")
+        summary = _hf_run(spec, ds, progress)
+    elif ds.role == 'student': summary = _gpt_student_run(spec, ds, progress)
+    else: summary = _gpt_lm_run(spec, ds, progress)
     return write_summary(spec, summary)
 
 # %% ../nbs/13a_mercator_study.ipynb #c2177c9a
 HF_SETTINGS = {'train.batch_size': 2, 'train.grad_accum': 16, 'train.lr': 5e-5, 'train.min_lr': 5e-6, 'train.ckpt_every': 200,
-               'settings.lr_projector': 1e-3, 'settings.max_length': 512}
-OUR_FAMILY_SETTINGS = {'settings.lr_projector': 1e-2}  # students trained from scratch at lr 5e-3 (tiny): a projector at 2x that
+               'train.grad_clip': 0.5, 'settings.lr_projector': 1e-3, 'settings.max_length': 512}  # the Mercator guide's values
+FINE_TUNE_LR = 5e-4  # our family: the student's fine-tuning rate, the tiny pre-training schedule's final rate
+FINE_TUNE_SETTINGS = {'train.lr': FINE_TUNE_LR, 'train.min_lr': FINE_TUNE_LR / 10, 'train.grad_clip': 0.5,
+                      'settings.lr_projector': 20 * FINE_TUNE_LR}  # the Mercator guide's projector/student ratio, 1e-3 / 5e-5 = 20
 
-def mercator_common(options: dict, # the flags given: teacher, student, dataset, teacher_run
+def fine_tune_steps(steps: int) -> int:
+    "Optimizer steps of a student's distillation (our family): half the pre-training's."
+    return max(1, steps // 2)
+
+def fine_tune_schedule(steps: int) -> dict:
+    "The train.* overrides of a fine-tuning run of our family: its steps, warm-up and cadences, the fine-tuning rates and clipping."
+    f = fine_tune_steps(steps)
+    return {**FINE_TUNE_SETTINGS, 'train.max_steps': f, 'train.warmup_steps': max(1, f // 20),
+            'train.eval_every': max(1, f // 4), 'train.log_every': max(1, f // 40)}
+
+def mercator_common(options: dict, # the flags given: teacher, student, dataset, teacher_run, teacher_dtype
                     preset: str) -> dict:
     "Overrides every run of the batch shares, from `oelm run mercator` flags (checked here, before anything runs)."
-    t, s, d, tr = (options.get(k) for k in ('teacher', 'student', 'dataset', 'teacher_run'))
+    t, s, d, tr, dt = (options.get(k) for k in ('teacher', 'student', 'dataset', 'teacher_run', 'teacher_dtype'))
     if (t is None) != (s is None): raise ConfigError('HF mode needs both --teacher DIR and --student DIR (local checkpoints)')
+    if dt is not None:
+        if t is None: raise ConfigError('--teacher-dtype is for HF checkpoints (--teacher DIR --student DIR); a teacher of our family trains in the run dtype')
+        check_teacher_dtype(dt)
     if tr is not None:
         if t is not None: raise ConfigError('--teacher-run (a teacher of this package) and --teacher (an HF checkpoint) exclude each other')
         p = Path(tr).expanduser()
         if not (p / 'config.json').exists(): raise ConfigError(f"--teacher-run {p}: not a run directory (no config.json); pass a finished teacher run")
         teacher_checkpoint(p)
-        return {**OUR_FAMILY_SETTINGS, 'settings.teacher_run': str(p.resolve())}
+        return {'settings.teacher_run': str(p.resolve())}
     if d is not None and t is None:
         raise ConfigError('--dataset is for HF checkpoints (--teacher DIR --student DIR); for our GPT family pass the text file as --data FILE')
-    if t is None: return dict(OUR_FAMILY_SETTINGS)
+    if t is None: return {}
     out = {**HF_SETTINGS, 'settings.teacher_hf': resolve_checkpoint(t, '--teacher'), 'settings.student_hf': resolve_checkpoint(s, '--student')}
+    if dt is not None: out['settings.teacher_dtype'] = dt
     if d is not None: resolve_dataset(d); out['settings.dataset'] = str(Path(d).resolve()) if Path(d).expanduser().exists() else d
     return out
 
 # %% ../nbs/13a_mercator_study.ipynb #e22851cd
+STUDENTS = {  # variant -> settings of a student: what each one adds to the fine-tuning of the pre-trained student
+    'no-distill': dict(distill=False),                       # the equal-steps control: cross-entropy only (its projector probes)
+    'mercator-b0': dict(beta=0.0), 'mercator-b0.01': dict(beta=0.01), 'mercator-b0.1': dict(beta=0.1),
+    'mse': dict(loss='mse'),
+    'logit-kd': dict(distill=False, kd_weight=1.0),           # Hinton KD on the logits (the projector only probes)
+    'mercator+logit': dict(beta=0.01, kd_weight=1.0),
+    'high-capacity': dict(beta=0.01, mlp_ratio=2.0), 'low-capacity': dict(beta=0.01, mlp_ratio=0.5),
+    'mercator-centered': dict(beta=0.01, centered=True),     # the direction term on per-layer mean-centered K/V
+    'mercator-warmup': dict(beta=0.01),                       # + the projector alone for the first fifth of the steps
+}
+
 def mercator_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
-    "The teacher and five students: Mercator at beta 0 / 0.01 / 0.1, MSE, and no distillation (a probe of the student)."
+    "The teacher, the student's pre-training (our family) and the students of `STUDENTS`, fine-tuned from it."
     common = mercator_common(options, preset)
-    student = lambda **s: Variant({**common, 'settings.role': 'student', **{f'settings.{k}': v for k, v in s.items()}}, ('teacher',))
-    return {'teacher': Variant({**common, **teacher_model(model_config(preset)), 'settings.role': 'teacher'}),
-            'mercator-b0': student(loss='mercator', beta=0.0, distill=True), 'mercator-b0.01': student(loss='mercator', beta=0.01, distill=True),
-            'mercator-b0.1': student(loss='mercator', beta=0.1, distill=True), 'mse': student(loss='mse', beta=0.01, distill=True),
-            'no-distill': student(loss='mercator', beta=0.01, distill=False)}
+    hf = 'settings.teacher_hf' in common
+    tuning = {} if hf else fine_tune_schedule(steps)
+    upstream = ('teacher',) if hf else ('teacher', 'pretrain')
+    warmup = 0 if hf else fine_tune_steps(steps) // 5  # HF mode: --set settings.projector_warmup=N
+    def student(name):
+        s = {**STUDENTS[name], **({'projector_warmup': warmup} if name == 'mercator-warmup' else {})}
+        return Variant({**common, **tuning, 'settings.role': 'student', **{f'settings.{k}': v for k, v in s.items()}}, upstream)
+    out = {'teacher': Variant({**common, **teacher_model(model_config(preset)), 'settings.role': 'teacher'})}
+    if not hf: out['pretrain'] = Variant({**common, 'settings.role': 'pretrain'})
+    return {**out, **{name: student(name) for name in STUDENTS}}
 
 # %% ../nbs/13a_mercator_study.ipynb #354d740e
 MERCATOR_STUDY = Study(
     name='mercator',
-    description='Mercator KV-cache distillation: a teacher and smaller students (Mercator beta 0/0.01/0.1, MSE, none) (the Mercator guide)',
+    description='Mercator KV-cache distillation (the Mercator guide): a pre-trained student fine-tuned with Mercator, MSE, logit KD or nothing',
     settings=MercatorSettings,
     variants=mercator_variants,
     run=mercator_run,
@@ -436,5 +569,7 @@ MERCATOR_STUDY = Study(
     options={'teacher': dict(metavar='DIR', help='HF mode: local checkpoint directory of the teacher (e.g. Qwen2.5-1.5B-Instruct); with --student'),
              'student': dict(metavar='DIR', help='HF mode: local checkpoint directory of the student (e.g. Qwen2.5-0.5B)'),
              'dataset': dict(metavar='NAME|FILE', help="HF mode: HF datasets name[:config] in the local cache (e.g. openai/gsm8k:main) or a local .jsonl/.txt (default: the story corpus' text)"),
-             'teacher_run': dict(metavar='RUN_DIR', help='distil from this finished teacher run of our family instead of training one')},
-    default_seeds=(0,))
+             'teacher_run': dict(metavar='RUN_DIR', help='distil from this finished teacher run of our family instead of training one'),
+             'teacher_dtype': dict(choices=TEACHER_DTYPES, help='HF mode: teacher weights (default auto: bfloat16 on CUDA, float32 elsewhere; '
+                                   'nf4 = 4-bit through bitsandbytes, CUDA only)')},
+    default_seeds=(0, 1))

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_train.ipynb #103c9165
 from __future__ import annotations
-import errno, json, math, os, re, shutil, time, statistics, warnings
+import errno, inspect, json, math, os, re, shutil, time, statistics, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +27,7 @@ from .rundir import run_lock, config_diff, describe_diff, RunMismatch
 
 # %% auto #0
 __all__ = ['LossFn', 'LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'lr_at', 'build_optimizer', 'set_lr',
-           'train_starts', 'eval_starts', 'lm_loss', 'evaluate', 'CheckpointError', 'RecoveryWarning',
+           'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook', 'evaluate', 'CheckpointError', 'RecoveryWarning',
            'save_checkpoint', 'list_checkpoints', 'read_checkpoint_meta', 'check_trainer_meta', 'load_weights',
            'prune_checkpoints', 'clean_leftovers', 'MetricsLog', 'MetricsError', 'read_metrics', 'DistInfo',
            'init_distributed', 'all_mean', 'TrainingDiverged', 'step_divergence', 'param_rms', 'param_divergence',
@@ -93,6 +93,12 @@ def lm_loss(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
     x, y, _ = batch
     logits, _ = model(x)
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)), {}
+
+def call_loss_hook(fn: LossFn, model: nn.Module, batch: tuple, step: int) -> tuple[torch.Tensor, dict]:
+    "Call a loss hook; a hook with a `step` parameter also gets the optimizer step (for a schedule inside the loss, such as a warm-up)."
+    try: takes_step = 'step' in inspect.signature(fn).parameters
+    except (TypeError, ValueError): takes_step = False  # a builtin or C callable: the two-argument form
+    return fn(model, batch, step=step) if takes_step else fn(model, batch)
 
 # %% ../nbs/05_train.ipynb #2d4edc37
 @torch.no_grad()
@@ -742,7 +748,7 @@ def train_step(self: Trainer) -> dict:
             sync = micro == cfg.grad_accum - 1 or not self.dist.enabled
             ctx = self.model_run.no_sync() if not sync else nullcontext()
             with ctx:
-                with autocast(self.device, self.amp): loss, extra = self.loss_fn(self.model_run, batch)
+                with autocast(self.device, self.amp): loss, extra = call_loss_hook(self.loss_fn, self.model_run, batch, self.step)
                 scaled = loss / cfg.grad_accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.item() / cfg.grad_accum
