@@ -337,7 +337,8 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
         ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
         kv_loss, cos, ccos = kv_terms(s_kv, t_kv, mask, train_student and not warming)
         logs = {'ce_loss': ce.item(), 'kv_loss': kv_loss.item(), 'kv_cos': cos, 'kv_cos_centered': ccos, 'kv_stage': stage_index(cos)}
-        if warming: return weight * kv_loss if weight else kv_loss, logs  # the projector alone
+        if warming:  # the projector alone; the cross-entropy counts in the value (not the gradient), so the loss stays on one scale
+            return ce.detach() + (weight or 1.0) * kv_loss, logs
         loss = ce + weight * kv_loss
         if kd_weight:
             kd = logit_kd_loss(logits, t_logits, kd_temperature, y != -1, kd_vocab)

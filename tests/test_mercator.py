@@ -210,3 +210,45 @@ def test_load_from_local_directory(tmp_path):
     torch.testing.assert_close(m2.eval()(x).logits, m.eval()(x).logits)
     empty = tmp_path / 'empty'; empty.mkdir()
     with pytest.raises(ModelLoadError, match='no config.json'): load_causal_lm(empty)
+
+
+# ---------------------------------------------------------------- logit distillation, the pass line, the centered loss
+def test_logit_kd_matches_an_independent_kl():
+    "tau^2 KL(teacher || student) of the softened distributions, computed here in float64 numpy from the definition."
+    import numpy as np
+    from oelm_nb.mercator import logit_kd_loss
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(2, 7, 13, generator=g) * 3, torch.randn(2, 7, 13, generator=g) * 3
+    mask = torch.ones(2, 7, dtype=torch.bool); mask[1, 4:] = False
+    for tau in (1.0, 2.0, 4.0):
+        def softmax(z): e = np.exp(z / tau - (z / tau).max(-1, keepdims=True)); return e / e.sum(-1, keepdims=True)
+        p, q = softmax(zt.double().numpy()), softmax(zs.double().numpy())
+        kl = (p * (np.log(p) - np.log(q))).sum(-1)
+        expected = tau ** 2 * kl[mask.numpy()].mean()
+        assert logit_kd_loss(zs, zt, tau, mask).item() == pytest.approx(expected, rel=1e-5)
+    assert logit_kd_loss(zt, zt, 2.0).item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ConfigError, match='share a tokenizer'): logit_kd_loss(zs, torch.randn(2, 7, 20))
+    padded = torch.cat([zt, torch.full((2, 7, 5), 50.0)], -1)  # padding rows beyond the tokenizer would dominate if not cut
+    assert logit_kd_loss(zs, padded, 2.0, mask, vocab=13).item() == pytest.approx(logit_kd_loss(zs, zt, 2.0, mask).item(), rel=1e-6)
+
+
+def test_stage_and_pass_labels_at_their_boundaries():
+    from oelm_nb.mercator import pass_label, collapsed
+    assert [cosine_stage(c) for c in (0.4999, 0.5, 0.6999, 0.7, 0.8999, 0.9, 0.9499, 0.95)] == \
+        ['Adapting', 'Learning', 'Learning', 'Good', 'Good', 'Great', 'Great', 'Excellent']
+    assert [pass_label(c) for c in (0.7999, 0.8, 0.8999, 0.9, 0.9499, 0.95, 1.0)] == \
+        ['below pass', 'pass', 'pass', 'good', 'good', 'excellent', 'excellent']
+    assert collapsed(0.95, 0.84) and not collapsed(0.95, 0.85 + 1e-9) and not collapsed(0.3, 0.3)
+
+
+def test_centered_loss_gives_no_credit_for_a_shared_direction():
+    "Collapsed vectors (one shared direction plus noise) score ~0 loss raw but ~1 (orthogonal) centered."
+    from oelm_nb.mercator import center
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(1, 1, 16, generator=g) * 10
+    s, t = u + 0.1 * torch.randn(4, 32, 16, generator=g), u + 0.1 * torch.randn(4, 32, 16, generator=g)
+    assert mercator_loss(s, t, beta=0.0).item() < 0.01
+    assert mercator_loss(center(s), center(t), beta=0.0).item() == pytest.approx(1.0, abs=0.1)
+    mask = torch.rand(4, 32, generator=g) > 0.5
+    c = center(s, mask)
+    assert c[mask].mean(0).abs().max().item() < 1e-4

@@ -1,7 +1,8 @@
 """The Mercator study from outside: `oelm run mercator` end to end on tiny settings, its flags and plan, and HF mode
 on tiny Qwen2 checkpoints written here (no download).
 
-The batch asks for two students only; the runner must add their upstream `teacher` run itself and run it first.
+The batch asks for three students only; the runner must add their upstream `teacher` and `pretrain` runs itself and
+run them first; the students fine-tune the pre-trained student for half the steps.
 Checks compare against independent sources: the teacher's own config.json (KV widths, layer count), the layer
 map recomputed from those, perplexity as exp(loss), the safetensors files on disk.
 """
@@ -16,28 +17,31 @@ from safetensors.torch import load_file
 from oelm_nb.core import ConfigError
 from oelm_nb.experiment import resolve_spec
 from oelm_nb.studies import get_study
-from oelm_nb.mercator import cosine_stage, layer_map
-from oelm_nb.mercator_study import mercator_common, mercator_run, resolve_checkpoint, resolve_dataset, MercatorSettings, load_texts
+from oelm_nb.mercator import cosine_stage, layer_map, pass_label
+from oelm_nb.mercator_study import mercator_common, mercator_run, resolve_checkpoint, resolve_dataset, MercatorSettings, load_texts, load_records
 from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
 
 TINY = tiny_args(6)
-STUDENTS = ('mercator-b0.01', 'no-distill')
+STUDENTS = ('mercator-b0.01', 'logit-kd', 'no-distill')
 
 
 @pytest.fixture(scope='module')
 def batch(tmp_path_factory):
-    "`oelm run mercator --variants mercator-b0.01,no-distill --jobs 2` on tiny data: (batch dir, completed process)."
+    "`oelm run mercator --variants mercator-b0.01,logit-kd,no-distill --jobs 2` on tiny data: (batch dir, completed process)."
     out = tmp_path_factory.mktemp('mercator') / 'batch'
-    return out, oelm('run', 'mercator', '--variants', ','.join(STUDENTS), '--jobs', '2', '--out', str(out), *TINY)
+    return out, oelm('run', 'mercator', '--variants', ','.join(STUDENTS), '--seeds', '0', '--jobs', '2', '--out', str(out), *TINY)
 
 
 def test_batch_runs_teacher_first_and_students_distil_from_it(batch):
     out, res = batch
     assert res.returncode == 0, f'oelm run failed ({res.returncode}):\n{res.stdout}\n{res.stderr}'
-    assert "added upstream run(s) ['teacher']" in res.stdout
-    assert '3/3 runs completed' in res.stdout
+    assert "added upstream run(s) ['teacher', 'pretrain']" in res.stdout
+    assert '5/5 runs completed' in res.stdout
     log = res.stdout
-    assert log.index('teacher-s0: completed') < min(log.index(f'{v}-s0: started') for v in STUDENTS)
+    for up in ('teacher', 'pretrain'): assert log.index(f'{up}-s0: completed') < min(log.index(f'{v}-s0: started') for v in STUDENTS)
+    p_dir = out / 'pretrain-s0'
+    p_cfg, p_sum = read_json(p_dir / 'config.json'), read_json(p_dir / 'summary.json')
+    assert p_sum['role'] == 'pretrain' and p_sum['steps'] == 6
     t_dir = out / 'teacher-s0'
     t_cfg, t_sum = read_json(t_dir / 'config.json'), read_json(t_dir / 'summary.json')
     assert t_sum['status'] == 'completed' and t_sum['role'] == 'teacher'
@@ -56,13 +60,21 @@ def test_batch_runs_teacher_first_and_students_distil_from_it(batch):
         assert s['layer_map'] == layer_map(tm['n_layer'], sm['n_layer'])
         assert s['teacher_val_ppl'] == pytest.approx(t_sum['best_val_ppl'])
         # summary fields
-        assert s['status'] == 'completed' and s['role'] == 'student' and s['steps'] == 6 and s['variant'] == v
+        assert s['status'] == 'completed' and s['role'] == 'student' and s['steps'] == 3 and s['variant'] == v  # half the pre-training
+        # the Mercator guide's protocol: fine-tune the pre-trained student (same architecture), projector at 20x, clip 0.5
+        assert cfg['model'] == p_cfg['model'] and s['start'] == 'pretrain' and s['start_val_ppl'] == p_sum['best_val_ppl']
+        assert Path(s['start_checkpoint']).parent == (p_dir / 'checkpoints').resolve()
+        assert s['lr_projector'] == pytest.approx(20 * s['lr_student']) and s['grad_clip'] == cfg['train']['grad_clip'] == 0.5
+        assert s['kv_pass'] == pass_label(s['final_kv_cos_centered']) and s['kv_pass_raw'] == pass_label(s['final_kv_cos'])
+        assert s['collapsed'] == (s['final_kv_cos'] - s['final_kv_cos_centered'] > 0.1)
+        assert s['task'] == 'recall' and s['task_acc'] == s['recall_acc']
+        assert s['kd_weight'] == (1.0 if v == 'logit-kd' else 0.0)
         assert s['best_val_ppl'] == pytest.approx(math.exp(s['best_val_loss']), rel=1e-9)
         assert s['val_loss'] == s['final_val_loss']
         for k in ('final_kv_cos', 'final_kv_cos_centered'): assert -1.0 <= s[k] <= 1.0
         assert s['kv_stage'] == cosine_stage(s['final_kv_cos']) and s['kv_stage_centered'] == cosine_stage(s['final_kv_cos_centered'])
         assert len(s['kv_cos_centered_layers']) == sm['n_layer']
-        assert s['distill'] == (v != 'no-distill')
+        assert s['distill'] == (v == 'mercator-b0.01')
         # optimizer settings: separate learning rates, gradient accumulation
         assert cfg['train']['grad_accum'] > 1 and s['lr_projector'] != s['lr_student'] == cfg['train']['lr']
         # projector and student saved as safetensors in the final checkpoint; projector widths teacher -> student
@@ -75,8 +87,9 @@ def test_batch_runs_teacher_first_and_students_distil_from_it(batch):
         assert (final / 'model.safetensors').is_file()
         # the cosine is logged during training and at every evaluation
         recs = [json.loads(l) for l in (d / 'metrics.jsonl').read_text().splitlines() if l.strip()]
-        assert [r['step'] for r in recs] == list(range(1, 7))
+        assert [r['step'] for r in recs] == list(range(1, 4))
         assert all('kv_cos' in r and 'kv_cos_centered' in r and 'kv_stage' in r for r in recs)
+        assert all(('kd_loss' in r) == (v == 'logit-kd') for r in recs)
         assert recs[-1]['val_kv_cos'] == pytest.approx(s['final_kv_cos'])
 
 
@@ -85,12 +98,28 @@ def test_students_start_from_the_same_weights(batch):
     out, res = batch
     assert res.returncode == 0
     first = {v: json.loads((out / f'{v}-s0' / 'metrics.jsonl').read_text().splitlines()[0]) for v in STUDENTS}
-    a, b = (first[v] for v in STUDENTS)
-    assert a['step'] == b['step'] == 1
-    assert a['ce_loss'] == pytest.approx(b['ce_loss'], rel=1e-6)
+    a, k, b = (first[v] for v in STUDENTS)
+    assert a['step'] == b['step'] == k['step'] == 1
+    assert a['ce_loss'] == pytest.approx(b['ce_loss'], rel=1e-6) == pytest.approx(k['ce_loss'], rel=1e-6)
     assert a['kv_loss'] == pytest.approx(b['kv_loss'], rel=1e-6)  # both score with Mercator beta 0.01; no-distill only detaches the student
+    # the start is the pre-trained student: its step-1 cross-entropy equals the pre-trained model's on that batch, not a random init's
+    from oelm_nb.experiment import RunSpec
+    from oelm_nb.model import GPT
+    from oelm_nb.train import load_weights
+    spec = RunSpec.load_json(out / 'no-distill-s0' / 'config.json')
+    s = read_json(out / 'no-distill-s0' / 'summary.json')
+    from oelm_nb.train import train_starts
+    from oelm_nb.data import load_split, batch as make_batch
+    train_d, T = load_split(spec.resolved_data_dir, 'train'), spec.model.block_size
+    micro = [make_batch(train_d, train_starts(len(train_d.tokens), T, spec.train.batch_size, spec.train.seed, 0, m, 0, 1), T)
+             for m in range(spec.train.grad_accum)]
+    def first_ce(model):
+        with torch.no_grad(): return sum(torch.nn.functional.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).item() for x, y, _ in micro) / len(micro)
+    pre = load_weights(GPT(spec.model, init_seed=99), Path(s['start_checkpoint']), 'model')
+    assert first_ce(pre) == pytest.approx(b['ce_loss'], rel=1e-5)
+    assert abs(first_ce(GPT(spec.model, init_seed=spec.train.seed)) - b['ce_loss']) > 1e-3  # not the random init of the old protocol
     w = [load_file(str(out / f'{v}-s0' / 'checkpoints' / 'final' / 'model.safetensors')) for v in STUDENTS]
-    assert any(not torch.equal(w[0][k], w[1][k]) for k in w[0] if 'k_proj' in k)  # ...and the distilled one then trained differently
+    assert any(not torch.equal(w[0][k], w[2][k]) for k in w[0] if 'k_proj' in k)  # ...and the distilled one then trained differently
 
 
 def test_report_shows_cosines_ppl_and_verdict(batch):
@@ -122,8 +151,9 @@ def test_report_renders_when_a_run_failed(batch, tmp_path):
 # ---------------------------------------------------------------- flags and plan
 def test_plan_flags():
     st = get_study('mercator')
-    assert set(st.options) >= {'teacher', 'student', 'dataset', 'teacher_run'}
-    assert mercator_common({}, 'tiny') == {'settings.lr_projector': 1e-2}
+    assert set(st.options) >= {'teacher', 'student', 'dataset', 'teacher_run', 'teacher_dtype'}
+    assert mercator_common({}, 'tiny') == {}
+    assert st.default_seeds == (0, 1) and len(st.planned()) == 13
     with pytest.raises(ConfigError, match='--teacher DIR and --student DIR'): st.variants('tiny', 400, {'teacher': '/x'})
     with pytest.raises(ConfigError, match='--data FILE'): mercator_common({'dataset': 'a.jsonl'}, 'tiny')
     with pytest.raises(ConfigError, match='no config.json'): mercator_common({'teacher_run': '/no/such/run'}, 'tiny')
@@ -149,6 +179,16 @@ def test_cli_teacher_flag_errors_before_anything_runs(tmp_path):
     assert r.returncode == 2 and '--data FILE' in r.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason='checks the CPU refusal of a 4-bit teacher')
+def test_nf4_teacher_is_refused_on_cpu_before_anything_runs(tmp_path):
+    out = tmp_path / 'b'
+    r = oelm('run', 'mercator', '--teacher', str(tmp_path / 't'), '--student', str(tmp_path / 's'), '--teacher-dtype', 'nf4', '--out', str(out), timeout=120)
+    assert r.returncode == 2 and 'nf4' in r.stderr and 'needs a CUDA GPU' in r.stderr and '--teacher-dtype bfloat16' in r.stderr
+    assert not out.exists()
+    r = oelm('run', 'mercator', '--teacher-dtype', 'nf4', '--out', str(out), timeout=120)
+    assert r.returncode == 2 and 'is for HF checkpoints' in r.stderr
+
+
 # ---------------------------------------------------------------- HF mode on tiny Qwen2 checkpoints
 def _tokenizer(texts):
     from tokenizers import Tokenizer, models, trainers, pre_tokenizers
@@ -169,10 +209,9 @@ def _qwen2(path, n_layers, n_heads, n_kv, head_dim, hidden, vocab, seed):
 
 def test_hf_mode_teacher_and_student_runs(tmp_path):
     pytest.importorskip('transformers')
-    recs = [{'question': f'Tom has {i} apples and buys {i + 3} more. How many now?', 'answer': f'{i} + {i + 3} = {2 * i + 3}. #### {2 * i + 3}'}
-            for i in range(60)]
-    data = tmp_path / 'gsm8k_like.jsonl'
-    data.write_text(''.join(json.dumps(r) + '\n' for r in recs))
+    from oelm_nb.data import write_gsm8k_sample, gsm8k_correct
+    data = write_gsm8k_sample(tmp_path / 'gsm8k_like.jsonl', 60, seed=1)  # the data chapter's GSM8K-format file
+    recs = [json.loads(l) for l in data.read_text().splitlines()]
     tok = _tokenizer([r['question'] + '\n' + r['answer'] for r in recs])
     t_dir, s_dir = tmp_path / 'teacher', tmp_path / 'student'
     V = len(tok) + 16  # embeddings padded beyond the tokenizer, as in Qwen2.5
@@ -181,19 +220,34 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
     train, val = load_texts(str(data))
     assert len(train) + len(val) == 60 and len(val) == 3 and '####' in train[0]
 
-    planned = mercator_common({'teacher': str(t_dir), 'student': str(s_dir), 'dataset': str(data)}, 'tiny')
+    opts = {'teacher': str(t_dir), 'student': str(s_dir), 'dataset': str(data)}
+    planned = mercator_common(opts, 'tiny')
     assert planned['settings.teacher_hf'] == str(t_dir.resolve()) and planned['train.lr'] == 5e-5 and planned['settings.lr_projector'] == 1e-3
-    assert planned['train.grad_accum'] == 16 and planned['train.batch_size'] == 2
-    tiny = {**planned, 'train.grad_accum': 2, 'train.eval_batches': 2, 'train.progress': False, 'train.device': 'cpu'}
+    assert planned['train.grad_accum'] == 16 and planned['train.batch_size'] == 2 and planned['train.grad_clip'] == 0.5
+    assert 'pretrain' not in get_study('mercator').variants('tiny', 3, {'teacher': str(t_dir), 'student': str(s_dir)})  # --student is pre-trained
+    tiny = {'train.grad_accum': 2, 'train.eval_batches': 2, 'train.progress': False, 'train.device': 'cpu',
+            'settings.task_eval': 3, 'settings.max_new_tokens': 6, 'data.val_fraction': 0.1}  # 6 of 60 records held out
     batch = tmp_path / 'batch'
-    t_spec = resolve_spec('mercator', 'teacher', 'tiny', 0, 3, str(batch / 'teacher-s0'), 'synthetic', None, tiny)
+    t_spec = resolve_spec('mercator', 'teacher', 'tiny', 0, 3, str(batch / 'teacher-s0'), 'synthetic', None, tiny, options=opts)
     t_sum = mercator_run(t_spec)
     assert t_sum['status'] == 'completed' and t_sum['role'] == 'teacher' and math.isfinite(t_sum['best_val_ppl'])
     assert t_sum['teacher_kv'] == [3, 32] and t_sum['student_kv'] == [2, 8] and t_sum['layer_map'] == [0, 2]
+    assert t_sum['task'] == 'gsm8k' and t_sum['task_n'] == 3
 
-    spec = resolve_spec('mercator', 'mercator-b0.01', 'tiny', 0, 3, str(batch / 'mercator-b0.01-s0'), 'synthetic', None, tiny)
+    # Mercator and logit KD together: the logits are compared over the tokenizer's ids only (the embeddings are padded beyond it)
+    spec = resolve_spec('mercator', 'mercator+logit', 'tiny', 0, 3, str(batch / 'mercator-b0.01-s0'), 'synthetic', None, tiny, options=opts)
+    assert spec.train.lr == 5e-5 and spec.settings.lr_projector == 1e-3 and spec.train.grad_clip == 0.5  # the Mercator guide's values
     s = mercator_run(spec)
     assert s['status'] == 'completed' and s['steps'] == 3 and s['teacher_val_ppl'] == pytest.approx(t_sum['best_val_ppl'])
+    assert s['kd_weight'] == 1.0 and s['distill'] and s['start'] == 'student_hf' and s['teacher_task_acc'] == t_sum['task_acc']
+    recs_log = [json.loads(l) for l in (batch / 'mercator-b0.01-s0' / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+    assert all(math.isfinite(r['kd_loss']) and r['kd_loss'] >= 0 for r in recs_log)
+    # exact match on the first 3 validation questions, scored again here from the recorded continuations
+    _, val_recs = load_records(str(data), 0.1, t_spec.data.seed)
+    assert s['task'] == 'gsm8k' and s['task_n'] == 3 and len(s['task_examples']) == 3
+    for ex, rec in zip(s['task_examples'], val_recs):
+        assert ex['question'] == rec['question'] and ex['correct'] == gsm8k_correct(ex['output'], rec['answer'])
+    assert s['task_acc'] == sum(ex['correct'] for ex in s['task_examples']) / 3
     assert -1 <= s['final_kv_cos'] <= 1 and -1 <= s['final_kv_cos_centered'] <= 1 and math.isfinite(s['best_val_ppl'])
     proj = load_file(str(batch / 'mercator-b0.01-s0' / 'checkpoints' / 'final' / 'projector.safetensors'))
     assert proj['k.0.net.1.weight'].shape[1] == 32 and proj['v.1.net.4.weight'].shape[0] == 8
