@@ -22,11 +22,11 @@ _all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic
 
 # %% auto #0
 __all__ = ['EOT', 'GPT2_FILES', 'SPLITS', 'TINYSTORIES', 'FORMAT', 'GPT2_VOCAB_SIZES', 'DataError', 'BPETokenizer',
-           'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer', 'token_dtype', 'recall_positions', 'read_documents',
-           'load_tinystories', 'unigram_ppl', 'prepare_data', 'PlainUnpickler', 'read_nanogpt_meta', 'TokenData',
-           'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'gsm8k_number', 'gsm8k_correct',
-           'gsm8k_sample', 'write_gsm8k_sample', 'NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names',
-           'synthetic_splits']
+           'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer', 'token_dtype', 'recall_positions', 'split_at_eot',
+           'read_documents', 'load_tinystories', 'unigram_ppl', 'prepare_data', 'PlainUnpickler', 'read_nanogpt_meta',
+           'TokenData', 'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'gsm8k_number',
+           'gsm8k_correct', 'gsm8k_sample', 'write_gsm8k_sample', 'NAMES', 'WORDS', 'Story', 'generate_stories',
+           'make_names', 'synthetic_splits']
 
 # %% ../nbs/04_data.ipynb #0ad88a93
 class DataError(ValueError):
@@ -181,6 +181,10 @@ def _decode_text(path: Path, data: bytes) -> str:
                         f'{data[at:at + 4]!r} ({e.reason}). Convert it to UTF-8, e.g. `iconv -f CP1252 -t UTF-8 {q} > '
                         f'{fixed}` for Windows/Latin-1 text (or `-f UTF-16` for UTF-16)') from None
 
+def split_at_eot(docs: Iterable[str]) -> list[str]:
+    "Documents cut at every literal `<|endoftext|>`, stripped, empty ones dropped: the token then only ever stands between documents."
+    return [part.strip() for d in docs for part in d.split(EOT) if part.strip()]
+
 def read_documents(path) -> list[str]:
     "The documents of a local `.txt` (blank-line or <|endoftext|> separated) or `.jsonl` (`text` field) UTF-8 file."
     path = Path(path)
@@ -203,7 +207,7 @@ def read_documents(path) -> list[str]:
             raise DataError(f'{path}, line {n}: no "text" string field ({what}); each line must be an object '
                             'like {"text": "..."}')
         docs.append(obj['text'])
-    return docs
+    return split_at_eot(docs)
 
 # %% ../nbs/04_data.ipynb #1d9be174
 TINYSTORIES = 'roneneldan/TinyStories'
@@ -345,7 +349,7 @@ def _documents(cfg: DataConfig, kind: str, payload) -> tuple[dict, dict]:
     if kind == 'synthetic':
         stories = dict(zip(SPLITS, synthetic_splits(cfg.n_train_stories, cfg.n_val_stories, cfg.seed)))
         return {s: [st.text for st in stories[s]] for s in SPLITS}, stories
-    if kind == 'tinystories': return dict(zip(SPLITS, load_tinystories())), {}
+    if kind == 'tinystories': return dict(zip(SPLITS, map(split_at_eot, load_tinystories()))), {}
     docs = [d for f in payload for d in read_documents(f)]
     if len(docs) < 2: raise DataError(f'{cfg.source} holds {len(docs)} document(s); need at least 2 to split train/val')
     perm = np.random.default_rng(cfg.seed).permutation(len(docs))

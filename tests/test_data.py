@@ -289,3 +289,25 @@ def test_prepare_with_gpt2_tokenizer_path(monkeypatch, tmp_path):
     pos = np.nonzero(data.recall)[0]
     assert len(pos) > 0
     np.testing.assert_array_equal(data.tokens[pos], data.tokens[pos - data.recall[pos].astype(np.int64)])
+
+
+def test_literal_end_of_text_only_ever_separates_documents(tmp_path):
+    "A literal <|endoftext|> inside a JSONL text ends the document: the prepared streams hold the id exactly once per document."
+    import json as _json
+    import numpy as _np
+    from oelm_nb.core import DataConfig
+    from oelm_nb.data import EOT, prepare_data, load_split, read_documents
+    texts = [f'story {i} begins. {EOT} story {i} part two ends.' if i % 3 == 0 else f'plain story number {i} here.' for i in range(30)]
+    src = tmp_path / 'docs.jsonl'
+    src.write_text(''.join(_json.dumps({'text': t}) + '\n' for t in texts))
+    docs = read_documents(src)
+    assert len(docs) == 30 + 10 and not any(EOT in d for d in docs)
+    out = prepare_data(DataConfig(source=str(src), vocab_size=300, val_fraction=0.1), tmp_path / 'prep', progress=False)
+    n_eot = 0
+    for split in ('train', 'val'):
+        d = load_split(out, split)
+        eot = int(_json.loads((out / 'meta.json').read_text())['eot_id'])
+        toks = _np.asarray(d.tokens)
+        n_eot += int((toks == eot).sum())
+        assert toks[-1] == eot  # every document, the last one included, ends with the id
+    assert n_eot == len(docs)
