@@ -13,16 +13,20 @@ import pytest
 from scipy import stats
 
 from oelm_nb.experiment import write_json
-from oelm_nb.mercator_analysis import (BASELINE, ONE_SEED_NOTE, agreement_table, alignment, batch_line, collapse_guard, failed_runs_note,
-                                    mercator_runs, mse_sentence, mse_table, ppl_table, runs_table, style_agreement, style_ppl,
-                                    style_runs_table, verdict)
+from oelm_nb.mercator_analysis import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, alignment, batch_line, cause_sentence,
+                                    collapse_guard, failed_runs_note, headline, mercator_runs, mse_sentence, mse_table, ppl_table,
+                                    protocol_text, runs_table, student_variants, style_acc, style_agreement, style_ppl, style_runs_table,
+                                    verdict)
 
 
-def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | None = None, name: str = 'batch') -> Path:
+def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | None = None, name: str = 'batch',
+               acc: dict | None = None, ce: dict | None = None, task: str | None = None, roles: bool = False) -> Path:
     """A Mercator batch directory under `root`: a teacher (PPL 10) and the students of `ppl`.
 
     `ppl` maps a variant to its best_val_ppl per seed (None: the run failed). `raw` / `centered` map a variant to its
     final KV cosine (default 0.6 / 0.55); with `centered` given, a variant left out of it records no centered cosine.
+    `acc` maps a variant to its task accuracy per seed (`task` names the task), `ce` to the training ce_loss of its last
+    records (default 2.0); `roles` writes each summary's role, as the new protocol's runs do.
     """
     out = root / name; out.mkdir(parents=True)
     n_seeds = max((len(v) for v in ppl.values()), default=1)
@@ -36,13 +40,17 @@ def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | 
             if p is None:
                 write_json(d / 'summary.json', {'status': 'failed', 'error': 'RuntimeError: CUDA out of memory'}); continue
             summ = {'status': 'completed', 'best_val_ppl': p, 'steps': 30, 'wall_time_s': 3.0}
-            if v != 'teacher':
+            if roles: summ['role'] = v if v in ('teacher', 'pretrain') else 'student'
+            if acc and v in acc: summ |= {'task_acc': acc[v][s], 'task': task or 'recall'}
+            if v not in ('teacher', 'pretrain'):
                 r = (raw or {}).get(v, 0.6)
                 c = (centered or {}).get(v) if centered is not None else 0.55
                 summ['final_kv_cos'] = r
                 if c is not None: summ |= {'final_kv_cos_centered': c, 'kv_cos_centered_layers': [c - 0.1, c + 0.1]}
             write_json(d / 'summary.json', summ)
-            (d / 'metrics.jsonl').write_text(''.join(json.dumps({'step': k, 'ce_loss': 5.0 - k, 'val_ppl': p + 5 - k}) + '\n' for k in (1, 2, 3)))
+            last = (ce or {}).get(v, 2.0)
+            (d / 'metrics.jsonl').write_text(''.join(json.dumps({'step': k, 'ce_loss': last + 3 - k, 'val_ppl': p + 5 - k}) + '\n'
+                                                     for k in (1, 2, 3)) + ''.join(json.dumps({'step': k, 'ce_loss': last}) + '\n' for k in (4, 5)))
     return out
 
 
@@ -149,7 +157,7 @@ def test_missing_centered_metric(tmp_path):
     runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]}, centered={}))
     assert runs.final_kv_cos_centered.isna().all()
     tab = runs_table(runs).set_index('variant')
-    assert tab.loc['mercator-b0', 'stage (centered)'] == '' and tab.loc['mercator-b0', 'stage'] == 'Learning'
+    assert tab.loc['mercator-b0', ['pass (centered)', 'pass (raw)', 'collapsed']].tolist() == ['', 'below pass', '']
     agree = agreement_table(runs)
     assert agree.loc['mercator-b0', 'centered per layer'] == '' and agree.loc['mercator-b0', 'stage (centered)'] == ''
     assert collapse_guard(agree) == "**Collapse guard:** no completed student recorded a centered cosine; the guard cannot be checked."
@@ -209,3 +217,127 @@ def test_single_paired_seed_of_one_variant_gives_no_interval(tmp_path):
     v = verdict_of(tmp_path, {'mercator-b0': [30.0, 30.5, 29.8], 'mse': [31.0, None, None], BASELINE: [32.0, 32.2, 31.9]})
     assert v.startswith('**Distillation helped:** 2 of 2 distilled students (mercator-b0, mse)')
     assert 'CI' not in v and '(one paired seed for mse: the differences are not tested against seed-to-seed noise' in v
+
+
+# ------------------------------------------------------------------ the headline and the cause (the new protocol)
+Q = '**Does any distillation variant beat `no-distill`?** '
+
+
+def diff_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    "Mean and 95% t-interval of the paired absolute differences a - b (independent of the module)."
+    d = np.array(a) - np.array(b)
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    return d.mean(), d.mean() - half, d.mean() + half
+
+
+def test_headline_mercator_beats_no_distill(tmp_path):
+    a, b = [30.0, 30.5, 29.8], [32.0, 32.2, 31.9]
+    acc_a, acc_b = [0.30, 0.34, 0.31], [0.20, 0.22, 0.23]
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': a, 'mse': [32.1, 31.8, 32.3], BASELINE: b}, roles=True,
+                                    acc={'mercator-b0': acc_a, 'mse': [0.2, 0.2, 0.2], BASELINE: acc_b}, task='recall'))
+    m, lo, hi = t_interval(a, b)
+    am, alo, ahi = diff_interval(acc_a, acc_b)
+    assert lo < hi < 0 and alo > 0
+    assert headline(runs) == (Q + f"On validation PPL, yes: 1 of 2 (mercator-b0) beat it beyond seed-to-seed noise, the best `mercator-b0` at "
+                              f"{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 3 paired seeds); on recall accuracy, yes: 1 of 2 (mercator-b0) beat it "
+                              f"beyond seed-to-seed noise, the best `mercator-b0` at {100 * am:+.1f} points (95% CI {100 * alo:+.1f} .. "
+                              f"{100 * ahi:+.1f}, 3 paired seeds).")
+    assert cause_sentence(runs) == ''  # a Mercator student wins: nothing to explain
+    tab = acc_table(runs)
+    assert tab.loc['mercator-b0', ['vs no-distill', 'low', 'high']].tolist() == pytest.approx([100 * am, 100 * alo, 100 * ahi])
+    assert f'{100 * am:+.1f} points (95% CI {100 * alo:+.1f} .. {100 * ahi:+.1f})' in style_acc(tab, 'recall accuracy').to_html()
+
+
+def test_all_lose_and_collapsed(tmp_path):
+    "Every Mercator student is worse and collapsed: the cause sentence gives the loss and names collapse with its count."
+    a1, a2, b = [34.0, 35.0], [33.0, 33.6], [32.0, 32.2]
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': a1, 'mercator-b0.01': a2, BASELINE: b}, roles=True,
+                                    raw={'mercator-b0': 0.97, 'mercator-b0.01': 0.96, BASELINE: 0.5},
+                                    centered={'mercator-b0': 0.30, 'mercator-b0.01': 0.35, BASELINE: 0.45},
+                                    acc={'mercator-b0': [0.1, 0.1], 'mercator-b0.01': [0.1, 0.12], BASELINE: [0.15, 0.14]},
+                                    ce={'mercator-b0': 2.5, 'mercator-b0.01': 2.4, BASELINE: 2.0}))
+    m, lo, hi = t_interval(a2, b)
+    am, alo, ahi = diff_interval([0.1, 0.12], [0.15, 0.14])
+    assert headline(runs).startswith(Q + f"On validation PPL, no: even the best, `mercator-b0.01` at {m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, "
+                                     "2 paired seeds), is not better; on recall accuracy, no")
+    s = cause_sentence(runs)
+    assert s.startswith(f"**No Mercator student beats `no-distill`:** the best, `mercator-b0.01`, loses: {m:+.2%} PPL (95% CI {lo:+.2%} .. "
+                        f"{hi:+.2%}, 2 paired seeds) and {100 * am:+.1f} points of recall accuracy (95% CI {100 * alo:+.1f} .. {100 * ahi:+.1f}, "
+                        "2 paired seeds); checked in order, (a) collapse: 4 of 4 Mercator runs are collapsed (raw - centered > 0.1); (b) projector: ")
+    assert "final training cross-entropy 2.450 against 2.000 for `no-distill` (+0.450 nats, higher in 2 of 2 paired seeds)" in s
+    assert s.endswith(': this points to collapse (also consistent with a conflict between the KV term and cross-entropy).')
+    tab = runs_table(runs).set_index(['variant', 'seed'])
+    assert tab.loc[('mercator-b0', 0), ['pass (centered)', 'pass (raw)', 'collapsed']].tolist() == ['below pass', 'excellent', 'yes']
+    assert tab.loc[(BASELINE, 0), 'collapsed'] == 'no'
+
+
+def test_all_lose_projector_does_the_aligning(tmp_path):
+    "Nothing collapsed; every capacity below the pass line and the probe as aligned as the students: the cause is the projector."
+    v = ['low-capacity', 'mercator-b0.01', 'high-capacity']
+    runs = mercator_runs(fake_batch(tmp_path, {**{x: [33.0, 33.5] for x in v}, BASELINE: [32.0, 32.1]}, roles=True,
+                                    raw={x: 0.42 for x in [*v, BASELINE]}, centered={'low-capacity': 0.38, 'mercator-b0.01': 0.40,
+                                                                                     'high-capacity': 0.41, BASELINE: 0.39},
+                                    ce={x: 2.0 for x in [*v, BASELINE]}))
+    s = cause_sentence(runs)
+    assert ('(a) collapse: 0 of 6 Mercator runs are collapsed (raw - centered > 0.1); (b) projector: centered cosine 0.380 / 0.400 / 0.410 at '
+            'low / default / high capacity (below the pass line 0.80 at every capacity), the `no-distill` probe 0.390 against 0.397 for the '
+            'Mercator students (about the same, margin 0.05)') in s
+    assert '(d) KV term against cross-entropy: the Mercator students\' final training cross-entropy 2.000 against 2.000' in s
+    assert s.endswith(': this points to the projector.')
+    weak = mercator_runs(fake_batch(tmp_path, {**{x: [33.0, 33.5] for x in v}, BASELINE: [32.0, 32.1]}, roles=True, name='weak',
+                                    raw={x: 0.42 for x in [*v, BASELINE]}, centered={'low-capacity': 0.38, 'mercator-b0.01': 0.40,
+                                                                                     'high-capacity': 0.41, BASELINE: 0.10},
+                                    ce={x: 2.0 for x in [*v, BASELINE]}))
+    assert cause_sentence(weak).endswith('(not the same, margin 0.05); (c) learning-rate ratio / warm-up: not measured (needs '
+                                         '`mercator-warmup` and `mercator-b0.01`); (d) KV term against cross-entropy: the Mercator students\' '
+                                         'final training cross-entropy 2.000 against 2.000 for `no-distill` (+0.000 nats, higher in 0 of 2 '
+                                         'paired seeds): no single measurement explains it.')
+
+
+def test_headline_one_seed_has_no_interval(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [34.0], 'mse': [33.0], BASELINE: [32.0]},
+                                    acc={'mercator-b0': [0.1], 'mse': [0.3], BASELINE: [0.2]}))
+    h = headline(runs)
+    assert h == (Q + "On validation PPL, no: even the best, `mse` at +3.12% (1 paired seed: no interval, which needs >= 2 seeds), is not better; "
+                 "on recall accuracy, untested: the best, `mse` at +10.0 points (1 paired seed: no interval, which needs >= 2 seeds), is better in "
+                 "its single paired seed.")
+    assert 'CI' not in h
+    s = cause_sentence(runs)
+    assert s.startswith("**No Mercator student beats `no-distill`:** the best, `mercator-b0`, loses: +6.25% PPL (1 paired seed: no interval, "
+                        "which needs >= 2 seeds) and -10.0 points of recall accuracy (1 paired seed")
+    assert 'CI' not in s
+
+
+def test_headline_baseline_failed(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0, 31.0], 'mse': [31.0, 31.5], BASELINE: [None, None]}))
+    assert headline(runs) == Q + 'Cannot say: the `no-distill` baseline did not complete.'
+    assert cause_sentence(runs) == '' and acc_table(runs).empty
+
+
+def test_gsm8k_label_comes_from_the_task(tmp_path):
+    runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]}, task='gsm8k',
+                                    acc={'mercator-b0': [0.25], BASELINE: [0.25]}))
+    assert 'GSM8K exact-match accuracy' in runs_table(runs).columns
+    assert headline(runs).endswith('on GSM8K exact-match accuracy, no: even the best, `mercator-b0` at +0.0 points (1 paired seed: no interval, '
+                                   'which needs >= 2 seeds), is not better.')
+    assert 'recall accuracy' not in headline(runs)
+
+
+def test_roles_and_old_summaries(tmp_path):
+    "The pre-training is no student whether the summaries record roles or not."
+    for name, roles in (('new', True), ('old', False)):
+        runs = mercator_runs(fake_batch(tmp_path, {'pretrain': [40.0], 'mercator-b0': [30.0], BASELINE: [32.0]}, roles=roles, name=name))
+        assert student_variants(runs) == ['mercator-b0', BASELINE]
+    assert 'pretrain' not in ppl_table(runs).index
+    p = protocol_text(runs)
+    assert p.startswith('**Protocol (read from the runs):** the student is first pre-trained as a language model for 30 steps (best val PPL 40.000')
+    assert 'fine-tunes for 30 steps' in p and 'Loss 0.8234 | CosSim 0.1766' in p
+
+
+def test_runs_table_escapes_run_data(tmp_path):
+    "An error text is data: the styled runs table escapes it once it passes through safe_table."
+    from oelm_nb.report import safe_table
+    out = fake_batch(tmp_path, {'mercator-b0': [None], BASELINE: [32.0]})
+    write_json(out / 'mercator-b0-s0' / 'summary.json', {'status': 'failed', 'error': '<img src=x onerror=alert(1)>'})
+    html = safe_table(style_runs_table(runs_table(mercator_runs(out)))).to_html()
+    assert '<img' not in html and '&lt;img src=x' in html
