@@ -615,7 +615,7 @@ def plot_training_curves(curves: pd.DataFrame, students: list[str]):
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
     for ax, metric, title in ((axes[0], 'ce_loss', 'student training cross-entropy'), (axes[1], 'val_ppl', 'validation perplexity')):
         df = curves[curves.variant.isin(students)].dropna(subset=[metric]) if metric in curves else curves.iloc[:0]
-        for v, st in styles.items():
+        for v, st in (styles.items() if metric in df else ()):  # no student completed: no such column
             g = df[df.variant == v].groupby('step')[metric].mean()
             if len(g): ax.plot(g.index, g.values, label=v, ms=5, markevery=max(1, len(g) // 8), alpha=0.9, **st)
         if not len(df): ax.text(0.5, 0.5, f'no {metric} records', ha='center', transform=ax.transAxes)

@@ -263,3 +263,25 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
     before = load_causal_lm(s_dir)
     assert any(not torch.equal(a, b) for (n, a), (_, b) in zip(student.state_dict().items(), before.state_dict().items()) if 'k_proj' in n)
     assert spec.settings.hf and isinstance(spec.settings, MercatorSettings)
+
+
+def test_hf_mode_batch_through_the_cli_reports_gsm8k_accuracy(tmp_path):
+    "`oelm run mercator --teacher --student --dataset` end to end (papermill runs, report) on tiny Qwen2 checkpoints and a GSM8K-format file."
+    pytest.importorskip('transformers')
+    from oelm_nb.data import write_gsm8k_sample
+    data = write_gsm8k_sample(tmp_path / 'gsm8k.jsonl', 40, seed=2)
+    recs = [json.loads(l) for l in data.read_text().splitlines()]
+    tok = _tokenizer([r['question'] + '\n' + r['answer'] for r in recs])
+    t_dir, s_dir = tmp_path / 'teacher', tmp_path / 'student'
+    _qwen2(t_dir, 2, 4, 2, 8, 32, len(tok) + 16, 0); _qwen2(s_dir, 1, 2, 1, 8, 16, len(tok) + 16, 1)
+    tok.save_pretrained(t_dir); tok.save_pretrained(s_dir)
+    out = tmp_path / 'batch'
+    r = oelm('run', 'mercator', '--teacher', str(t_dir), '--student', str(s_dir), '--dataset', str(data), '--variants', 'no-distill,mercator-b0.01',
+             '--seeds', '0', '--steps', '2', '--out', str(out), '--set', 'train.grad_accum=1', '--set', 'train.eval_batches=1',
+             '--set', 'settings.task_eval=2', '--set', 'settings.max_new_tokens=4', '--set', 'data.val_fraction=0.1', '--set', 'train.device=cpu')
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "added upstream run(s) ['teacher']" in r.stdout and '3/3 runs completed' in r.stdout  # no pre-training: --student is pre-trained
+    sums = {v: read_json(out / f'{v}-s0' / 'summary.json') for v in ('teacher', 'no-distill', 'mercator-b0.01')}
+    assert all(s['task'] == 'gsm8k' and s['task_n'] == 2 for s in sums.values())
+    text = html_text(out / 'report.html')
+    assert 'GSM8K exact-match accuracy' in text and 'Does any distillation variant beat no-distill' in text
