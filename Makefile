@@ -67,7 +67,7 @@ docs: $(STAMP)
 
 lab: $(STAMP)
 	$(BIN)/jupyter trust nbs/*.ipynb nbs/experiments/*.ipynb nbs/reports/*.ipynb >/dev/null 2>&1 || true
-	$(BIN)/jupyter lab --notebook-dir=nbs
+	$(BIN)/jupyter lab --notebook-dir=nbs --config=tools/jupyter_server_config.py $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 clean:
 	rm -rf _docs _proc _mkdocs build dist *.egg-info .pytest_cache

@@ -18,10 +18,35 @@ from .train import read_metrics
 from .rundir import flatten
 
 # %% auto #0
-__all__ = ['METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'load_runs', 'load_curves', 'variant_table',
-           'Comparison', 'compare', 'axis_label', 'variant_colors', 'plot_curves', 'convergence', 'convergence_note',
-           'convergence_caveat', 'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links',
-           'RunExplorer']
+__all__ = ['PROJECT_ENV', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root', 'find_batch_dir',
+           'load_runs', 'load_curves', 'variant_table', 'Comparison', 'compare', 'axis_label', 'variant_colors',
+           'plot_curves', 'convergence', 'convergence_note', 'convergence_caveat', 'safe_markdown', 'safe_table',
+           'provenance_table', 'hyperparameter_table', 'run_links', 'RunExplorer']
+
+# %% ../nbs/08_report.ipynb #c879ad34
+PROJECT_ENV = 'OELM_PROJECT'  # a project root to resolve report batch paths against
+
+def project_root(start=None) -> Path | None:
+    "The nearest folder at or above `start` (default: the working directory) whose settings.ini declares lib_name = oelm_nb."
+    here = Path(start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        ini = d / 'settings.ini'
+        if ini.is_file() and any(l.replace(' ', '') == 'lib_name=oelm_nb' for l in ini.read_text(errors='replace').splitlines()): return d
+    return None
+
+def find_batch_dir(run_dir, # the report's parameter: a batch directory, absolute or relative to the project
+                   study: str, # the study whose batch it is, for the message
+                   make_target: str | None = None, # a make target that writes this batch, if there is one
+                  ) -> Path:
+    "The batch directory `run_dir` names: as given, under $OELM_PROJECT, or under the project root; a clear error when none exists."
+    given = Path(run_dir).expanduser()
+    roots = [] if given.is_absolute() else [r for r in (os.environ.get(PROJECT_ENV), project_root()) if r]
+    candidates = list(dict.fromkeys([given, *(Path(r) / given for r in roots)]))
+    for c in candidates:
+        if c.is_dir(): return c.resolve()
+    how = f"Run `make {make_target}` (or `oelm run {study}`)" if make_target else f"Run `oelm run {study} --out {run_dir}`"
+    raise FileNotFoundError(f"no batch directory {str(run_dir)!r}: looked in {', '.join(str(c.resolve()) for c in candidates)}. "
+                            f"{how} first, or set run_dir to a batch directory (or {PROJECT_ENV} to the project root).")
 
 # %% ../nbs/08_report.ipynb #6fcf8801
 def _expected(batch_dir: Path) -> list[tuple[str, int]]:

@@ -1,0 +1,92 @@
+"""JupyterLab as a researcher meets it: `make lab`'s server starts (as root too), saving a notebook without an edit
+leaves its file unchanged (the project's save hook), and a report notebook runs from its own folder, as Lab runs it,
+finding the batch under the project root."""
+from __future__ import annotations
+import json, os, shutil, socket, subprocess, sys, time, urllib.request
+from pathlib import Path
+
+import pytest
+from cli_helpers import run_oelm as oelm, tiny_args
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+
+def _api(port, token, path, method='GET', body=None):
+    req = urllib.request.Request(f'http://127.0.0.1:{port}/api/{path}', method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={'Authorization': f'token {token}', 'Content-Type': 'application/json'})
+    with urllib.request.urlopen(req, timeout=30) as r: return r.status, json.loads(r.read() or b'null')
+
+
+def _makefile_lab_flags() -> list[str]:
+    "The flags `make lab` gives `jupyter lab`, read from the Makefile (so the test checks what users run)."
+    line = next(l for l in (REPO / 'Makefile').read_text().splitlines() if 'jupyter lab ' in l)
+    flags = line.split('jupyter lab ', 1)[1].split(' $$(')[0].split()
+    allow_root = '--allow-root' in line and 'id -u' in line
+    return [f.replace('tools/', f'{REPO}/tools/') for f in flags if not f.startswith('--notebook-dir')], allow_root
+
+
+@pytest.fixture
+def project(tmp_path):
+    "A copy of the project's settings, two notebooks and a report in a temporary project root."
+    root = tmp_path / 'proj'
+    (root / 'nbs' / 'reports').mkdir(parents=True)
+    shutil.copy(REPO / 'settings.ini', root / 'settings.ini')
+    shutil.copy(REPO / 'nbs' / '02_freeze.ipynb', root / 'nbs' / '02_freeze.ipynb')
+    shutil.copy(REPO / 'nbs' / 'reports' / 'qk_freeze.ipynb', root / 'nbs' / 'reports' / 'qk_freeze.ipynb')
+    return root
+
+
+def test_lab_server_starts_and_saving_without_an_edit_changes_nothing(project):
+    flags, allow_root = _makefile_lab_flags()
+    assert allow_root, "make lab must pass --allow-root when run as root"
+    port, token = _free_port(), 'oelm-test-token'
+    cmd = [str(BIN / 'jupyter'), 'lab', '--no-browser', f'--port={port}', f'--ServerApp.token={token}', f'--notebook-dir={project / "nbs"}', *flags]
+    if os.geteuid() == 0: cmd.append('--allow-root')
+    proc = subprocess.Popen(cmd, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(120):
+            try:
+                if _api(port, token, 'status')[0] == 200: break
+            except OSError: time.sleep(0.5)
+        else: pytest.fail('JupyterLab did not answer within 60 s')
+        before = (project / 'nbs' / '02_freeze.ipynb').read_bytes()
+        status, model = _api(port, token, 'contents/02_freeze.ipynb?content=1')
+        assert status == 200 and model['type'] == 'notebook'
+        nb = model['content']
+        nb['metadata']['kernelspec']['display_name'] = 'Python 3 (ipykernel)'  # what Lab writes on save
+        nb['metadata']['language_info'] = {'name': 'python', 'version': '3.11.7'}
+        cell = next(c for c in nb['cells'] if c['cell_type'] == 'code')
+        cell['execution_count'] = 7
+        status, _ = _api(port, token, 'contents/02_freeze.ipynb', 'PUT', {'type': 'notebook', 'format': 'json', 'content': nb})
+        assert status == 200
+        after = (project / 'nbs' / '02_freeze.ipynb').read_bytes()
+        assert after == before, 'saving through JupyterLab changed the notebook file'
+        assert _api(port, token, 'contents/reports/qk_freeze.ipynb?content=0')[0] == 200  # the report opens too
+    finally:
+        proc.terminate()
+        try: proc.wait(timeout=20)
+        except subprocess.TimeoutExpired: proc.kill()
+
+
+def test_report_notebook_runs_from_its_own_folder(project):
+    "papermill with the working directory JupyterLab uses (the notebook's folder) and the notebook's own run_dir."
+    res = oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(project / 'runs' / 'qk-freeze'), *tiny_args(4))
+    assert res.returncode == 0, res.stdout + res.stderr
+    reports = project / 'nbs' / 'reports'
+    env = {k: v for k, v in os.environ.items() if k != 'OELM_PROJECT'}
+    r = subprocess.run([str(BIN / 'papermill'), 'qk_freeze.ipynb', 'out.ipynb', '--cwd', str(reports), '--no-progress-bar'],
+                       cwd=reports, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((reports / 'out.ipynb').read_text())
+    text = json.dumps(out)
+    assert str((project / 'runs' / 'qk-freeze').resolve()) in text  # the batch was found under the project root
+    # without a batch: a clear message saying what to run
+    shutil.rmtree(project / 'runs')
+    r = subprocess.run([str(BIN / 'papermill'), 'qk_freeze.ipynb', 'out2.ipynb', '--cwd', str(reports), '--no-progress-bar'],
+                       cwd=reports, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode != 0 and 'Run `make run` (or `oelm run qk-freeze`) first' in r.stderr
