@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 PIPFILTER := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 RUN_OUT ?= runs/qk-freeze
 
-.PHONY: all setup run test test-fast sync-check readme-check nbtest nbdev-test pytest docs readme lab clean
+.PHONY: all setup run test test-fast sync-check readme-check nbtest nbdev-test pytest docs readme lab loggers clean
 
 all: test
 
@@ -27,6 +27,10 @@ $(STAMP): settings.ini setup.py
 	@touch $(STAMP)
 
 setup: $(STAMP)
+
+# TensorBoard and Weights & Biases for `oelm run --loggers tensorboard,wandb` (metrics.jsonl needs neither).
+loggers: $(STAMP)
+	@set -o pipefail; $(PIP) install -e ".[log]" $(PIPFILTER)
 
 # The main job: the Q/K freeze study on the embedded corpus, ending in a report.
 run: $(STAMP)

@@ -13,7 +13,7 @@ from .core import ModelConfig, DataConfig, ConfigError
 # %% auto #0
 __all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
            'convergence_text', 'study_plan', 'cmd_run', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench',
-           'add_study_parser', 'build_parser', 'main']
+           'study_variants_text', 'add_study_parser', 'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -45,11 +45,14 @@ def config_overrides(args, cls) -> dict:
 def cmd_params(args) -> int:
     from oelm_nb.model import GPT, model_config
     from oelm_nb.freeze import param_report
-    cfg = model_config(args.preset, **{'variant': args.variant, **config_overrides(args, ModelConfig)})
+    from oelm_nb.studies import get_study
+    planned = get_study('qk-freeze').variant(args.variant, args.preset).overrides  # the study's own model settings of this variant
+    model = {k.split('.', 1)[1]: v for k, v in planned.items() if k.startswith('model.')}
+    cfg = model_config(args.preset, **{**model, **config_overrides(args, ModelConfig)})
     rep = param_report(GPT(cfg, init_seed=0))
     if args.json: print(json.dumps({'preset': args.preset, 'variant': cfg.variant, 'config': cfg.to_dict(), **rep.to_dict()}, indent=2))
     else:
-        print(f'preset {args.preset}, variant {cfg.variant}\n')
+        print(f'preset {args.preset}, variant {args.variant} (model variant {cfg.variant})\n')
         print(rep)
         print(f'\nfrozen share {rep.frozen_fraction:.2%}, trainable share {rep.trainable_fraction:.2%}')
     return 0
@@ -109,6 +112,11 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
     options = {k: getattr(args, f'opt_{k}') for k in study.options if getattr(args, f'opt_{k}', None) is not None}
     overrides = _overrides(args.set)
+    if getattr(args, 'loggers', None):
+        from oelm_nb.core import LOGGERS
+        names = [l.strip() for l in args.loggers.split(',') if l.strip()]
+        if bad := [l for l in names if l not in LOGGERS]: raise ConfigError(f"--loggers {args.loggers}: unknown {bad}; choose from {', '.join(LOGGERS)}")
+        overrides['train.loggers'] = names
     if getattr(args, 'init_from', None):
         if not Path(args.init_from).exists(): raise ConfigError(f'--init-from {args.init_from}: no such file or directory')
         overrides['train.init_from'] = str(Path(args.init_from).resolve())
@@ -188,24 +196,36 @@ def _non_negative(text: str) -> int:
     if n < 0: raise argparse.ArgumentTypeError(f'{text} is negative')
     return n
 
+def study_variants_text(study, preset: str = 'tiny') -> str:
+    "The variants `oelm run <study>` runs by default and the others it knows (for --help), planned with no flags."
+    try: planned = list(study.variants(preset, 1000, {}))
+    except ConfigError: return ''
+    default = list(study.default_variants or planned)
+    extra = [v for v in planned if v not in default]
+    return f"variants run by default: {', '.join(default)}" + (f"; also available (--variants): {', '.join(extra)}" if extra else '')
+
 def add_study_parser(sub, study, presets):
     "`oelm run <study>`: the flags every study shares, then the study's own."
-    r = sub.add_parser(study.name, help=study.description or study.name, description=study.description)
-    r.add_argument('--preset', default='tiny', choices=list(presets))
-    r.add_argument('--data', default='synthetic', help='synthetic | tinystories | DIR or file')
+    r = sub.add_parser(study.name, help=study.description or study.name, description=study.description,
+                       epilog=textwrap.fill(study_variants_text(study), 80, break_on_hyphens=False),  # variant names stay whole
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument('--preset', default='tiny', choices=list(presets), help='model size and schedule (default: tiny)')
+    r.add_argument('--data', default='synthetic', help='synthetic | tinystories | a prepared data DIR or a .txt/.jsonl file (default: synthetic)')
     r.add_argument('--variants', default=None, help='comma-separated, among those the flags below plan (default: '
                    + (','.join(study.default_variants) if study.default_variants else 'all of them') + ')')
     r.add_argument('--seeds', type=_non_negative, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
     r.add_argument('--steps', type=_positive, default=None, help="optimizer steps per run (default: the study's for the preset)")
-    r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun)")
+    r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun; default: none, on the CPU or the one visible device)")
     conc = ['--concurrent'] if 'parallel' in study.options else ['--parallel', '--concurrent']
-    r.add_argument(*conc, dest='concurrent', action='store_true', help='run GPU sets (or CPU jobs) concurrently')
-    r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given')
+    r.add_argument(*conc, dest='concurrent', action='store_true', help='run GPU sets concurrently (default: one set after another)')
+    r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given (default: 1)')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
     r.add_argument('--set', action='append', metavar='KEY=VALUE', help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
     r.add_argument('--init-from', default=None, metavar='PATH', help='start every run from these weights: a local Hugging Face GPT-2 directory '
                    'or a nanoGPT ckpt.pt (the model must have its shape; --set model.* to match)')
-    r.add_argument('--no-report', action='store_true', help='do not render report.html at the end')
+    r.add_argument('--loggers', default=None, metavar='NAMES', help="extra loggers besides metrics.jsonl, comma-separated: tensorboard, wandb "
+                   "(install them with pip install 'oelm_nb[log]' or make loggers; default: none)")
+    r.add_argument('--no-report', action='store_true', help='do not render report.html at the end (default: render it; oelm report DIR renders it later)')
     r.add_argument('--restart', action='store_true', help='set existing runs of this invocation aside (renamed <run>.replaced-N) and train them '
                    'afresh; needed to rerun a batch directory with another configuration')
     if study.options:
@@ -220,11 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     from oelm_nb.model import PRESETS
     from oelm_nb.core import VARIANTS
     from oelm_nb.studies import STUDIES
+    from oelm_nb import __version__
     p = argparse.ArgumentParser(prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.')
+    p.add_argument('--version', action='version', version=f'oelm_nb {__version__}')
     sub = p.add_subparsers(dest='command', required=True)
 
-    q = sub.add_parser('params', help='parameter accounting of a preset and variant')
-    q.add_argument('--preset', default='tiny', choices=list(PRESETS)); q.add_argument('--variant', default='gpt', choices=VARIANTS)
+    q = sub.add_parser('params', help='parameter accounting of a preset and a Q/K study variant')
+    q.add_argument('--preset', default='tiny', choices=list(PRESETS), help='default: tiny')
+    q.add_argument('--variant', default='gpt', choices=list(STUDIES['qk-freeze'].variants('tiny', 1000, {})),
+                   help="a variant of the Q/K freeze study, the same names as `oelm run qk-freeze --variants` (default: gpt)")
     q.add_argument('--json', action='store_true', help='machine-readable output')
     add_config_options(q, ModelConfig, skip=('variant',)); q.set_defaults(fn=cmd_params)
 

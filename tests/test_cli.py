@@ -9,7 +9,7 @@ from __future__ import annotations
 import json, subprocess
 
 import numpy as np
-from cli_helpers import oelm_cmd as oelm
+from cli_helpers import oelm_cmd as oelm, run_oelm
 
 TIMEOUT = 300
 
@@ -158,3 +158,44 @@ def test_every_help_exits_0():
         assert res.stdout.startswith('usage: oelm' + ''.join(' ' + w for w in c)), res.stdout[:200]
     top = results[0].stdout
     for sub in ('params', 'data', 'train', 'run', 'report', 'bench'): assert sub in top
+
+
+def test_version_and_study_help_lists_variants_options_and_defaults():
+    import oelm_nb
+    from oelm_nb.studies import STUDIES
+    from oelm_nb.cli import build_parser
+    v = run_oelm('--version')
+    assert v.returncode == 0 and v.stdout.strip() == f'oelm_nb {oelm_nb.__version__}'
+    for name, study in STUDIES.items():
+        h = run_oelm('run', name, '--help')
+        assert h.returncode == 0, h.stderr
+        text = ' '.join(h.stdout.split())  # argparse wraps lines
+        for variant in study.variants('tiny', 1000, {}): assert variant in text, (name, variant)
+        # every option of `oelm run <study>` has help text, and every one with a default other than None/False states it
+        sub = next(a for a in build_parser()._subparsers._group_actions[0].choices['run']._subparsers._group_actions[0].choices.items() if a[0] == name)[1]
+        for action in sub._actions:
+            if action.dest in ('help',): continue
+            assert action.help, f'oelm run {name}: {action.option_strings} has no help'
+            if action.default not in (None, False): assert 'default' in action.help, f'oelm run {name}: {action.option_strings} hides its default'
+    assert 'also available (--variants): oelm-freeze-half, oelm-progressive, oelm-learnable' in ' '.join(run_oelm('run', 'qk-freeze', '--help').stdout.split())
+
+
+def test_params_takes_the_study_variants():
+    "oelm params --variant uses the Q/K study's variant names and their model settings (freeze_layers of oelm-freeze-half)."
+    r = run_oelm('params', '--variant', 'oelm-freeze-half', '--json')
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d['config']['variant'] == 'oelm-freeze' and d['config']['freeze_layers'] == 1  # tiny: 2 layers, half frozen
+    full = json.loads(run_oelm('params', '--variant', 'oelm-freeze', '--json').stdout)
+    assert d['frozen'] < full['frozen']
+    bad = run_oelm('params', '--variant', 'oelm-freez')
+    assert bad.returncode == 2 and 'oelm-freeze-half' in bad.stderr
+
+
+def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path):
+    from oelm_nb.cli import build_parser, study_plan
+    from oelm_nb.studies import get_study
+    args = build_parser().parse_args(['run', 'qk-freeze', '--loggers', 'tensorboard,wandb'])
+    assert study_plan(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
+    r = run_oelm('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
+    assert r.returncode == 2 and "unknown ['tensorbord']" in r.stderr and not (tmp_path / 'b').exists()
