@@ -96,6 +96,7 @@ class ModelConfig(ConfigBase):
     n_embd: int = 128 # residual width d_model
     d_ff: int | None = None # MLP hidden width (None: 4 * n_embd)
     n_embd_wte: int | None = None # factorized token-embedding width k < n_embd (None: no factorization)
+    tie_embeddings: bool = True # the output head shares the token table (GPT-2, nanoGPT); False: lm_head has a weight of its own
     dropout: float = 0.1 # dropout on embeddings, attention output and MLP
     bias: bool = True # biases in MLP and LayerNorm
     attn_bias: bool = False # biases in the attention projections (GPT-2 has them)

@@ -357,7 +357,7 @@ def sample_sizes(opts: dict, preset: str) -> list[int]:
 def common_settings(opts: dict, preset: str) -> dict:
     "Settings every run of the batch shares: the New-LLM guidelines' CVFP sizes at gpt2-124m, and --dist-reg-weight, --sequential, --embeddings."
     if opts.get('parallel') and opts.get('sequential'): raise ConfigError('--parallel and --sequential exclude each other')
-    over = {f'settings.{k}': v for k, v in CVFP_PRESETS['seed'].items()} if preset == 'gpt2-124m' else {}
+    over = {f'settings.{k}': v for k, v in CVFP_PRESETS['seed'].items()} if preset in ('gpt2-124m', 'gpt2-124m-1024') else {}
     if opts.get('dist_reg_weight') is not None:
         w = opts['dist_reg_weight']
         if not 0 <= w <= 1: raise ConfigError(f'--dist-reg-weight {w} must be in [0, 1] (the New-LLM guidelines: 0.9)')

@@ -161,9 +161,11 @@ TRAIN_PRESETS = {
     'gpt2-124m': dict(max_steps=10_000, batch_size=4, grad_accum=4, lr=1e-4, min_lr=5e-6, warmup_steps=500,
                       eval_every=500, eval_batches=100, log_every=50, ckpt_every=2000),
 }
+TRAIN_PRESETS['gpt2-124m-1024'] = TRAIN_PRESETS['gpt2-124m']  # the same model with GPT-2's 1,024 positions (for its weights)
 DATA_PRESETS = {'tiny': dict(vocab_size=2048, n_train_stories=20_000, n_val_stories=1000),
                 'medium512': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000),
                 'gpt2-124m': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000)}
+DATA_PRESETS['gpt2-124m-1024'] = DATA_PRESETS['gpt2-124m']
 
 # %% ../nbs/06_experiment.ipynb #c879c8a5
 SECTIONS = ('model', 'train', 'data', 'settings')

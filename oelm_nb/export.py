@@ -4,19 +4,19 @@
 
 # %% ../nbs/16_export.ipynb #0c7af0f0
 from __future__ import annotations
-import json
+import copy, json
 from pathlib import Path
 import torch
 from torch import nn
 from .core import ConfigError
 from .model import GPT
-from .pca import TanhGELUMLP, lora_modules, merge_lora
+from .pca import TanhGELUMLP, lora_modules, merge_lora, _no_scale_layers
 from .sample import load_run_model, run_codec
 from .train import read_checkpoint_meta
 
 # %% auto #0
-__all__ = ['EXPORT_FORMATS', 'linear_parts', 'norm_parts', 'activation', 'check_exportable', 'hf_config', 'to_hf_gpt2',
-           'to_nanogpt_state', 'export_run', 'load_named_tensors', 'load_init_weights']
+__all__ = ['EXPORT_FORMATS', 'linear_parts', 'norm_parts', 'activation', 'check_exportable', 'merged_copy', 'hf_config',
+           'full_embedding', 'to_hf_gpt2', 'to_nanogpt_state', 'export_run', 'load_named_tensors', 'load_init_weights']
 
 # %% ../nbs/16_export.ipynb #9118eda1
 def linear_parts(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,31 +38,60 @@ def activation(model: GPT) -> str:
 def check_exportable(model: GPT, target: str):
     "Refuse what `target` ('hf' or 'nanogpt') cannot express, with the reason."
     cfg = model.cfg
-    if cfg.factorized:
-        raise ConfigError(f"export to {target}: this model's token table is factorized (n_embd_wte={cfg.wte_dim} < n_embd={cfg.n_embd}); GPT-2 "
-                          "has one full table, and the factorized output adds a per-token bias its head lacks. Export the baseline run instead")
     if target == 'nanogpt':
+        if not _no_scale_layers(model):
+            raise ConfigError(f"export to nanogpt: this model's token table is factorized (n_embd_wte={cfg.wte_dim}, n_embd={cfg.n_embd}); nanoGPT "
+                              "has one full table tied to its head. Export --to hf, which materializes the table and an untied head")
+        if not cfg.tie_embeddings:
+            raise ConfigError("export to nanogpt: nanoGPT's GPT always ties its output head to the token table (lm_head.weight = wte.weight); "
+                              "this model has an untied head (model.tie_embeddings=false). Export --to hf (tie_word_embeddings=False) instead")
         if cfg.ff_dim != 4 * cfg.n_embd: raise ConfigError(f'export to nanogpt: its MLP is 4 x n_embd = {4 * cfg.n_embd} wide; this model has {cfg.ff_dim}')
         if activation(model) != 'gelu': raise ConfigError("export to nanogpt: nanoGPT's MLP uses exact GELU; this model uses the tanh approximation")
 
+def merged_copy(model: GPT) -> GPT:
+    "`model` itself when it has no unmerged LoRA adapter, else a copy with every adapter merged into its weight."
+    if not any(not m.merged for m in lora_modules(model)): return model
+    return merge_lora(copy.deepcopy(model))
+
 # %% ../nbs/16_export.ipynb #d0bcee5f
 def hf_config(model: GPT):
-    "The `GPT2Config` of the model's shape (dropouts from its configuration, exact or tanh GELU as it uses)."
+    "The `GPT2Config` of the model's shape (dropouts from its configuration, exact or tanh GELU as it uses, tied or untied head)."
     from transformers import GPT2Config
     c = model.cfg
+    tied = c.tie_embeddings and _no_scale_layers(model)  # a factorized table materializes into an untied head
     return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
                       n_inner=c.ff_dim, activation_function=activation(model), resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-                      attn_pdrop=c.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+                      attn_pdrop=c.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+
+@torch.no_grad()
+def full_embedding(model: GPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "(input table [V, d], head [V, d], final-LN bias shift [d]) of a model as one full table: factorized ones materialized (see above)."
+    tok, head = model.transformer.tok, model.lm_head.weight.detach().float()
+    E = tok.wte.weight.detach().float()
+    if _no_scale_layers(model): return E, head, torch.zeros(model.cfg.n_embd)
+    (Wu, bu), (Wd, bd) = linear_parts(tok.scale_up), linear_parts(tok.scale_down)
+    W_h, Wd, bd = head.double(), Wd.double(), bd.double()
+    delta = torch.linalg.pinv(Wd) @ bd  # least-norm solution of S_d delta = b_d
+    err = (W_h @ (Wd @ delta - bd)).abs().max().item() if bd.abs().max() > 0 else 0.0
+    if err > 1e-6:
+        raise ConfigError(f"export to hf: the factorized head's per-token bias (scale_down.bias through the head) cannot be folded into "
+                          f"GPT-2's bias-free head: scale_down's weight has rank {torch.linalg.matrix_rank(Wd).item()} < k={Wd.shape[0]} and its "
+                          f"bias lies outside its range (max logit error {err:.2e})")
+    return E @ Wu.T + bu, (W_h @ Wd).float(), delta.float()
 
 @torch.no_grad()
 def to_hf_gpt2(model: GPT):
-    "A `transformers.GPT2LMHeadModel` computing the same logits as `model` (eval mode)."
+    "A `transformers.GPT2LMHeadModel` computing the same logits as `model` (eval mode; LoRA merged on a copy, a factorized table materialized)."
     from transformers import GPT2LMHeadModel
+    model = merged_copy(model)
     check_exportable(model, 'hf')
-    hf = GPT2LMHeadModel(hf_config(model)).eval()
+    cfg = hf_config(model)
+    hf = GPT2LMHeadModel(cfg).eval()
     t, h = model.transformer, hf.transformer
-    h.wte.weight.copy_(t.tok.wte.weight); h.wpe.weight.copy_(t.wpe.weight)
-    h.ln_f.weight.copy_(norm_parts(t.ln_f)[0]); h.ln_f.bias.copy_(norm_parts(t.ln_f)[1])
+    E, head, shift = full_embedding(model)
+    h.wte.weight.copy_(E); h.wpe.weight.copy_(t.wpe.weight)
+    if not cfg.tie_word_embeddings: hf.lm_head.weight.copy_(head)
+    h.ln_f.weight.copy_(norm_parts(t.ln_f)[0]); h.ln_f.bias.copy_(norm_parts(t.ln_f)[1] + shift)
     for ours, theirs in zip(t.h, h.h):
         for a, b in ((ours.ln_1, theirs.ln_1), (ours.ln_2, theirs.ln_2)):
             w, bias = norm_parts(a); b.weight.copy_(w); b.bias.copy_(bias)
@@ -77,6 +106,7 @@ def to_hf_gpt2(model: GPT):
 @torch.no_grad()
 def to_nanogpt_state(model: GPT) -> tuple[dict, dict]:
     "(state dict in nanoGPT's names and layout, its `model_args`) for `model`."
+    model = merged_copy(model)
     check_exportable(model, 'nanogpt')
     c, t, sd = model.cfg, model.transformer, {}
     def lin(name, m): w, b = linear_parts(m); sd[f'{name}.weight'] = w; sd[f'{name}.bias'] = b
@@ -106,7 +136,7 @@ def export_run(run_dir, # one run's directory
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()): raise ConfigError(f'{out} is not empty: export into a new or empty directory')
     model, spec, ckpt = load_run_model(run_dir, checkpoint, device='cpu')
-    if lora_modules(model): merge_lora(model)  # one plain model: the adapters' updates added into their weights
+    model = merged_copy(model)  # one plain model: the adapters' updates added into (a copy of) their weights
     step = read_checkpoint_meta(ckpt)['step']
     check_exportable(model, to)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
@@ -150,8 +180,14 @@ def _model_flags(**shape) -> str:
 
 @torch.no_grad()
 def load_named_tensors(model: GPT, tensors: dict, source: str, hint: str = '') -> GPT:
-    "Copy `tensors` (our names) into every parameter and buffer of `model`: shapes must match (positions may be cropped), biases we lack must be zero."
+    "Copy `tensors` (our names) into every parameter and buffer of `model`: shapes must match (positions may be cropped), biases we lack must be zero; a tied checkpoint's table also starts an untied head."
     own = {**dict(model.named_parameters(remove_duplicate=True)), **dict(model.named_buffers())}
+    tensors, wte = dict(tensors), tensors.get('transformer.tok.wte.weight')
+    head = tensors.get('lm_head.weight')
+    if 'lm_head.weight' not in own and head is not None and not (wte is not None and head.shape == wte.shape and torch.equal(head, wte)):
+        raise ConfigError(f'--init-from {source}: the checkpoint has an untied output head (lm_head.weight differs from the token table) and this '
+                          'model ties them; train an untied model with --set model.tie_embeddings=false')
+    if 'lm_head.weight' in own and head is None and wte is not None: tensors['lm_head.weight'] = wte  # tied checkpoint, untied model: the head starts as the table
     missing = [n for n in own if n not in tensors and not n.endswith('.bias')]
     wrong = [(n, tuple(t.shape), tuple(tensors[n].shape)) for n, t in own.items() if n in tensors and t.shape != tensors[n].shape
              and not (n == 'transformer.wpe.weight' and tensors[n].shape[0] > t.shape[0] and tensors[n].shape[1:] == t.shape[1:])]
@@ -166,7 +202,7 @@ def load_named_tensors(model: GPT, tensors: dict, source: str, hint: str = '') -
     return model
 
 def load_init_weights(model: GPT, path) -> GPT:
-    "Fill `model` from a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt (see above); a `ConfigError` says what does not fit."
+    "Fill `model` from a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt (see above; an untied head needs an untied model, a tied one starts an untied head as a copy of the table); a `ConfigError` says what does not fit."
     path = Path(path)
     if path.is_dir() and (path / 'config.json').exists():
         from oelm_nb.pca import from_hf_gpt2
@@ -175,7 +211,7 @@ def load_init_weights(model: GPT, path) -> GPT:
         if activation(src) != activation(model):
             warnings.warn(f'--init-from {path}: its MLP uses tanh-approximate GELU (GPT-2), this model exact GELU; outputs differ slightly at the start')
         hint = 'Match it with ' + _model_flags(vocab_size=c.vocab_size, block_size=c.block_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
-                                               d_ff=c.ff_dim, bias='true', attn_bias='true')
+                                               d_ff=c.ff_dim, bias='true', attn_bias='true', **({} if c.tie_embeddings else {'tie_embeddings': 'false'}))
         return load_named_tensors(model, {**dict(src.named_parameters()), **dict(src.named_buffers())}, str(path), hint)
     if not path.is_file():
         raise ConfigError(f'--init-from {path}: neither a Hugging Face GPT-2 directory (with config.json) nor a nanoGPT ckpt.pt')

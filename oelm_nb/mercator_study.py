@@ -19,7 +19,7 @@ from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, 
                              cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, COLLAPSE_GAP, extract_kv, flatten_heads, _freeze_teacher, _masked_mean, _unwrap)
 
 # %% auto #0
-__all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'FINE_TUNE_LR', 'FINE_TUNE_SETTINGS', 'STUDENTS', 'MERCATOR_STUDY',
+__all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR_STUDY',
            'MercatorSettings', 'teacher_model', 'resolve_checkpoint', 'resolve_dataset', 'record_text', 'load_records',
            'load_texts', 'DocBatches', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'nf4_unavailable',
            'check_teacher_dtype', 'teacher_load_kwargs', 'gsm8k_accuracy', 'task_records', 'mercator_run',
@@ -490,19 +490,24 @@ def mercator_run(spec: RunSpec, # the run's specification (study 'mercator')
 # %% ../nbs/13a_mercator_study.ipynb #c2177c9a
 HF_SETTINGS = {'train.batch_size': 2, 'train.grad_accum': 16, 'train.lr': 5e-5, 'train.min_lr': 5e-6, 'train.ckpt_every': 200,
                'train.grad_clip': 0.5, 'settings.lr_projector': 1e-3, 'settings.max_length': 512}  # the Mercator guide's values
-FINE_TUNE_LR = 5e-4  # our family: the student's fine-tuning rate, the tiny pre-training schedule's final rate
-FINE_TUNE_SETTINGS = {'train.lr': FINE_TUNE_LR, 'train.min_lr': FINE_TUNE_LR / 10, 'train.grad_clip': 0.5,
-                      'settings.lr_projector': 20 * FINE_TUNE_LR}  # the Mercator guide's projector/student ratio, 1e-3 / 5e-5 = 20
+MERCATOR_TRAIN = {  # the pre-training schedules of the teacher and the student, per preset
+    'tiny': dict(max_steps=400, batch_size=8, grad_accum=2, lr=5e-3, min_lr=5e-4, warmup_steps=40, weight_decay=0.1,
+                 eval_every=50, eval_batches=8, log_every=10),
+    'medium512': dict(max_steps=20_000, batch_size=8, grad_accum=2, lr=3e-4, min_lr=3e-5, warmup_steps=1000, weight_decay=0.1,
+                      eval_every=1000, eval_batches=50, log_every=100, ckpt_every=5000),
+    'gpt2-124m': TRAIN_PRESETS['gpt2-124m'], 'gpt2-124m-1024': TRAIN_PRESETS['gpt2-124m']}
+PROJECTOR_RATIO = 20  # the Mercator guide's projector / student learning rates, 1e-3 / 5e-5
 
 def fine_tune_steps(steps: int) -> int:
     "Optimizer steps of a student's distillation (our family): half the pre-training's."
     return max(1, steps // 2)
 
-def fine_tune_schedule(steps: int) -> dict:
-    "The train.* overrides of a fine-tuning run of our family: its steps, warm-up and cadences, the fine-tuning rates and clipping."
+def fine_tune_schedule(steps: int, preset: str = 'tiny') -> dict:
+    "The train.* overrides of a fine-tuning run of our family: the rate the pre-training ended at (the projector 20x that), clip 0.5, its steps and cadences."
+    lr = (MERCATOR_TRAIN.get(preset) or TRAIN_PRESETS.get(preset) or {}).get('min_lr', 5e-4)
     f = fine_tune_steps(steps)
-    return {**FINE_TUNE_SETTINGS, 'train.max_steps': f, 'train.warmup_steps': max(1, f // 20),
-            'train.eval_every': max(1, f // 4), 'train.log_every': max(1, f // 40)}
+    return {'train.lr': lr, 'train.min_lr': lr / 10, 'train.grad_clip': 0.5, 'settings.lr_projector': float(f'{PROJECTOR_RATIO * lr:.6g}'),
+            'train.max_steps': f, 'train.warmup_steps': max(1, f // 20), 'train.eval_every': max(1, f // 4), 'train.log_every': max(1, f // 40)}
 
 def mercator_common(options: dict, # the flags given: teacher, student, dataset, teacher_run, teacher_dtype
                     preset: str) -> dict:
@@ -542,7 +547,7 @@ def mercator_variants(preset: str, steps: int, options: dict) -> dict[str, Varia
     "The teacher, the student's pre-training (our family) and the students of `STUDENTS`, fine-tuned from it."
     common = mercator_common(options, preset)
     hf = 'settings.teacher_hf' in common
-    tuning = {} if hf else fine_tune_schedule(steps)
+    tuning = {} if hf else fine_tune_schedule(steps, preset)
     upstream = ('teacher',) if hf else ('teacher', 'pretrain')
     warmup = 0 if hf else fine_tune_steps(steps) // 5  # HF mode: --set settings.projector_warmup=N
     def student(name):
@@ -559,11 +564,7 @@ MERCATOR_STUDY = Study(
     settings=MercatorSettings,
     variants=mercator_variants,
     run=mercator_run,
-    train={'tiny': dict(max_steps=400, batch_size=8, grad_accum=2, lr=5e-3, min_lr=5e-4, warmup_steps=40, weight_decay=0.1,
-                        eval_every=50, eval_batches=8, log_every=10),
-           'medium512': dict(max_steps=20_000, batch_size=8, grad_accum=2, lr=3e-4, min_lr=3e-5, warmup_steps=1000, weight_decay=0.1,
-                             eval_every=1000, eval_batches=50, log_every=100, ckpt_every=5000),
-           'gpt2-124m': TRAIN_PRESETS['gpt2-124m']},
+    train=MERCATOR_TRAIN,
     data=DATA_PRESETS,
     notebook='experiments/mercator.ipynb', report='reports/mercator.ipynb',
     options={'teacher': dict(metavar='DIR', help='HF mode: local checkpoint directory of the teacher (e.g. Qwen2.5-1.5B-Instruct); with --student'),

@@ -19,7 +19,8 @@ __all__ = ['PRESETS', 'model_config', 'CausalSelfAttention', 'MLP', 'Block', 'To
 PRESETS = {
     'tiny': dict(vocab_size=2048, block_size=128, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
     'medium512': dict(vocab_size=50257, block_size=512, n_layer=6, n_head=8, n_embd=512, d_ff=2048, dropout=0.1),
-    'gpt2-124m': dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, attn_bias=True),
+    'gpt2-124m': dict(vocab_size=50257, block_size=2048, n_layer=12, n_head=12, n_embd=768, dropout=0.1, attn_bias=True),
+    'gpt2-124m-1024': dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, attn_bias=True),
 }
 
 def model_config(preset: str = 'tiny', # a key of PRESETS
@@ -91,7 +92,7 @@ class TokenEmbedding(nn.Module):
 
 # %% ../nbs/03_model.ipynb #09f4a158
 class GPT(nn.Module):
-    "GPT with pre-LN blocks, learned positions, tied embeddings and a configurable Q/K treatment."
+    "GPT with pre-LN blocks, learned positions, tied (or untied) embeddings and a configurable Q/K treatment."
     def __init__(self, cfg: ModelConfig,
                  init_seed: int | None = None, # seed of the weight init (None: drawn from torch's global RNG)
                 ):
@@ -106,18 +107,18 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias)))
         self.lm_head = nn.Linear(cfg.wte_dim, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.tok.wte.weight  # tied: one tensor
+        if cfg.tie_embeddings: self.lm_head.weight = self.transformer.tok.wte.weight  # tied: one tensor
         self.reset_parameters(init_seed)
         self.apply_variant()
 
     @torch.no_grad()
     def reset_parameters(self, seed: int):
-        "N(0, init_std) everywhere, residual projections scaled by 1/sqrt(2 n_layer), then orthogonal (OELM) or N(0, 1/d) (gauss) Q/K."
+        "N(0, init_std) everywhere (an untied head last), residual projections scaled by 1/sqrt(2 n_layer), then orthogonal (OELM) or N(0, 1/d) (gauss) Q/K."
         g = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
         for name, m in self.named_modules():
             if isinstance(m, (nn.Linear, OrthogonalLinear, nn.Embedding)):
-                if m.weight is self.lm_head.weight and isinstance(m, nn.Linear): continue  # tied to wte
+                if m is self.lm_head and self.cfg.tie_embeddings: continue  # tied to wte, drawn there
                 s = std / math.sqrt(2 * self.cfg.n_layer) if name.endswith(('c_proj', 'mlp_down')) else std
                 m.weight.copy_(torch.randn(m.weight.shape, generator=g) * s)
                 if getattr(m, 'bias', None) is not None: m.bias.zero_()

@@ -16,10 +16,11 @@ from .core import ConfigError
 from .model import GPT, MLP, model_config
 
 # %% auto #0
-__all__ = ['LORA_TARGETS', 'FACTORIZED_INITS', 'EmbeddingPCA', 'embedding_pca', 'pca_factorize', 'reconstruction_curve',
-           'reconstruction_metrics', 'save_pca_mats', 'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'from_hf_gpt2',
-           'LoRALinear', 'LoRAEmbedding', 'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora', 'unmerge_lora',
-           'init_factorized_']
+__all__ = ['LORA_TARGETS', 'ADAPTER_FILE', 'ADAPTER_META', 'FACTORIZED_INITS', 'EmbeddingPCA', 'embedding_pca',
+           'attach_scale_layers_', 'pca_factorize', 'reconstruction_curve', 'reconstruction_metrics', 'save_pca_mats',
+           'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'from_hf_gpt2', 'LoRALinear', 'LoRAEmbedding',
+           'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora', 'unmerge_lora', 'lora_state',
+           'save_lora_adapters', 'load_lora_adapters', 'init_factorized_']
 
 # %% ../nbs/11_pca.ipynb #17be3e1f
 @dataclass
@@ -51,6 +52,13 @@ def embedding_pca(E: torch.Tensor, # token table [V, d]
 # %% ../nbs/11_pca.ipynb #1d99adf0
 def _no_scale_layers(m: GPT) -> bool: return not hasattr(m.transformer.tok, 'scale_up')
 
+def attach_scale_layers_(model: GPT) -> GPT:
+    "Give a model with `n_embd_wte = n_embd` (not factorized by config) the `scale_up` / `scale_down` layers of a factorized one, in place."
+    cfg, w = model.cfg, model.transformer.tok.wte.weight
+    model.transformer.tok.scale_up = nn.Linear(cfg.wte_dim, cfg.n_embd, bias=cfg.bias).to(w.device, w.dtype)
+    model.transformer.tok.scale_down = nn.Linear(cfg.n_embd, cfg.wte_dim, bias=cfg.bias).to(w.device, w.dtype)
+    return model
+
 @torch.no_grad()
 def pca_factorize(model: GPT, # a trained, unfactorized model of this package
                   k: int, # kept principal directions, 1..n_embd
@@ -65,9 +73,7 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
     pca = pca or embedding_pca(E)
     new = GPT(cfg.replace(n_embd_wte=k), init_seed=0).to(E.device, E.dtype)
     tok = new.transformer.tok
-    if _no_scale_layers(new):  # k == n_embd: the model is not factorized by config; attach the layers for this case
-        tok.scale_up = nn.Linear(k, cfg.n_embd, bias=cfg.bias).to(E.device, E.dtype)
-        tok.scale_down = nn.Linear(cfg.n_embd, k, bias=cfg.bias).to(E.device, E.dtype)
+    if _no_scale_layers(new): attach_scale_layers_(new)  # k == n_embd: the model is not factorized by config
     sd = {n: t for n, t in model.state_dict().items() if not n.startswith('transformer.tok.') and n != 'lm_head.weight'}
     missing, unexpected = new.load_state_dict(sd, strict=False)
     assert not unexpected and all(n.startswith('transformer.tok.') or n == 'lm_head.weight' for n in missing), (missing, unexpected)
@@ -78,6 +84,7 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
     if tok.scale_up.bias is not None: tok.scale_up.bias.copy_(mu)
     else: new.transformer.wpe.weight.add_(mu.to(E.dtype))  # no bias: fold the mean into the position table
     if tok.scale_down.bias is not None: tok.scale_down.bias.zero_()
+    if not cfg.tie_embeddings: new.lm_head.weight.copy_((model.lm_head.weight.double() @ Vk).to(E.dtype))  # untied head H: H V_k on scale_down(x) = x V_k
     new.train(model.training)
     return new
 
@@ -198,7 +205,7 @@ def _hf_model(path_or_model):
 def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GPT2LMHeadModel`
                  init_seed: int = 0, # seed of the throwaway init (every weight is overwritten)
                 ) -> GPT:
-    "Our `GPT` with the weights of a Hugging Face GPT-2 (Conv1D transposed, c_attn split into q/k/v)."
+    "Our `GPT` with the weights of a Hugging Face GPT-2 (Conv1D transposed, c_attn split into q/k/v; an untied head gives `tie_embeddings=False`)."
     hf = _hf_model(path_or_model)
     c = hf.config
     if c.activation_function not in _HF_ACT:
@@ -209,14 +216,13 @@ def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GP
         raise ConfigError('from_hf_gpt2: non-default GPT-2 attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx / '
                           'reorder_and_upcast_attn) is not supported')
     head, table = hf.get_output_embeddings().weight, hf.transformer.wte.weight
-    if head is not table and not torch.equal(head, table):  # our GPT has one tied table: an untied head would be dropped silently
-        raise ConfigError('from_hf_gpt2: this checkpoint has an untied output head (tie_word_embeddings=False and lm_head differs from wte); '
-                          'our GPT ties them, so its logits would differ. Use a tied GPT-2 checkpoint')
+    tied = head is table or torch.equal(head, table)  # tie_word_embeddings=False with a head of its own: an untied model
     cfg = model_config('tiny', vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                       n_embd=c.n_embd, d_ff=c.n_inner, dropout=c.resid_pdrop, bias=True, attn_bias=True)
+                       n_embd=c.n_embd, d_ff=c.n_inner, dropout=c.resid_pdrop, bias=True, attn_bias=True, tie_embeddings=tied)
     model = GPT(cfg, init_seed=init_seed)
     t, src = model.transformer, hf.transformer
     t.tok.wte.weight.copy_(src.wte.weight); t.wpe.weight.copy_(src.wpe.weight)
+    if not tied: model.lm_head.weight.copy_(head)
     t.ln_f.load_state_dict(src.ln_f.state_dict())
     d = c.n_embd
     for ours, theirs in zip(t.h, src.h):
@@ -336,6 +342,61 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
     "Undo `merge_lora`: subtract each update from its base weight and re-activate the adapters."
     for m in lora_modules(model):
         if m.merged: m.weight.sub_(m.delta_weight()); m.merged = False
+    return model
+
+# %% ../nbs/11_pca.ipynb #02851518
+ADAPTER_FILE, ADAPTER_META = 'lora_adapters.safetensors', 'lora_adapters.json'
+
+def _lora_settings(model: nn.Module) -> dict:
+    "rank, alpha, dropout and the adapted modules' names of `model` (one rank and alpha for all, as `apply_lora` makes them)."
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))}
+    if not mods: raise ConfigError(f'{type(model).__name__} has no LoRA adapters (apply_lora first)')
+    ranks = {(m.rank, m.scaling) for m in mods.values()}
+    if len(ranks) > 1: raise ConfigError(f'the adapters have several ranks / scalings {sorted(ranks)}; one file describes one rank and alpha')
+    r, s = ranks.pop()
+    drops = [m.lora_dropout.p for m in mods.values() if isinstance(m, LoRALinear)]
+    return {'rank': r, 'alpha': r * s, 'dropout': drops[0] if drops else 0.0, 'modules': sorted(mods),
+            'targets': sorted({n.rpartition('.')[2] for n in mods})}
+
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    "The adapters' tensors (`...lora_A`, `...lora_B`) of `model` by name."
+    return {n: p for n, p in model.named_parameters() if n.rpartition('.')[2] in ('lora_A', 'lora_B')}
+
+def save_lora_adapters(model: nn.Module, path) -> Path:
+    "Write only the LoRA tensors of `model` (safetensors) and their settings (JSON) into the directory `path`; returns it."
+    import json
+    from safetensors.torch import save_file
+    meta, path = _lora_settings(model), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().cpu().contiguous() for n, t in lora_state(model).items()}, str(path / ADAPTER_FILE),
+              metadata={'oelm_lora': json.dumps(meta)})
+    (path / ADAPTER_META).write_text(json.dumps(meta, indent=1))
+    return path
+
+@torch.no_grad()
+def load_lora_adapters(model: nn.Module, path) -> nn.Module:
+    "Load adapters written by `save_lora_adapters` into `model` (adding them first if it has none); a `ConfigError` names what does not fit."
+    import json
+    from safetensors import safe_open
+    f = Path(path) / ADAPTER_FILE if Path(path).is_dir() else Path(path)
+    if not f.exists(): raise ConfigError(f'load_lora_adapters: {f} not found; write it with save_lora_adapters(model, {str(path)!r})')
+    with safe_open(str(f), framework='pt') as z:
+        meta = json.loads((z.metadata() or {}).get('oelm_lora', 'null') or 'null')
+        tensors = {n: z.get_tensor(n) for n in z.keys()}
+    if not meta: raise ConfigError(f'load_lora_adapters: {f} has no oelm_lora metadata; not written by save_lora_adapters')
+    if not lora_modules(model): apply_lora(model, tuple(meta['targets']), meta['rank'], meta['alpha'], meta['dropout'], freeze_base=False)
+    have = _lora_settings(model)
+    if (have['rank'], have['alpha']) != (meta['rank'], meta['alpha']):
+        raise ConfigError(f"load_lora_adapters: {f} holds rank {meta['rank']}, alpha {meta['alpha']}; the model's adapters have rank "
+                          f"{have['rank']}, alpha {have['alpha']}")
+    if any(m.merged for m in lora_modules(model)): raise ConfigError('load_lora_adapters: the model\'s adapters are merged; unmerge_lora(model) first')
+    own = lora_state(model)
+    missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    wrong = [f'{n}: model {tuple(own[n].shape)}, file {tuple(t.shape)}' for n, t in tensors.items() if n in own and own[n].shape != t.shape]
+    if missing or extra or wrong:
+        raise ConfigError(f'load_lora_adapters: {f} does not fit this model (' + '; '.join(
+            [f'missing from the file: {missing[:4]}'] * bool(missing) + [f'not in the model: {extra[:4]}'] * bool(extra) + wrong[:4]) + ')')
+    for n, t in tensors.items(): own[n].copy_(t)
     return model
 
 # %% ../nbs/11_pca.ipynb #3985a63b

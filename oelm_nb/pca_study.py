@@ -62,6 +62,7 @@ PCA_LORA_TRAIN = {  # fine-tuning schedule; steps = half the baseline's, warmup 
     'tiny': dict(lr=1e-2, min_lr=2e-4, weight_decay=0.01, warmup_share=0.02, eval_share=0.1),
     'gpt2-124m': dict(lr=5e-5, min_lr=1e-6, weight_decay=0.01, warmup_share=0.02, eval_share=0.04),
 }
+for _d in (PCA_KS, PCA_LORA, PCA_LORA_TRAIN): _d['gpt2-124m-1024'] = _d['gpt2-124m']  # GPT-2 small with 1,024 positions: the same study sizes
 
 def default_ks(preset: str) -> tuple[int, ...]:
     "The study's ks for `preset`: the table above, else the PCA document's k/d ratios rounded to multiples of 8."
@@ -501,10 +502,10 @@ PCA_STUDY = Study(
     settings=PCASettings,
     variants=pca_variants,
     run=pca_run,
-    train={**TRAIN_PRESETS, 'gpt2-124m': {**TRAIN_PRESETS['gpt2-124m'], 'dtype': 'float16'}},
+    train={**TRAIN_PRESETS, **{p: {**TRAIN_PRESETS[p], 'dtype': 'float16'} for p in ('gpt2-124m', 'gpt2-124m-1024')}},
     data=DATA_PRESETS,
     options={'ks': dict(type=int, nargs='+', metavar='K',
-                        help='embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m)')},
+                        help='embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m and gpt2-124m-1024)')},
     default_seeds=(0, 1),
     notebook='experiments/pca.ipynb',
     report='reports/pca.ipynb',

@@ -21,9 +21,9 @@ from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_w
 
 # %% auto #0
 __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
-           'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'schedule', 'BatchResult',
-           'with_upstream', 'plan_batch', 'check_memory', 'write_batch_json', 'record_outcome', 'pending_jobs',
-           'run_study', 'after_batch', 'fit_vocabulary', 'render_report']
+           'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'schedule', 'last_record',
+           'BatchProgress', 'BatchResult', 'with_upstream', 'plan_batch', 'check_memory', 'write_batch_json',
+           'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -223,6 +223,70 @@ def _run_guarded(run_job, j: Job, w, on_blocked) -> str:
     except Exception as e:
         on_blocked(j, f'the runner failed: {type(e).__name__}: {e}'); return 'failed'
 
+# %% ../nbs/07_runner.ipynb #145abbad
+def last_record(run_dir: Path, tail_bytes: int = 4096) -> dict:
+    "The last complete JSON record of a run's metrics.jsonl ({} when there is none yet), read from the file's end."
+    path = Path(run_dir) / 'metrics.jsonl'
+    try:
+        with open(path, 'rb') as f:
+            f.seek(0, os.SEEK_END); f.seek(max(0, f.tell() - tail_bytes))
+            lines = f.read().decode('utf-8', errors='replace').splitlines()
+    except OSError: return {}
+    for line in reversed(lines):
+        try: rec = json.loads(line)
+        except json.JSONDecodeError: continue  # a line being written, or cut by the tail
+        if isinstance(rec, dict): return rec
+    return {}
+
+def _in_notebook() -> bool: return 'ipykernel' in sys.modules
+
+class BatchProgress:
+    "One live bar over a batch: steps done across its runs, runs done/failed, each running run's latest step and loss."
+    def __init__(self, jobs: list[Job], # every job of the batch (completed ones included)
+                 steps: dict[str, int], # job name -> its max_steps
+                 statuses: dict[str, str], # job name -> status, updated by the scheduler
+                 enabled: bool | None = None, # None: on a terminal or in a notebook
+                 interval: float = 2.0, # seconds between refreshes
+                 file=None):
+        from tqdm.auto import tqdm
+        self.jobs, self.steps, self.statuses, self.interval = jobs, steps, statuses, interval
+        on = (sys.stderr.isatty() or _in_notebook()) if enabled is None else enabled
+        self.bar = tqdm(total=sum(steps.values()), unit='step', desc='batch', disable=not on, file=file, dynamic_ncols=True, smoothing=0.1)
+        self._stop, self._thread = None, None
+
+    def update(self):
+        "Read every running run's last record and redraw the bar."
+        done, total, running = 0, 0, []
+        for j in self.jobs:
+            st, n = self.statuses.get(j.name, 'pending'), self.steps.get(j.name, 0)
+            if st == 'completed': done += n; total += n
+            elif st == 'running':
+                rec = last_record(j.run_dir); step = min(int(rec.get('step', 0) or 0), n)
+                done += step; total += n
+                if rec: running.append(f"{j.name} {step}/{n}" + (f" loss {rec['train_loss']:.3f}" if isinstance(rec.get('train_loss'), (int, float)) else ''))
+            elif st == 'pending': total += n
+            else: done += 0  # failed, blocked, locked: its steps will not run
+        n_done = sum(s == 'completed' for s in self.statuses.values()); n_bad = sum(s in ('failed', 'locked') for s in self.statuses.values())
+        self.bar.total = max(total, 1); self.bar.n = done
+        self.bar.set_postfix_str(f"runs {n_done}/{len(self.jobs)} done" + (f", {n_bad} failed" if n_bad else '') + (' | ' + '; '.join(running) if running else ''), refresh=False)
+        self.bar.refresh()
+        return done, total
+
+    def write(self, line: str): self.bar.write(line) if not self.bar.disable else print(line, flush=True)
+
+    def __enter__(self):
+        import threading
+        self._stop = threading.Event()
+        def loop():
+            while not self._stop.wait(self.interval): self.update()
+        if not self.bar.disable: self._thread = threading.Thread(target=loop, daemon=True); self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread: self._thread.join(timeout=5)
+        self.update(); self.bar.close()
+
 # %% ../nbs/07_runner.ipynb #81a2322b
 @dataclass
 class BatchResult:
@@ -365,20 +429,23 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
     all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
     index = write_batch_json(batch, names, seeds, plan, gpus, restart)
     threads = None if workers[0] else max(1, (os.cpu_count() or 1) // len(workers))
-    def run_job(j, gpu_set):
-        cks = list_checkpoints(j.run_dir / 'checkpoints')
-        log(f'[oelm run] {j.name}: started' + (f' (resuming from step {int(cks[-1].name.removeprefix("step_"))})' if cks else '')
-            + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
-        try: return execute_run(j, batch, gpu_set, threads, log)
-        except RunLocked as e: log(f'[oelm run] {j.name}: not run: {e}'); return 'locked'
-    def blocked(j, why):
-        try:
-            with run_lock(j.run_dir):
-                write_json(j.run_dir / 'summary.json', {'status': 'failed', **run_identity(study, j.variant, batch.preset, j.seed), 'error': why})
-        except RunLocked as e: why += f' (and its directory is locked: {e})'
-        log(f'[oelm run] {j.name}: {why}')
-    statuses = schedule(todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream],
-                        {j.name: 'completed' for j in all_jobs if j not in todo}, run_job, workers, blocked)
+    steps = {j.name: batch.spec(j.variant, j.seed).train.max_steps for j in all_jobs}
+    statuses = {j.name: 'completed' for j in all_jobs if j not in todo}
+    with BatchProgress(all_jobs, steps, statuses) as progress:
+        say = progress.write if log is print else log  # lines go above the live bar
+        def run_job(j, gpu_set):
+            cks = list_checkpoints(j.run_dir / 'checkpoints')
+            say(f'[oelm run] {j.name}: ' + (f'resumed from step {int(cks[-1].name.removeprefix("step_"))}' if cks else 'started')
+                + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
+            try: return execute_run(j, batch, gpu_set, threads, say)
+            except RunLocked as e: say(f'[oelm run] {j.name}: not run: {e}'); return 'locked'
+        def blocked(j, why):
+            try:
+                with run_lock(j.run_dir):
+                    write_json(j.run_dir / 'summary.json', {'status': 'failed', **run_identity(study, j.variant, batch.preset, j.seed), 'error': why})
+            except RunLocked as e: why += f' (and its directory is locked: {e})'
+            say(f'[oelm run] {j.name}: {why}')
+        schedule(todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream], statuses, run_job, workers, blocked)
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
     record_outcome(out, index, res.statuses)
     after_batch(batch, [v for v in names if any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)

@@ -66,12 +66,106 @@ def test_bad_requests_exit_2(run, tmp_path, args, message):
     assert not (tmp_path / 'x').exists()  # nothing written
 
 
-def test_a_factorized_model_is_refused_with_the_reason():
+SMALL = dict(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def _model(variant='gpt', **extra):
+    from oelm_nb.model import GPT, model_config
+    m = GPT(model_config('tiny', variant=variant, **SMALL, **extra), init_seed=1)
+    with torch.no_grad():  # trained-like: non-zero biases everywhere, scale_up / scale_down included
+        g = torch.Generator().manual_seed(2)
+        for n, p in m.named_parameters():
+            if n.endswith('.bias'): p.normal_(0, 0.3, generator=g)
+    return m.eval()
+
+
+def _lora_model():
+    from oelm_nb.pca import apply_lora
+    m = _model(n_embd_wte=8)
+    apply_lora(m, rank=2, alpha=4)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for n, p in m.named_parameters():
+            if 'lora_' in n: p.normal_(0, 0.2, generator=g)  # adapters that change the model
+    return m.eval()
+
+
+def _hf_gap(model, path) -> float:
+    "Export `model`, read it back with transformers.from_pretrained, and return the largest logit difference."
+    from oelm_nb.export import to_hf_gpt2
+    to_hf_gpt2(model).save_pretrained(path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(): return (hf(ids).logits - model.eval()(ids)[0]).abs().max().item()
+
+
+@pytest.mark.parametrize('name, build', [
+    ('gpt', lambda: _model('gpt')), ('oelm', lambda: _model('oelm')), ('oelm-freeze', lambda: _model('oelm-freeze')),
+    ('untied', lambda: _model(tie_embeddings=False)), ('factorized', lambda: _model(n_embd_wte=8)),
+    ('factorized-untied', lambda: _model(n_embd_wte=8, tie_embeddings=False)), ('factorized-no-bias', lambda: _model(n_embd_wte=8, bias=False)),
+    ('lora-merged', _lora_model),
+])
+def test_every_supported_variant_reloads_in_transformers_with_our_logits(name, build, tmp_path):
+    model = build()
+    gap = _hf_gap(model, tmp_path / 'hf')
+    assert gap < 1e-5, (name, gap)
+    cfg = json.loads((tmp_path / 'hf' / 'config.json').read_text())
+    assert cfg['tie_word_embeddings'] == (name in ('gpt', 'oelm', 'oelm-freeze'))  # untied or factorized: a head of its own
+    if not cfg['tie_word_embeddings']:
+        from safetensors import safe_open
+        with safe_open(str(tmp_path / 'hf' / 'model.safetensors'), 'pt') as z: assert 'lm_head.weight' in z.keys()
+
+
+def test_the_logits_comparison_can_fail(tmp_path):
+    "The check above compares numbers: an export of one model against another model's logits is far apart."
+    from oelm_nb.export import to_hf_gpt2
+    a, b = _model(n_embd_wte=8), _model(n_embd_wte=8)
+    with torch.no_grad(): b.transformer.tok.scale_down.bias.add_(0.5)  # only the bias that the export folds differs
+    to_hf_gpt2(a).save_pretrained(tmp_path / 'a')
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'a').eval()
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(): assert (hf(ids).logits - b(ids)[0]).abs().max().item() > 1e-2
+
+
+def test_a_lora_model_is_merged_on_a_copy_and_an_unfoldable_head_is_refused():
     from oelm_nb.core import ConfigError
     from oelm_nb.export import to_hf_gpt2
-    from oelm_nb.model import GPT, model_config
-    with pytest.raises(ConfigError, match='token table is factorized'):
-        to_hf_gpt2(GPT(model_config('tiny', vocab_size=50, block_size=16, n_embd=32, n_embd_wte=8), init_seed=0))
+    from oelm_nb.pca import lora_modules
+    m = _lora_model()
+    to_hf_gpt2(m)
+    assert not any(x.merged for x in lora_modules(m))  # the run's model keeps its adapters
+    low = _model(n_embd_wte=8)
+    with torch.no_grad(): low.transformer.tok.scale_down.weight[1:] = 0  # rank 1: a bias outside its range cannot be folded
+    with pytest.raises(ConfigError, match='cannot be folded'): to_hf_gpt2(low)
+
+
+def test_nanogpt_refuses_an_untied_or_factorized_model():
+    from oelm_nb.core import ConfigError
+    from oelm_nb.export import to_nanogpt_state
+    with pytest.raises(ConfigError, match="nanoGPT's GPT always ties its output head"): to_nanogpt_state(_model(tie_embeddings=False))
+    with pytest.raises(ConfigError, match='token table is factorized'): to_nanogpt_state(_model(n_embd_wte=8))
+
+
+def test_lora_adapters_round_trip_alone(tmp_path):
+    from oelm_nb.core import ConfigError
+    from oelm_nb.pca import save_lora_adapters, load_lora_adapters, lora_state, ADAPTER_FILE
+    from safetensors.torch import load_file
+    tuned = _lora_model()
+    save_lora_adapters(tuned, tmp_path / 'ad')
+    saved = load_file(tmp_path / 'ad' / ADAPTER_FILE)
+    assert set(saved) == set(lora_state(tuned)) and all('lora_' in n for n in saved)  # the adapters only
+    meta = json.loads((tmp_path / 'ad' / 'lora_adapters.json').read_text())
+    assert (meta['rank'], meta['alpha']) == (2, 4.0) and 'q_proj' in meta['targets']
+    fresh = _model(n_embd_wte=8)  # the same base, no adapters yet
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = fresh(ids)[0]
+        after = load_lora_adapters(fresh, tmp_path / 'ad').eval()(ids)[0]
+        assert (after - tuned(ids)[0]).abs().max().item() < 1e-6 and (after - before).abs().max().item() > 1e-2
+    with pytest.raises(ConfigError, match=r'transformer.tok.wte.lora_B: model \(16, 2\), file \(8, 2\)'):
+        from oelm_nb.pca import apply_lora
+        wide = _model(n_embd_wte=16); apply_lora(wide, rank=2, alpha=4)
+        load_lora_adapters(wide, tmp_path / 'ad')
 
 
 def first_train_loss(run_dir: Path) -> float:
@@ -107,3 +201,59 @@ def test_init_from_a_config_built_gpt2_directory_reproduces_its_logits(tmp_path)
     from oelm_nb.core import ConfigError
     with pytest.raises(ConfigError, match='Match it with --set model.vocab_size=120 --set model.block_size=64 --set model.n_layer=2'):
         load_init_weights(GPT(model_config('tiny', vocab_size=120, block_size=64, n_embd=64, n_layer=2, n_head=4), init_seed=0), tmp_path / 'gpt2')
+
+
+def test_init_from_an_untied_gpt2_directory(tmp_path):
+    "A config-built GPT-2 with tie_word_embeddings=False: an untied model reproduces its logits, a tied one is refused by name."
+    from oelm_nb.core import ConfigError
+    from oelm_nb.export import load_init_weights
+    from oelm_nb.model import GPT, model_config
+    cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu',
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0); hf = transformers.GPT2LMHeadModel(cfg).eval(); hf.save_pretrained(tmp_path / 'gpt2')
+    assert not torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
+    shape = dict(vocab_size=120, block_size=64, n_embd=32, n_layer=2, n_head=4, attn_bias=True)
+    ours = load_init_weights(GPT(model_config('tiny', **shape, tie_embeddings=False), init_seed=5), tmp_path / 'gpt2').eval()
+    ids = torch.randint(0, 120, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(): assert (ours(ids)[0] - hf(ids).logits).abs().max().item() < 1e-5
+    with pytest.raises(ConfigError, match='--set model.tie_embeddings=false'):
+        load_init_weights(GPT(model_config('tiny', **shape), init_seed=5), tmp_path / 'gpt2')
+
+
+def test_an_untied_run_exports_to_hf_and_is_refused_by_nanogpt(run, tmp_path):
+    out = tmp_path / 'batch'
+    res = run_oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(4),
+                   '--data', str(run.parent / 'data'), '--set', 'model.tie_embeddings=false')
+    assert res.returncode == 0, res.stderr[-2000:]
+    rd = out / 'gpt-s0'
+    res = run_oelm('export', str(rd), str(tmp_path / 'nano'), '--to', 'nanogpt')
+    assert res.returncode == 2 and 'always ties its output head' in res.stderr and not (tmp_path / 'nano').exists(), res.stderr
+    assert run_oelm('export', str(rd), str(tmp_path / 'hf')).returncode == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'hf').eval()
+    ours = load_run_model(rd, device='cpu')[0]
+    assert hf.config.tie_word_embeddings is False and ours.lm_head.weight is not ours.transformer.tok.wte.weight
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(): assert (hf(ids).logits - ours(ids)[0]).abs().max().item() < 1e-5
+
+
+def test_pca_study_runs_export_merged_and_factorized(run, tmp_path):
+    "`oelm export` of a PCA + LoRA run (adapters merged, table materialized) and of an evaluated-only PCA run (no checkpoint of its own)."
+    out = tmp_path / 'pca'
+    res = run_oelm('run', 'pca', '--variants', 'baseline,pca-k8,pca-lora-k8', '--ks', '8', '--seeds', '0', '--no-report', '--out', str(out),
+                   *tiny_args(8), '--data', str(run.parent / 'data'), '--set', 'train.dtype=float32')
+    assert res.returncode == 0, res.stderr[-2000:]
+    for name in ('pca-lora-k8-s0', 'pca-k8-s0', 'baseline-s0'):
+        res = run_oelm('export', str(out / name), str(tmp_path / name))
+        assert res.returncode == 0, (name, res.stderr[-2000:])
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        ours, spec, _ = load_run_model(out / name, device='cpu')  # the LoRA run: adapters unmerged, as it trained
+        assert ours.cfg.factorized == (name != 'baseline-s0')
+        ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(): gap = (hf(ids).logits - ours(ids)[0]).abs().max().item()
+        assert gap < 1e-5, (name, gap)
+        assert hf.config.tie_word_embeddings == (name == 'baseline-s0')
+    s = json.loads((out / 'pca-k8-s0' / 'summary.json').read_text())
+    from oelm_nb.pca_study import _eval
+    from oelm_nb.experiment import prepare_run
+    ours, spec, _ = load_run_model(out / 'pca-k8-s0', device='cpu')
+    assert abs(_eval(ours, spec, prepare_run(spec)[2])['val_loss'] - s['val_loss']) < 1e-5  # the model the run evaluated

@@ -122,7 +122,7 @@ def medium512():
 def test_arithmetic_reproduces_known_counts():
     # the hand formula itself is checked against two numbers from outside the library
     assert expected_counts(model_config('medium512'))[0] == MEDIUM_TOTAL
-    assert expected_counts(model_config('gpt2-124m'))[0] == GPT2_SMALL_TIED
+    assert expected_counts(model_config('gpt2-124m-1024'))[0] == GPT2_SMALL_TIED  # GPT-2's own 1,024 positions
     assert expected_counts(model_config('medium512', variant='oelm-freeze')) == (MEDIUM_TOTAL, MEDIUM_TRAINABLE, MEDIUM_FROZEN)
     assert MEDIUM_FROZEN == 6 * 2 * 512 * 512
 

@@ -199,7 +199,7 @@ def test_matches_peft():
 def test_gpt2_124m_factorized_param_counts(K, capsys):
     "`oelm params --preset gpt2-124m --n-embd-wte K` against the architecture's arithmetic."
     from oelm_nb.cli import main
-    V, d, L, T, ff = 50257, 768, 12, 1024, 3072
+    V, d, L, T, ff = 50257, 768, 12, 2048, 3072  # the PCA document's 2,048 positions
     want = {'embedding': V * K + (K * d + d) + (d * K + K) + T * d,  # wte (tied head counted once), scale_up, scale_down, wpe
             'attention.qk': L * 2 * (d * d + d),
             'attention.vo': L * 2 * (d * d + d),

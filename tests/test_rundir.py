@@ -132,7 +132,7 @@ def test_killing_oelm_alone_stops_its_trainer_and_a_rerun_continues_cleanly(tmp_
 
     res = run_oelm(*args)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert 'oelm-s0: started (resuming from step' in res.stdout, res.stdout
+    assert 'oelm-s0: resumed from step' in res.stdout, res.stdout
     assert_steps_clean(out, 100)
 
 
