@@ -18,10 +18,11 @@ from .train import read_metrics
 from .rundir import flatten
 
 # %% auto #0
-__all__ = ['PROJECT_ENV', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root', 'find_batch_dir',
-           'load_runs', 'load_curves', 'variant_table', 'Comparison', 'compare', 'axis_label', 'variant_colors',
-           'plot_curves', 'convergence', 'convergence_note', 'convergence_caveat', 'safe_markdown', 'safe_table',
-           'provenance_table', 'hyperparameter_table', 'run_links', 'RunExplorer']
+__all__ = ['PROJECT_ENV', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'EXPLORER_COLUMNS',
+           'project_root', 'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'Comparison', 'compare',
+           'axis_label', 'variant_colors', 'plot_curves', 'convergence', 'convergence_note', 'convergence_caveat',
+           'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links', 'smooth_curves',
+           'explorer_table', 'RunExplorer']
 
 # %% ../nbs/08_report.ipynb #c879ad34
 PROJECT_ENV = 'OELM_PROJECT'  # a project root to resolve report batch paths against
@@ -380,6 +381,28 @@ def run_links(batch_dir, runs: pd.DataFrame | None = None) -> HTML:
     return HTML(f'<table class="run-links"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
 
 # %% ../nbs/08_report.ipynb #bd6164c5
+def smooth_curves(curves: pd.DataFrame, metric: str, weight: float = 0.0) -> pd.DataFrame:
+    "`curves` with `metric` smoothed per run by an exponential moving average (TensorBoard's: each point keeps `weight` of the previous one)."
+    if not weight or metric not in curves or curves.empty: return curves
+    out = curves.sort_values(['variant', 'seed', 'step']).copy()
+    ok = out[metric].notna()
+    out.loc[ok, metric] = out[ok].groupby(['variant', 'seed'])[metric].transform(lambda s: s.ewm(alpha=1 - weight, adjust=False).mean())
+    return out
+
+EXPLORER_COLUMNS = {'variant': ('variant', str), 'seed': ('seed', str), 'status': ('status', str),
+                    'best_val_ppl': ('best val PPL', '{:.3f}'.format), 'recall_acc': ('recall', '{:.1%}'.format),
+                    'tokens_per_s': ('tokens/s', '{:,.0f}'.format), 'error': ('error', str)}
+
+def explorer_table(runs: pd.DataFrame, variants=None, seeds=None) -> str:
+    "HTML table of the selected runs with numbers for people: PPL to 3 decimals, recall in %, tokens/s with separators, empty cells where a run has no value (escaped)."
+    sel = runs if variants is None else runs[runs.variant.isin(list(variants))]
+    sel = sel if seeds is None else sel[sel.seed.isin(list(seeds))]
+    if not len(sel): return '<i>no runs selected</i>'
+    cols = [c for c in EXPLORER_COLUMNS if c in sel]
+    shown = pd.DataFrame({EXPLORER_COLUMNS[c][0]: [('' if v is None or (isinstance(v, float) and math.isnan(v)) else EXPLORER_COLUMNS[c][1](v))
+                                                    for v in sel[c]] for c in cols})
+    return shown.to_html(index=False, escape=True)
+
 class RunExplorer:
     "Interactive view of a batch directory: pick variants, seeds, a metric and the x axis; the plot redraws, each variant in its fixed colour."
     METRICS = ('val_ppl', 'val_loss', 'train_loss', 'recall_acc', 'tokens_per_s', 'lr', 'grad_norm')
@@ -392,11 +415,12 @@ class RunExplorer:
         self.metric = widgets.Dropdown(description='metric', options=[(axis_label(m), m) for m in self.METRICS], value='val_ppl')
         self.xaxis = widgets.ToggleButtons(options=[(axis_label(x), x) for x in ('step', 'tokens', 'elapsed_s')], value='step', description='x')
         self.logy = widgets.Checkbox(description='log y (ticks at the values)', value=False)
+        self.smooth = widgets.FloatSlider(description='smoothing', min=0.0, max=0.95, step=0.05, value=0.0, readout_format='.2f')
         self.reload_button = widgets.Button(description='reload runs', icon='refresh')
         self.table = widgets.HTML(); self.out = widgets.Output(); self.fig = None
         self.reload_button.on_click(lambda _: self.reload())
-        for w in (self.variants, self.seeds, self.metric, self.xaxis, self.logy): w.observe(lambda _: self.redraw(), names='value')
-        self.widget = widgets.VBox([widgets.HBox([self.variants, self.seeds, widgets.VBox([self.metric, self.xaxis, self.logy, self.reload_button])]),
+        for w in (self.variants, self.seeds, self.metric, self.xaxis, self.logy, self.smooth): w.observe(lambda _: self.redraw(), names='value')
+        self.widget = widgets.VBox([widgets.HBox([self.variants, self.seeds, widgets.VBox([self.metric, self.xaxis, self.logy, self.smooth, self.reload_button])]),
                                     self.out, self.table])
         self.reload()
 
@@ -410,18 +434,17 @@ class RunExplorer:
         self.variants.options, self.variants.value = vs, tuple(vs)
         self.seeds.options, self.seeds.value = ss, tuple(ss)
         self._quiet = False
-        cols = [c for c in ('variant', 'seed', 'status', 'best_val_ppl', 'recall_acc', 'tokens_per_s', 'error') if c in self.runs]
-        self.table.value = self.runs[cols].to_html(index=False, float_format='{:.4g}'.format, na_rep='') if len(self.runs) else '<i>no runs</i>'
         self.redraw()
 
     def redraw(self):
         "Redraw the plot for the current selection."
         if getattr(self, '_quiet', False): return
+        self.table.value = explorer_table(self.runs, self.variants.value, self.seeds.value) if len(self.runs) else '<i>no runs</i>'
         self.out.clear_output(wait=True)
         with self.out:
             if self.fig is not None: plt.close(self.fig)
             self.fig, ax = plt.subplots(figsize=(7, 3.5))
-            plot_curves(self.curves, self.metric.value, x=self.xaxis.value, ax=ax, variants=list(self.variants.value), seeds=list(self.seeds.value),
+            plot_curves(smooth_curves(self.curves, self.metric.value, self.smooth.value), self.metric.value, x=self.xaxis.value, ax=ax, variants=list(self.variants.value), seeds=list(self.seeds.value),
                         logy=self.logy.value, colors=variant_colors(self.variants.options))  # colours fixed while the selection changes
             plt.show()
 
