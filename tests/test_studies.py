@@ -34,7 +34,7 @@ def test_every_study_rejects_an_unknown_settings_field_by_name(study):
     ('pca', 'method', 'svd', "must be one of ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')"),
     ('cvfp', 'samples', 2.5, 'CVFPSettings.samples=2.5 is invalid: must be of type int | None'),
     ('cvfp', 'diversity', 'WMSE', 'must be one of'),
-    ('mercator', 'role', 'judge', "must be one of ('teacher', 'student')"),
+    ('mercator', 'role', 'judge', "must be one of ('teacher', 'pretrain', 'student')"),
     ('mercator', 'beta', 'x', 'must be of type float'),
 ])
 def test_ill_typed_settings_name_study_field_and_allowed_values(study, field, value, expect):
