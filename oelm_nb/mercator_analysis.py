@@ -452,9 +452,12 @@ def projector_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
     probe = _centered(runs, BASELINE)
     if not caps or not merc or pd.isna(probe): return None, 'projector: not measured (needs the capacity variants, the probe and centered cosines)'
     below, mean = all(c < PASS_LINES[0] for c in caps.values()), float(np.mean(merc))
+    n_below, where = sum(c < PASS_LINES[0] for c in caps.values()), ('every capacity' if len(caps) == len(CAPACITY) else f'the {len(caps)} of {len(CAPACITY)} capacities measured')
+    line = (f"below the pass line {PASS_LINES[0]:.2f} at {where}" if below else f"at or above the pass line {PASS_LINES[0]:.2f} at {where}" if not n_below
+            else f"below the pass line {PASS_LINES[0]:.2f} at {n_below} of {len(caps)} capacities")
     same = abs(probe - mean) <= PROBE_MARGIN
     return below and same, (f"projector: centered cosine {' / '.join(f'{c:.3f}' for c in caps.values())} at {' / '.join(caps)} capacity "
-                            f"({'below' if below else 'not below'} the pass line {PASS_LINES[0]:.2f} at {'every capacity' if len(caps) == len(CAPACITY) else f'the {len(caps)} of {len(CAPACITY)} capacities measured'}), the `{BASELINE}` probe "
+                            f"({line}), the `{BASELINE}` probe "
                             f"{probe:.3f} against {mean:.3f} for the Mercator students ({'about the same' if same else 'not the same'}, "
                             f"margin {PROBE_MARGIN:g})")
 
