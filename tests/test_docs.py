@@ -228,3 +228,19 @@ def test_link_checker_reports_what_is_broken(tmp_path):
     broken = {(b.page, b.link) for b in check_site(tmp_path, '/site/')}
     assert broken == {('a.html', 'missing.html'), ('a.html', 'b.html#nope'), ('a.html', 'gone.png'),
                       ('a.html', '#nowhere'), ('sub/c.html', '../b.html#gone')}
+
+
+def test_polish_site_fixes_404_alt_text_and_search(tmp_path):
+    "The site's finishing pass: a 404 page that works from any depth, figures described by their section, no 'Copied!' in search."
+    site = tmp_path / 'site'; (site / 'search').mkdir(parents=True); (site / 'reports').mkdir()
+    (site / '404.html').write_text('<html><head><link href="/oelm_nb/assets/main.css"></head><body><a href="/oelm_nb/">home</a></body></html>')
+    (site / 'reports' / 'x.html').write_text('<html><head><title>Reports x - oelm_nb</title></head><body><h2>Curves &amp; more</h2>'
+                                             f'<img src="a.png" alt="{bd.NO_ALT}"><h3>entry</h3><img alt="{bd.NO_ALT}"></body></html>')
+    (site / 'search' / 'search_index.json').write_text(json.dumps({'docs': [{'location': 'a.html', 'text': 'Copied! x = 1'}]}))
+    counts = bd.polish_site(site, '/oelm_nb/')
+    assert counts == {'alt': 2, 'copied': 1, '404': 2}
+    p404 = (site / '404.html').read_text()
+    assert 'href="./assets/main.css"' in p404 and '"/oelm_nb/assets' not in p404 and '<base href="/oelm_nb/">' in p404
+    x = (site / 'reports' / 'x.html').read_text()
+    assert x.count('alt="Figure: Curves &amp; more (Reports x)"') == 2 and bd.NO_ALT not in x
+    assert json.loads((site / 'search' / 'search_index.json').read_text())['docs'][0]['text'] == 'x = 1'

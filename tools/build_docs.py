@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import hashlib
+import html
 import json
 import multiprocessing as mp
 import os
@@ -132,6 +133,14 @@ def _make_exec_proc(skip_flags: set[str], fname: str):
 
     class exec_all(exec_show_docs):
         "Like nbdev's exec_show_docs, but runs every code cell (as nbdev_test does), keeping outputs."
+        def _module(self) -> str | None:
+            "The package module this notebook exports to (`#| default_exp`), or None."
+            if not hasattr(self, '_mod'):
+                m = next((re.search(r'^#\|\s*default_exp\s+(\S+)', c.source, re.M) for c in self.nb.cells
+                          if c.cell_type == 'code' and 'default_exp' in c.source), None)
+                self._mod = f"{nbdev_config().lib_name}.{m.group(1)}" if m else None
+            return self._mod
+
         def __call__(self, cell):
             if not hasattr(self, 'k'): return
             if cell.cell_type != 'code' or not cell.source or cell_lang(cell) != 'python': return
@@ -139,7 +148,13 @@ def _make_exec_proc(skip_flags: set[str], fname: str):
             direc = getattr(cell, 'directives_', None) or {}
             if direc.get('eval:', [''])[0].lower() == 'false': return
             if skip_flags & set(direc): return
-            self.k.cell(cell)
+            source = cell.source
+            if (m := re.search(r'^show_doc\((\w+)\)\s*$', source, re.M)) and (mod := self._module()):
+                # a class defined in a notebook cell has no source file, so show_doc cannot read its fields' comments;
+                # the same class from the exported module has one (the sync check keeps both identical)
+                cell.source = source.replace(m.group(0), f"show_doc(getattr(__import__('importlib').import_module({mod!r}), {m.group(1)!r}, {m.group(1)}))")
+            try: self.k.cell(cell)
+            finally: cell.source = source
             if self.k.exc:
                 import traceback
                 exc = self.k.exc
@@ -355,6 +370,7 @@ def _escape_heading(line: str) -> str:
 
 def showdoc_markdown(md: str) -> str:
     "show_doc's markdown output, made readable by mkdocs-jupyter's markdown renderer."
+    md = re.sub(r'(\.py)#LNone\b', r'\1', md)  # a class from the module: nbdev finds no line, link the file
     md = _pandoc_links_to_html(md)
     md = re.sub(r'^\s*---\s*\n', '', md)  # the leading rule: each entry gets a styled box instead
     md = '\n'.join(_escape_heading(l) if l.startswith('#') else l for l in md.split('\n')).strip()
@@ -463,6 +479,8 @@ EXTRA_CSS = r"""
 .jupyter-wrapper .jp-MarkdownCell:has(.nbdev-doc-marker) h3,
 .jupyter-wrapper .jp-MarkdownCell:has(.nbdev-doc-marker) h4 { margin-top: .5em; font-family: var(--md-code-font-family); font-weight: 600; }
 .jupyter-wrapper a.nbdev-source { float: right; font-size: .8em; margin-top: .6em; }
+.jupyter-wrapper .jp-MarkdownCell:has(.nbdev-doc-marker) pre,
+.jupyter-wrapper .jp-MarkdownCell:has(.nbdev-doc-marker) pre code { white-space: pre-wrap; overflow-wrap: anywhere; }  /* signatures stay in their box */
 .jupyter-wrapper .jp-MarkdownCell:has(.nbdev-doc-marker) table { font-size: .85em; }
 .jupyter-wrapper .jp-RenderedHTMLCommon pre, .jupyter-wrapper .jp-RenderedHTMLCommon pre code {
   font-size: var(--jp-code-font-size, 13px); line-height: var(--jp-code-line-height, 1.3077); }
@@ -528,6 +546,45 @@ def write_mkdocs_config(build_dir: Path, docs_dir: Path, site_dir: Path, nav: li
     return p
 
 
+NO_ALT = 'No description has been provided for this image'
+
+def _text(html_fragment: str) -> str: return html.unescape(re.sub(r'\s+', ' ', re.sub(r'<[^>]+>|¶', '', html_fragment))).strip()
+
+def figure_alt_text(page: str, title: str) -> str:
+    "`page` with nbconvert's placeholder alt text replaced by the figure's place: the heading it sits under and the page."
+    heads = [(m.end(), _text(m.group(1))) for m in re.finditer(r'<h2[^>]*>(.*?)</h2>', page, re.S)]  # sections, not API entries
+    def alt(m):
+        under = [h for end, h in heads if end < m.start()]
+        return f'alt="Figure: {html.escape(under[-1] if under else title, quote=True)} ({html.escape(title, quote=True)})"'
+    return re.sub(f'alt="{NO_ALT}"', alt, page)
+
+def polish_site(site_dir: Path, base_path: str) -> dict:
+    "After mkdocs: a 404 page with relative links (it is served from any depth), figure alt text, no 'Copied!' in search. Returns counts."
+    counts = {'alt': 0, 'copied': 0, '404': 0}
+    page404 = site_dir / '404.html'
+    if page404.exists() and base_path.strip('/'):
+        t = page404.read_text(encoding='utf-8'); prefix = '/' + base_path.strip('/') + '/'
+        counts['404'] = t.count(f'"{prefix}')
+        t = t.replace(f'"{prefix}', '"./').replace(f'"{prefix.rstrip("/")}"', '"."')
+        # served for a missing URL at any depth: over http(s) its relative links resolve against the site's root
+        base = f'<script>if (location.protocol !== "file:") document.write(\'<base href="{prefix}">\');</script>'
+        page404.write_text(t.replace('<head>', '<head>\n' + base, 1), encoding='utf-8')
+    for f in site_dir.rglob('*.html'):
+        t = f.read_text(encoding='utf-8')
+        if NO_ALT not in t: continue
+        m = re.search(r'<title>(.*?)</title>', t, re.S)
+        title = _text(m.group(1)).split(' - ')[0] if m else f.stem
+        counts['alt'] += t.count(NO_ALT); f.write_text(figure_alt_text(t, title), encoding='utf-8')
+    index = site_dir / 'search' / 'search_index.json'
+    if index.exists():
+        d = json.loads(index.read_text(encoding='utf-8'))
+        for doc in d.get('docs', []):
+            counts['copied'] += doc.get('text', '').count('Copied!')
+            doc['text'] = doc.get('text', '').replace('Copied! ', '').replace('Copied!', '')
+        index.write_text(json.dumps(d), encoding='utf-8')
+    return counts
+
+
 def run_mkdocs(config: Path) -> None:
     cmd = [sys.executable, '-m', 'mkdocs', 'build', '--clean', '-f', str(config)]
     env = {**os.environ, 'NO_MKDOCS_2_WARNING': '1'}  # mkdocs-material's end-of-life banner
@@ -574,6 +631,10 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
     config = write_mkdocs_config(build_dir, docs_dir, site_dir, nav, cfg)
     log(f'rendering {len(docs)} page(s) with mkdocs-material + mkdocs-jupyter into {site_dir}')
     run_mkdocs(config)
+    from urllib.parse import urlsplit
+    fixed = polish_site(site_dir, urlsplit(cfg.get('doc_host', '') + cfg.get('doc_baseurl', '')).path)
+    log(f"polished: {fixed['alt']} figure(s) given alt text, {fixed['404']} absolute link(s) of 404.html made relative, "
+        f"{fixed['copied']} 'Copied!' removed from the search index")
     missing = [d.html for d in docs if not (site_dir / d.html).exists()]
     if missing: raise DocsBuildError(f'pages missing from the site: {missing}')
     if check_links:
