@@ -206,7 +206,7 @@ def plot_kv_curves(curves: pd.DataFrame, students: list[str] | None = None):
         _mean_sd(ax, df.dropna(subset=['val_kv_cos']), 'val_kv_cos', color='tab:blue', marker='o', ms=3, label='raw')
         if has('val_kv_cos_centered') and df.val_kv_cos_centered.notna().any():
             _mean_sd(ax, df.dropna(subset=['val_kv_cos_centered']), 'val_kv_cos_centered', color='tab:red', marker='s', ms=3, label='centered')
-        ax.axhline(PASS_LINES[0], color='tab:green', lw=1.2, ls=':', label=f'pass line {PASS_LINES[0]:.2f}'); ax.set_ylim(-0.2, 1.0); ax.set_title(v, fontsize=10); ax.grid(alpha=0.3)
+        ax.axhline(PASS_LINES[0], color='tab:green', lw=1.2, ls=':', label=f'pass line {PASS_LINES[0]:.2f}'); ax.set_ylim(-0.2, 1.03); ax.set_title(v, fontsize=10); ax.grid(alpha=0.3)
     for ax in axes.flat[len(shown):]: ax.set_axis_off()
     for ax in axes[:, 0]: ax.set_ylabel('KV cosine')
     for ax in axes[-1]: ax.set_xlabel('step')
@@ -256,7 +256,7 @@ def plot_agreement(agree: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(agree)), 3.8))
     agree[['raw cosine', 'centered cosine']].plot.bar(ax=ax, rot=30, color=['tab:blue', 'tab:red'])
     plt.setp(ax.get_xticklabels(), ha='right')
-    ax.set_ylim(min(-0.1, float(agree[['raw cosine', 'centered cosine']].min().min()) - 0.05), 1.0); ax.set_ylabel('cosine'); ax.set_xlabel('')
+    ax.set_ylim(min(-0.1, float(agree[['raw cosine', 'centered cosine']].min().min()) - 0.05), 1.03); ax.set_ylabel('cosine'); ax.set_xlabel('')
     for b in STAGE_BOUNDS: ax.axhline(b, color='grey', lw=0.6, ls=':')
     ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=9, frameon=False)  # beside the bars, never over them
     plt.tight_layout()
