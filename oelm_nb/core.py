@@ -97,13 +97,15 @@ class ModelConfig(ConfigBase):
     d_ff: int | None = None # MLP hidden width (None: 4 * n_embd)
     n_embd_wte: int | None = None # factorized token-embedding width k < n_embd (None: no factorization)
     tie_embeddings: bool = True # the output head shares the token table (GPT-2, nanoGPT); False: lm_head has a weight of its own
-    dropout: float = 0.1 # dropout on embeddings, attention output and MLP
+    dropout: float = 0.1 # dropout on the residual branches (attention output, MLP); also the default of the two below
     bias: bool = True # biases in MLP and LayerNorm
     attn_bias: bool = False # biases in the attention projections (GPT-2 has them)
     variant: str = 'gpt' # one of VARIANTS
     freeze_layers: int | None = None # oelm-freeze, gauss-freeze: freeze Q/K in the first n layers only (None: all)
     unfreeze_at: tuple = () # oelm-freeze: step at which frozen layer i is unfrozen (progressive unfreezing)
     init_std: float = 0.02 # std of the normal init
+    attn_dropout: float | None = None # dropout of the attention weights (GPT-2's attn_pdrop; None: dropout)
+    embd_dropout: float | None = None # dropout after token + position embedding (GPT-2's embd_pdrop; None: dropout)
 
     def __post_init__(self):
         c = 'ModelConfig'
@@ -118,6 +120,9 @@ class ModelConfig(ConfigBase):
         check(self.n_embd_wte is None or (isinstance(self.n_embd_wte, int) and 0 < self.n_embd_wte <= self.n_embd),
               c, 'n_embd_wte', self.n_embd_wte, f'must be None or an integer in 1..n_embd={self.n_embd}')
         check(0.0 <= self.dropout < 1.0, c, 'dropout', self.dropout, 'must be in [0, 1)')
+        for name in ('attn_dropout', 'embd_dropout'):
+            v = getattr(self, name)
+            check(v is None or 0.0 <= v < 1.0, c, name, v, 'must be None (the dropout field) or in [0, 1)')
         check(self.variant in VARIANTS, c, 'variant', self.variant, f'must be one of {VARIANTS}')
         check(self.init_std > 0, c, 'init_std', self.init_std, 'must be positive')
         self.unfreeze_at = tuple(self.unfreeze_at or ())
@@ -131,6 +136,11 @@ class ModelConfig(ConfigBase):
                   f'gives more steps than there are frozen layers ({len(self.frozen_layers)})')
             check(all(isinstance(s, int) and s >= 0 for s in self.unfreeze_at) and list(self.unfreeze_at) == sorted(self.unfreeze_at),
                   c, 'unfreeze_at', self.unfreeze_at, 'must be non-negative integer steps in increasing order')
+
+    @property
+    def attn_p(self) -> float: return self.dropout if self.attn_dropout is None else self.attn_dropout
+    @property
+    def embd_p(self) -> float: return self.dropout if self.embd_dropout is None else self.embd_dropout
 
     @property
     def head_dim(self) -> int: return self.n_embd // self.n_head

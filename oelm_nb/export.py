@@ -16,7 +16,8 @@ from .train import read_checkpoint_meta
 
 # %% auto #0
 __all__ = ['EXPORT_FORMATS', 'linear_parts', 'norm_parts', 'activation', 'check_exportable', 'merged_copy', 'hf_config',
-           'full_embedding', 'to_hf_gpt2', 'to_nanogpt_state', 'export_run', 'load_named_tensors', 'load_init_weights']
+           'full_embedding', 'to_hf_gpt2', 'to_nanogpt_state', 'export_run', 'load_named_tensors', 'load_init_weights',
+           'init_dropouts']
 
 # %% ../nbs/16_export.ipynb #9118eda1
 def linear_parts(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +61,8 @@ def hf_config(model: GPT):
     c = model.cfg
     tied = c.tie_embeddings and _no_scale_layers(model)  # a factorized table materializes into an untied head
     return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-                      n_inner=c.ff_dim, activation_function=activation(model), resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-                      attn_pdrop=c.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+                      n_inner=c.ff_dim, activation_function=activation(model), resid_pdrop=c.dropout, embd_pdrop=c.embd_p,
+                      attn_pdrop=c.attn_p, layer_norm_epsilon=1e-5, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
 
 @torch.no_grad()
 def full_embedding(model: GPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,3 +225,22 @@ def load_init_weights(model: GPT, path) -> GPT:
     except (KeyError, ValueError, TypeError) as e: raise ConfigError(f'--init-from {path}: its state dict is not in nanoGPT\'s layout ({e})') from None
     hint = 'Match it with ' + _model_flags(**{k: a[k] for k in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd') if k in a}, d_ff=4 * int(a['n_embd']))
     return load_named_tensors(model, tensors, str(path), hint)
+
+def init_dropouts(path) -> dict:
+    "model.* dropout overrides that `--init-from PATH` carries: GPT-2's resid/attn/embd_pdrop from its config.json, nanoGPT's model_args dropout."
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / 'config.json').exists():
+        try: c = json.loads((p / 'config.json').read_text())
+        except json.JSONDecodeError as e: raise ConfigError(f'--init-from {p}: config.json is not valid JSON ({e.msg})') from None
+        resid = c.get('resid_pdrop')
+        if resid is None: return {}
+        out = {'model.dropout': float(resid)}
+        for ours, theirs in (('model.attn_dropout', 'attn_pdrop'), ('model.embd_dropout', 'embd_pdrop')):
+            if c.get(theirs) is not None and c[theirs] != resid: out[ours] = float(c[theirs])
+        return out
+    if p.is_file():
+        try: ck = torch.load(p, map_location='cpu', weights_only=True)
+        except Exception: return {}
+        d = (ck.get('model_args') or {}).get('dropout') if isinstance(ck, dict) else None
+        return {} if d is None else {'model.dropout': float(d)}
+    return {}

@@ -37,7 +37,7 @@ class CausalSelfAttention(nn.Module):
         QK = nn.Linear if cfg.qk_init == 'normal' else OrthogonalLinear  # OrthogonalLinear: a Linear whose weight can be frozen
         self.q_proj, self.k_proj = QK(d, d, bias=b), QK(d, d, bias=b)
         self.v_proj, self.c_proj = nn.Linear(d, d, bias=b), nn.Linear(d, d, bias=b)
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.n_head, self.dropout = cfg.n_head, cfg.attn_p  # dropout of the attention weights
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def heads(self, x):  # (B, T, C) -> (B, nh, T, hs)
@@ -103,7 +103,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             tok=TokenEmbedding(cfg),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
+            drop=nn.Dropout(cfg.embd_p),
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias)))
         self.lm_head = nn.Linear(cfg.wte_dim, cfg.vocab_size, bias=False)

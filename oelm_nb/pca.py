@@ -18,8 +18,8 @@ from .model import GPT, MLP, model_config
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'ADAPTER_FILE', 'ADAPTER_META', 'FACTORIZED_INITS', 'EmbeddingPCA', 'embedding_pca',
            'attach_scale_layers_', 'pca_factorize', 'reconstruction_curve', 'reconstruction_metrics', 'save_pca_mats',
-           'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'from_hf_gpt2', 'LoRALinear', 'LoRAEmbedding',
-           'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora', 'unmerge_lora', 'lora_state',
+           'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'gpt2_dropouts', 'from_hf_gpt2', 'LoRALinear',
+           'LoRAEmbedding', 'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora', 'unmerge_lora', 'lora_state',
            'save_lora_adapters', 'load_lora_adapters', 'init_factorized_']
 
 # %% ../nbs/11_pca.ipynb #17be3e1f
@@ -201,6 +201,10 @@ def _hf_model(path_or_model):
     except ImportError as e: raise ImportError('from_hf_gpt2 needs transformers: pip install "oelm_nb[hf]"') from e
     return GPT2LMHeadModel.from_pretrained(str(path_or_model))
 
+def gpt2_dropouts(c) -> dict:
+    "ModelConfig's attention and embedding dropouts from a GPT2Config, where they differ from its residual dropout (GPT-2's are all 0.1)."
+    return {k: v for k, v in (('attn_dropout', c.attn_pdrop), ('embd_dropout', c.embd_pdrop)) if v != c.resid_pdrop}
+
 @torch.no_grad()
 def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GPT2LMHeadModel`
                  init_seed: int = 0, # seed of the throwaway init (every weight is overwritten)
@@ -218,7 +222,7 @@ def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GP
     head, table = hf.get_output_embeddings().weight, hf.transformer.wte.weight
     tied = head is table or torch.equal(head, table)  # tie_word_embeddings=False with a head of its own: an untied model
     cfg = model_config('tiny', vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                       n_embd=c.n_embd, d_ff=c.n_inner, dropout=c.resid_pdrop, bias=True, attn_bias=True, tie_embeddings=tied)
+                       n_embd=c.n_embd, d_ff=c.n_inner, dropout=c.resid_pdrop, bias=True, attn_bias=True, tie_embeddings=tied, **gpt2_dropouts(c))
     model = GPT(cfg, init_seed=init_seed)
     t, src = model.transformer, hf.transformer
     t.tok.wte.weight.copy_(src.wte.weight); t.wpe.weight.copy_(src.wpe.weight)

@@ -212,7 +212,7 @@ def flatten(d: dict, prefix: str = '') -> dict:
         else: out[key] = json.loads(json.dumps(v, default=str))
     return out
 
-ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True}  # fields added later: at their default they leave older runs' fingerprints as they were
+ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'model.attn_dropout': None, 'model.embd_dropout': None}  # fields added later: at their default they leave older runs' fingerprints as they were
 
 def identity_fields(config: dict) -> dict:
     "The fields of a run configuration (a `RunSpec` dict) that define its result."

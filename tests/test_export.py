@@ -257,3 +257,29 @@ def test_pca_study_runs_export_merged_and_factorized(run, tmp_path):
     from oelm_nb.experiment import prepare_run
     ours, spec, _ = load_run_model(out / 'pca-k8-s0', device='cpu')
     assert abs(_eval(ours, spec, prepare_run(spec)[2])['val_loss'] - s['val_loss']) < 1e-5  # the model the run evaluated
+
+
+def test_dropouts_are_read_from_the_source_and_written_on_export(tmp_path):
+    "GPT-2's three dropouts: --init-from carries them into the run's model (--set wins), the model applies each, export writes them back."
+    transformers = pytest.importorskip('transformers')
+    from oelm_nb.cli import build_parser, study_plan
+    from oelm_nb.studies import get_study
+    from oelm_nb.export import init_dropouts, hf_config
+    from oelm_nb.model import GPT, model_config
+    from oelm_nb.pca import from_hf_gpt2
+    src = tmp_path / 'gpt2'
+    cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu',
+                                  resid_pdrop=0.1, attn_pdrop=0.0, embd_pdrop=0.25)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(src)
+    assert init_dropouts(src) == {'model.dropout': 0.1, 'model.attn_dropout': 0.0, 'model.embd_dropout': 0.25}
+    plan = lambda *a: study_plan(get_study('qk-freeze'), build_parser().parse_args(['run', 'qk-freeze', '--init-from', str(src), *a]))[1]
+    assert plan()['model.embd_dropout'] == 0.25 and plan('--set', 'model.embd_dropout=0.5')['model.embd_dropout'] == 0.5
+    m = GPT(model_config('tiny', vocab_size=120, block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.1, attn_dropout=0.0, embd_dropout=0.25), init_seed=0)
+    assert m.transformer.drop.p == 0.25 and m.transformer.h[0].attn.dropout == 0.0 and m.transformer.h[0].attn.resid_drop.p == 0.1
+    hc = hf_config(m)
+    assert (hc.resid_pdrop, hc.attn_pdrop, hc.embd_pdrop) == (0.1, 0.0, 0.25)
+    back = from_hf_gpt2(str(src))
+    assert (back.cfg.dropout, back.cfg.attn_p, back.cfg.embd_p) == (0.1, 0.0, 0.25)
+    # defaults: one dropout for all three, as before (no new keys in older configurations)
+    plain = model_config('tiny')
+    assert plain.attn_dropout is None and plain.attn_p == plain.embd_p == plain.dropout
