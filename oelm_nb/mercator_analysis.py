@@ -21,7 +21,7 @@ from .mercator_study import MERCATOR_STUDY
 
 # %% auto #0
 __all__ = ['BASELINE', 'NOT_STUDENTS', 'RUN_COLUMNS', 'CAPACITY', 'TASK_LABELS', 'GUIDE', 'STAGE_COLORS', 'PROBE_MARGIN',
-           'CE_TAIL', 'CAUSES', 'ONE_SEED_NOTE', 'PALETTE', 'MARKERS', 'LINESTYLES', 'mercator_runs', 'completed_runs',
+           'CE_TAIL', 'CAUSES', 'ONE_SEED_NOTE', 'MARKERS', 'LINESTYLES', 'mercator_runs', 'completed_runs',
            'is_student', 'student_variants', 'distilled_variants', 'is_mercator', 'batch_line', 'task_label', 'pass_of',
            'stage_of', 'yes_no', 'runs_table', 'style_runs_table', 'failed_runs_note', 'protocol_values',
            'protocol_text', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard',
@@ -601,14 +601,15 @@ def mse_sentence(mm: pd.DataFrame) -> str:
             f"(MSE {mm['MSE centered cosine'].iloc[0]:.3f}).")
 
 # %% ../nbs/13b_mercator_analysis.ipynb #5be0f952
-PALETTE = ('#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf', '#6a3d9a', '#b15928')
 MARKERS = ('o', 's', '^', 'v', 'D', 'P', 'X', '*', 'h', '<', '>', 'p')
 LINESTYLES = ('-', '--', '-.', ':')
 
 def student_styles(students: list[str]) -> dict[str, dict]:
     "A distinct colour, marker and line style per student (batch order); the baseline thick black."
-    out = {v: dict(color=PALETTE[i % len(PALETTE)], marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)], lw=1.4)
-           for i, v in enumerate(s for s in students if s != BASELINE)}
+    from oelm_nb.report import variant_colors  # the package's one colour per variant (tab10, tab20 beyond 10)
+    others = [s for s in students if s != BASELINE]
+    colors = variant_colors(others)
+    out = {v: dict(color=colors[v], marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)], lw=1.4) for i, v in enumerate(others)}
     return {**({BASELINE: dict(color='black', marker='o', ls='-', lw=2.6)} if BASELINE in students else {}), **out}
 
 def plot_training_curves(curves: pd.DataFrame, students: list[str]):
