@@ -21,9 +21,10 @@ from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_w
 
 # %% auto #0
 __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
-           'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'schedule', 'last_record',
-           'BatchProgress', 'BatchResult', 'with_upstream', 'plan_batch', 'check_memory', 'write_batch_json',
-           'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'render_report']
+           'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'execute_inline', 'schedule',
+           'last_record', 'BatchProgress', 'BatchResult', 'with_upstream', 'plan_batch', 'check_memory',
+           'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary',
+           'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -184,6 +185,21 @@ def run_digest(run_dir: Path) -> str:
     if s.get('best_val_ppl') is not None: parts.append(f"best val PPL {s['best_val_ppl']:.3f}")
     if s.get('recall_acc') is not None: parts.append(f"recall acc {s['recall_acc']:.3f}")
     return ', '.join(parts) or 'no training metrics (see summary.json)'
+
+# %% ../nbs/07_runner.ipynb #4521dc0e
+def execute_inline(job: Job, batch: Batch, gpu_set: list[str] | None = None, threads: int | None = None, log=print) -> str:
+    "Run `job` in this process through its study's run function (no notebook); returns the run's final status."
+    if gpu_set and len(gpu_set) > 1: raise ConfigError(f"{job.name}: an inline run uses one device, not the GPU set {','.join(gpu_set)}")
+    t0 = time.time()
+    with run_lock(job.run_dir):
+        try: get_study(batch.study).run(batch.spec(job.variant, job.seed), progress=False)
+        except Exception as e:
+            err = f'{type(e).__name__}: {e}'
+            write_json(job.run_dir / 'summary.json', {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
+                                                     'error': err, 'wall_time_s': time.time() - t0})
+            log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}'); return 'failed'
+    log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
+    return run_status(job.run_dir)
 
 # %% ../nbs/07_runner.ipynb #5d56c1d1
 def schedule(jobs: list[Job], # jobs to run, in order of preference
@@ -385,8 +401,9 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
               out_dir: str | Path = 'runs/qk-freeze', gpus: str | None = None, parallel: bool = False,
               jobs: int = 1, overrides: dict | None = None, report: bool = True, options: dict | None = None,
               restart: bool = False, # set existing runs of this invocation aside and train them afresh
+              execute: Callable = None, # (job, batch, gpu_set, threads, log) -> status; default `execute_run` (the notebook)
               log=print) -> BatchResult:
-    "Run every (variant, seed) of a study through papermill, upstream runs first, under the batch's lock; then render its report."
+    "Run every (variant, seed) of a study (by default one papermill execution each), upstream runs first, under the batch's lock; then render its report."
     out = Path(out_dir)
     check_batch_flags(seeds, steps, overrides, variants)
     if jobs < 1: raise ConfigError(f"--jobs {jobs}: give at least 1 concurrent run")
@@ -399,7 +416,7 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     try:
         with run_lock(out, 'batch') as lock:  # RunLocked, naming the holder, when another `oelm run` writes this batch
             if lock.recovered: log(f"[oelm run] recovered the batch lock of {describe_holder(lock.recovered)}, which is gone")
-            return _run_batch(batch, names, plan, list(seeds), gpus, workers, restart, report, log)
+            return _run_batch(batch, names, plan, list(seeds), gpus, workers, restart, report, execute or execute_run, log)
     except BaseException:
         if created and out.exists() and not any(parse_run_name(p.name) for p in out.iterdir()): shutil.rmtree(out, ignore_errors=True)
         raise
@@ -420,7 +437,7 @@ def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
                           f"drop the --set (the model then takes the data's vocabulary) or give model.vocab_size >= {batch.data_vocab}")
     if now != was: log(f"[oelm run] the data's vocabulary is {batch.data_vocab:,}: model.vocab_size {was:,} -> {now:,}")
 
-def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, log) -> BatchResult:
+def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, execute, log) -> BatchResult:
     out, study = batch.out, batch.study
     spec0 = batch.spec(names[0])
     log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
@@ -437,7 +454,7 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
             cks = list_checkpoints(j.run_dir / 'checkpoints')
             say(f'[oelm run] {j.name}: ' + (f'resumed from step {int(cks[-1].name.removeprefix("step_"))}' if cks else 'started')
                 + (f' on GPUs {",".join(gpu_set)}' if gpu_set else ''))
-            try: return execute_run(j, batch, gpu_set, threads, say)
+            try: return execute(j, batch, gpu_set, threads, say)
             except RunLocked as e: say(f'[oelm run] {j.name}: not run: {e}'); return 'locked'
         def blocked(j, why):
             try:

@@ -46,6 +46,8 @@ def site(tmp_path_factory, request) -> Path:
             out.mkdir(parents=True, exist_ok=True)
             cache = ROOT / '_mkdocs' / 'proc'
             if cache.is_dir(): shutil.copytree(cache, out / 'build' / 'proc')
+            examples = ROOT / '_mkdocs' / 'examples'  # the example batches of the report pages, when `make docs` ran them
+            if examples.is_dir(): shutil.copytree(examples, out / 'build' / 'examples', ignore=shutil.ignore_patterns('.lock*'))
             try:
                 bd.build(site_dir=out / 'site', build_dir=out / 'build', jobs=2, use_cache=True,
                          check_links=False, execute=os.environ.get('OELM_DOCS_TEST_EXECUTE', 'all'))
@@ -135,6 +137,22 @@ def test_api_reference_is_rendered_html(site):
         text, _ = page(site, nb.html)
         assert '{target="_blank"' not in text and '```' not in text, f'{nb.html}: show_doc markdown left raw'
         if bd.SHOWDOC_MARKER in text: assert 'class="highlight' in text, f'{nb.html}: signatures not highlighted'
+
+
+@pytest.mark.parametrize('study', sorted(bd.report_studies().values()))
+def test_each_report_page_is_executed_on_an_example_batch(site, study):
+    "Every study's report page shows the report computed from real (seconds-long) runs, says so, and links no run file."
+    report = {v: k for k, v in bd.report_studies().items()}[study]
+    page_html = site / report.replace('.ipynb', '.html')
+    text = page_html.read_text()
+    assert 'Executed on an example batch' in text and 'answer none of its questions' in text
+    assert text.count('<img') >= 1, 'the report draws figures'
+    assert f'runs/{study}' in text and str(ROOT / '_mkdocs') not in text and '/build/examples' not in text  # paths read as the batch's own
+    assert 'summary.json">' not in text and 'metrics.jsonl">' not in text  # the run files are not on the site
+    batch = site.parent / 'build' / 'examples' / 'runs' / study
+    summaries = [json.loads(p.read_text()) for p in batch.glob('*-s[0-9]*/summary.json')]
+    assert len(summaries) >= 4 and all(s['status'] == 'completed' for s in summaries)
+    assert {s['seed'] for s in summaries} == {0, 1}
 
 
 def test_site_is_self_contained_for_offline_viewing(site):

@@ -11,8 +11,10 @@ equivalent static site with mkdocs-material + mkdocs-jupyter:
    rendered, `#| hide` / `#| export` cells lose their source, and so on. Every code cell runs, as
    under `nbdev_test` (cells with `#| eval: false` or a flag from settings.ini `tst_flags` are
    skipped), so figures and printed output appear on the page. A failing cell stops the build
-   with the notebook, the cell and the traceback. Notebooks in sub-folders of nbs/ (experiments,
-   reports) are never executed: they are shown with the outputs they were saved with.
+   with the notebook, the cell and the traceback. Notebooks in sub-folders of nbs/ are not executed
+   here: experiment notebooks are shown as saved; each study's report notebook is shown executed
+   on an example batch of seconds-long runs that tools/example_batches.py runs first (stage 0,
+   cached; `--no-examples` shows them as saved).
    (`nbdev_proc_nbs` itself is not called: without Quarto it tries to download and install it.)
 2. the processed notebooks are adapted for mkdocs-jupyter: Quarto frontmatter becomes a title and
    a description, `show_doc` output becomes a markdown cell (so the API reference renders as
@@ -30,7 +32,7 @@ the processing code, so a second `make docs` only re-renders. `--execute showdoc
 nbdev itself runs for docs (a check that `nbdev_docs` would get through the notebooks).
 
 Usage: python tools/build_docs.py [--site-dir DIR] [--build-dir DIR] [--jobs N] [--no-cache]
-                                  [--execute all|showdoc|none] [--no-check-links]
+                                  [--execute all|showdoc|none] [--no-check-links] [--no-examples]
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,10 +93,11 @@ def nb_order(p: Path):
 
 @dataclass
 class DocNb:
-    src: Path          # the notebook in nbs/
+    src: Path          # the notebook in nbs/ (for a report with an example: the executed example)
     dest: str          # path of the page notebook inside the mkdocs docs folder, e.g. 'model.ipynb'
     library: bool      # a top-level library chapter (executed) or an extra notebook (not executed)
     section: str = ''  # nav section of extra notebooks
+    example: str = ''  # a report executed on an example batch: what that batch ran
 
     @property
     def html(self) -> str: return self.dest[:-len('.ipynb')] + '.html'
@@ -123,6 +126,65 @@ def discover(nbs: Path | None = None) -> list[DocNb]:
 
 def library_notebooks(nbs: Path | None = None) -> list[DocNb]:
     return [d for d in discover(nbs) if d.library]
+
+
+def _rel(p: Path) -> str: return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 0: the report pages, executed on example batches (tools/example_batches.py)
+
+def report_studies() -> dict[str, str]:
+    "Report notebook (relative to nbs/) -> its study."
+    from oelm_nb.studies import STUDIES
+    return {st.report: name for name, st in STUDIES.items() if st.report}
+
+
+def _example_key(report_nb: Path, lib_files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in [report_nb, ROOT / 'settings.ini', TOOLS / 'example_batches.py', *lib_files]:
+        h.update(str(p.name).encode()); h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+_re_relative_anchor = re.compile(r'<a href="(?![a-z][a-z0-9+.-]*:|/|#)[^"]*">(.*?)</a>', re.S | re.I)
+
+
+def unlink_run_files(nb: dict) -> dict:
+    "A report links its run directories' files (summary.json, metrics.jsonl); on the site they are not there: keep the names, drop the links."
+    for c in nb['cells']:
+        for o in c.get('outputs', []):
+            data = o.get('data', {})
+            if 'text/html' in data: data['text/html'] = _re_relative_anchor.sub(r'\1', _src(data['text/html']))
+    return nb
+
+
+def build_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True) -> list[DocNb]:
+    """Run each study's example batch (cached) and point its report page at the executed report; returns `docs` updated.
+    Paths on the page read as the batch's own (`runs/<study>`), not the build folder's."""
+    import example_batches as eb
+    cfg = nbdev_config()
+    studies, lib_files = report_studies(), sorted(Path(cfg.lib_path).glob('**/*.py'))
+    out = []
+    for d in docs:
+        rel = d.src.relative_to(cfg.nbs_path).as_posix() if d.src.is_relative_to(cfg.nbs_path) else ''
+        study = studies.get(rel)
+        if d.library or study not in eb.EXAMPLES: out.append(d); continue
+        batch, page, keyf = ex_dir / 'runs' / study, ex_dir / 'pages' / d.src.name, ex_dir / f'{study}.key'
+        key = _example_key(d.src, lib_files)
+        if not (use_cache and page.exists() and keyf.exists() and keyf.read_text() == key):
+            shutil.rmtree(batch, ignore_errors=True); keyf.unlink(missing_ok=True)
+            batch.parent.mkdir(parents=True, exist_ok=True)
+            log(f'example batch for {d.html}: {eb.describe(study)}')
+            res = subprocess.run([sys.executable, str(TOOLS / 'example_batches.py'), study, f'runs/{study}'], cwd=ex_dir,
+                                 capture_output=True, text=True, env={**os.environ, 'PYTHONHASHSEED': '0'})
+            if res.returncode != 0:
+                raise DocsBuildError(f"the example batch of {study} for {d.html} failed (see {batch}):\n{res.stderr[-3000:]}")
+            log('  ' + (res.stdout.strip().splitlines() or [''])[-1].removeprefix('[docs] '))
+            nb = json.loads((batch / 'report.ipynb').read_text().replace(str(ex_dir.resolve()) + '/', ''))
+            page.parent.mkdir(parents=True, exist_ok=True); page.write_text(json.dumps(unlink_run_files(nb), indent=1)); keyf.write_text(key)
+        out.append(replace(d, src=page, example=eb.describe(study)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,10 +338,10 @@ def run_stage1(docs: list[DocNb], proc_dir: Path, jobs: int, use_cache: bool, ex
             except Exception as e: ok, res = False, f'{d.src}: the worker process died: {e!r}'
             if ok:
                 keyf.write_text(key)
-                say(f"  {d.src.relative_to(ROOT)} -> {d.html}: {res:.1f}s" + ('' if d.library else ' (not executed)'))
+                say(f"  {_rel(d.src)} -> {d.html}: {res:.1f}s" + ('' if d.library else ' (example report)' if d.example else ' (not executed)'))
             else:
                 keyf.unlink(missing_ok=True)
-                log(f"  {d.src.relative_to(ROOT)}: FAILED")
+                log(f"  {_rel(d.src)}: FAILED")
                 errors.append(res)
     if errors:
         raise DocsBuildError(f"{len(errors)} notebook(s) failed:\n\n" + '\n\n'.join(errors))
@@ -413,6 +475,20 @@ def not_executed_note(nb: dict) -> dict:
                     '<p>This notebook is shown as saved, without outputs computed by the docs build. Run it in '
                     'JupyterLab, or as a batch with papermill (<code>oelm run</code>).</p></div>')
     cells = nb['cells']
+    at = 1 if cells and cells[0]['cell_type'] == 'markdown' and _src(cells[0]['source']).lstrip().startswith('# ') else 0
+    return {**nb, 'cells': cells[:at] + [note] + cells[at:]}
+
+
+def example_note(nb: dict, what: str) -> dict:
+    "Put a note under the title of a report page executed on an example batch: what ran, and that it answers nothing."
+    note = _md_cell('<div class="admonition example"><p class="admonition-title">Executed on an example batch</p>'
+                    f'<p>This page is the report notebook executed when the site was built, on runs that take seconds: {html.escape(what)}. '
+                    'Every number is computed from those runs, so the page shows what the report computes; runs this short answer '
+                    'none of its questions. Run the study (<code>oelm run</code>, or <code>make run</code> for the Q/K freeze study) '
+                    'for a report that does. The code is in the notebook (<code>nbs/reports/</code>); here, as in a batch\'s '
+                    '<code>report.html</code>, only its output is shown.</p></div>')
+    cells = [c if c['cell_type'] != 'code' else {**c, 'metadata': {**c['metadata'], 'tags': [*c['metadata'].get('tags', []), 'nbdev-hide-input']}}
+             for c in nb['cells'] if c['cell_type'] != 'code' or c.get('outputs')]  # as report.html shows it: outputs, no code
     at = 1 if cells and cells[0]['cell_type'] == 'markdown' and _src(cells[0]['source']).lstrip().startswith('# ') else 0
     return {**nb, 'cells': cells[:at] + [note] + cells[at:]}
 
@@ -599,7 +675,7 @@ def run_mkdocs(config: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int = 2,
-          use_cache: bool = True, check_links: bool = True, execute: str = 'all') -> Path:
+          use_cache: bool = True, check_links: bool = True, execute: str = 'all', examples: bool = True) -> Path:
     "Build the whole site; returns the site folder. Raises DocsBuildError with a readable message."
     t0 = time.time()
     cfg = nbdev_config()
@@ -607,6 +683,7 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
     build_dir = Path(build_dir or ROOT / '_mkdocs').resolve()
     docs = discover(cfg.nbs_path)
     if not any(d.library for d in docs): raise DocsBuildError(f'no notebooks found in {cfg.nbs_path}')
+    if examples: docs = build_examples(docs, build_dir / 'examples', use_cache)
     processed = run_stage1(docs, build_dir / 'proc', jobs, use_cache, execute)
 
     docs_dir = build_dir / 'docs'
@@ -619,7 +696,7 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
     nav, sections = [], {}
     for d in docs:
         nb, title = adapted[d.dest]
-        if not d.library: nb = not_executed_note(nb)
+        if not d.library: nb = example_note(nb, d.example) if d.example else not_executed_note(nb)
         out = docs_dir / d.dest
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rewrite_links(nb, d.html, rewrite), indent=1))
@@ -653,6 +730,8 @@ def main(argv=None):
     ap.add_argument('--jobs', type=int, default=min(2, os.cpu_count() or 1), help='notebooks executed in parallel')
     ap.add_argument('--no-cache', action='store_true', help='execute every notebook again')
     ap.add_argument('--no-check-links', action='store_true', help='skip the internal link check')
+    ap.add_argument('--no-examples', action='store_true',
+                    help="show the report pages unexecuted instead of running each study's example batch (about 2 minutes on 2 cores, cached)")
     ap.add_argument('--execute', choices=EXECUTE_MODES, default='all',
                     help="library notebooks: run every cell (default), only what show_doc needs, or nothing")
     ap.add_argument('--check-only', action='store_true',
@@ -668,7 +747,7 @@ def main(argv=None):
             run_stage1(docs, build_dir / 'proc', a.jobs, not a.no_cache, 'all')
             log(f'{len(docs)} library notebook(s) ran without an error in {time.time() - t0:.0f}s')
             return 0
-        build(a.site_dir, a.build_dir, a.jobs, not a.no_cache, not a.no_check_links, a.execute)
+        build(a.site_dir, a.build_dir, a.jobs, not a.no_cache, not a.no_check_links, a.execute, not a.no_examples)
     except DocsBuildError as e:
         print(f'\n[docs] FAILED: {e}', file=sys.stderr)
         return 1
