@@ -23,6 +23,7 @@ lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 dev_requirements = reqs('dev_requirements')
 hf_requirements = reqs('hf_requirements')
 log_requirements = reqs('log_requirements')
+slurm_requirements = reqs('slurm_requirements')
 
 setuptools.setup(
     name=cfg['lib_name'],
@@ -36,8 +37,8 @@ setuptools.setup(
     packages=setuptools.find_packages(include=['oelm_nb', 'oelm_nb.*']),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={'dev': dev_requirements, 'hf': hf_requirements, 'log': log_requirements,
-                    'all': dev_requirements + hf_requirements + log_requirements},
+    extras_require={'dev': dev_requirements, 'hf': hf_requirements, 'log': log_requirements, 'slurm': slurm_requirements,
+                    'all': dev_requirements + hf_requirements + log_requirements + slurm_requirements},
     dependency_links=cfg.get('dep_links', '').split(),
     python_requires='>=' + cfg['min_python'],
     long_description=open('README.md', encoding='utf-8').read(),

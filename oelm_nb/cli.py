@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_cli.ipynb #3f0e91f4
 from __future__ import annotations
-import argparse, json, shutil, sys, textwrap
+import argparse, json, shlex, shutil, sys, textwrap, time
 from dataclasses import fields
 from pathlib import Path
 
@@ -12,8 +12,9 @@ from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
 __all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'people_table',
-           'print_batch_summary', 'convergence_text', 'study_plan', 'cmd_run', 'cmd_report', 'cmd_sample', 'cmd_export',
-           'cmd_bench', 'study_variants_text', 'add_study_parser', 'build_parser', 'main']
+           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'cmd_run', 'cmd_status',
+           'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'study_variants_text', 'add_study_parser',
+           'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -142,20 +143,59 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
         overrides.update(carried)
     return (args.variants.split(',') if args.variants else None), overrides, options
 
+def cluster_config(args):
+    "The ClusterConfig of `--backend slurm` (or submitit-local) from the flags; None for a local batch (then the cluster flags must be absent)."
+    given = [f for f, v in (('--partition', args.partition), ('--gpus-per-run', args.gpus_per_run), ('--cpus-per-run', args.cpus_per_run),
+                            ('--time', args.time), ('--slurm-option', args.slurm_option)) if v is not None]
+    if args.backend == 'local':
+        if given: raise ConfigError(f"{', '.join(given)}: only with --backend slurm")
+        return None
+    if args.gpus: raise ConfigError("--gpus names this machine's GPU sets; with --backend slurm give --gpus-per-run N (SLURM picks the GPUs)")
+    from oelm_nb.cluster import ClusterConfig
+    opts = dict(kv.partition('=')[::2] for kv in args.slurm_option or [])
+    if bad := [kv for kv in args.slurm_option or [] if '=' not in kv or not kv.partition('=')[0]]:
+        raise ConfigError(f"--slurm-option {bad[0]!r}: write KEY=VALUE as sbatch spells the option, e.g. --slurm-option account=lab")
+    kw = {k: v for k, v in dict(partition=args.partition, gpus_per_run=args.gpus_per_run, cpus_per_run=args.cpus_per_run, time=args.time).items() if v is not None}
+    return ClusterConfig(cluster='slurm' if args.backend == 'slurm' else 'local', options=opts, **kw)
+
 def cmd_run(args) -> int:
-    from oelm_nb.runner import run_study
+    from oelm_nb.runner import run_study, Batch, plan_batch, check_batch_flags
     from oelm_nb.studies import get_study
+    from oelm_nb.cluster import ClusterBackend, detach, follow
     study = get_study(args.study)
     variants, overrides, options = study_plan(study, args)
-    res = run_study(args.study, args.preset, args.data, variants, args.seeds or list(study.default_seeds), args.steps,
-                    args.out or f'runs/{args.study}', args.gpus, args.concurrent, args.jobs, overrides,
-                    report=not args.no_report, options=options, restart=args.restart)
+    seeds, out = args.seeds or list(study.default_seeds), Path(args.out or f'runs/{args.study}')
+    cluster = cluster_config(args)
+    jobs = args.jobs or (1 if cluster is None else 64)
+    check_batch_flags(seeds, args.steps, overrides, variants)
+    plan_batch(Batch(args.study, out, args.preset, args.data, args.steps, options, overrides), variants, log=lambda s: None)  # bad flags fail here, not in the background
+    backend = ClusterBackend(cluster, shlex.join(['oelm', *args.argv])) if cluster else None
+    if backend: backend.check()
+    if args.detach:
+        argv = [a for a in args.argv if a != '--detach']
+        p = detach(argv, out)
+        time.sleep(1.0)
+        if p.poll() not in (None, 0):
+            print((out / 'batch.log').read_text()[-3000:], file=sys.stderr); return p.returncode
+        print(f"[oelm run] the batch goes on in the background (pid {p.pid}, its own session: closing this terminal does not stop it)\n"
+              f"  its output:  {out / 'batch.log'}\n  its state:   oelm status {out} --watch\n"
+              f"  attach:      run this command again without --detach (it waits for the batch, then prints the summary)")
+        return 0
+    follow(out)  # a batch started with --detach on this directory: show its progress until it is done, then go on as usual
+    res = run_study(args.study, args.preset, args.data, variants, seeds, args.steps, out, args.gpus, args.concurrent, jobs, overrides,
+                    report=not args.no_report, options=options, restart=args.restart,
+                    execute=backend)
     print_batch_summary(res.out_dir)
     n_ok = sum(s == 'completed' for s in res.statuses.values())
     print(f'[oelm run] {n_ok}/{len(res.statuses)} runs completed in {res.out_dir}' + (f'; report: {res.report}' if res.report else ''))
     if res.failed:
         print(f"[oelm run] FAILED runs: {', '.join(res.failed)} (see their summary.json and executed notebook)", file=sys.stderr)
         return 1
+    return 0
+
+def cmd_status(args) -> int:
+    from oelm_nb.status import show_status
+    show_status(args.dir, watch=args.watch)
     return 0
 
 def cmd_report(args) -> int:
@@ -238,7 +278,8 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun; default: none, on the CPU or the one visible device)")
     conc = ['--concurrent'] if 'parallel' in study.options else ['--parallel', '--concurrent']
     r.add_argument(*conc, dest='concurrent', action='store_true', help='run GPU sets concurrently (default: one set after another)')
-    r.add_argument('--jobs', type=int, default=1, help='concurrent CPU runs when no GPUs are given (default: 1)')
+    r.add_argument('--jobs', type=_positive, default=None, help='concurrent CPU runs when no GPUs are given (default: 1); '
+                   'with --backend slurm, jobs kept in the queue at once (default: 64)')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
     r.add_argument('--set', action='append', metavar='KEY=VALUE', help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
     r.add_argument('--init-from', default=None, metavar='PATH', help='start every run from these weights: a local Hugging Face GPT-2 directory '
@@ -248,6 +289,16 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--no-report', action='store_true', help='do not render report.html at the end (default: render it; oelm report DIR renders it later)')
     r.add_argument('--restart', action='store_true', help='set existing runs of this invocation aside (renamed <run>.replaced-N) and train them '
                    'afresh; needed to rerun a batch directory with another configuration')
+    r.add_argument('--detach', action='store_true', help='return at once; the batch goes on in the background (output in OUT/batch.log; '
+                   '`oelm status OUT` shows it; the same command without --detach attaches to it)')
+    c = r.add_argument_group('cluster', 'each run as a SLURM job through submitit (pip install "oelm_nb[slurm]"), on a filesystem the nodes share')
+    c.add_argument('--backend', default='local', choices=['local', 'slurm', 'submitit-local'],
+                   help="where runs execute: this machine, SLURM jobs, or submitit's local executor (the SLURM path with jobs as processes here) (default: local)")
+    c.add_argument('--partition', default=None, help="SLURM partition (default: the cluster's default)")
+    c.add_argument('--gpus-per-run', type=_non_negative, default=None, help='GPUs per job; 2 or more train through torchrun inside the job (default: 0)')
+    c.add_argument('--cpus-per-run', type=_positive, default=None, help='CPU cores per job (default: 8)')
+    c.add_argument('--time', default=None, metavar='HH:MM:SS', help='wall-time limit per job, [D-]HH:MM:SS (default: 24:00:00)')
+    c.add_argument('--slurm-option', action='append', default=None, metavar='KEY=VALUE', help='any other sbatch option, e.g. --slurm-option account=lab (repeatable)')
     if study.options:
         g = r.add_argument_group(f'{study.name} options')
         for flag, kw in study.options.items():
@@ -286,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description='Run a study: one papermill execution of its experiment notebook per (variant, seed), then its report.')
     rs = r.add_subparsers(dest='study', required=True, metavar='STUDY')
     for st in STUDIES.values(): add_study_parser(rs, st, PRESETS)
+    st = sub.add_parser('status', help="the state of a batch's runs, from its run directories (also while it runs, locally or on a cluster)")
+    st.add_argument('dir', help='a batch directory (the --out of oelm run)')
+    st.add_argument('--watch', type=float, default=None, metavar='SECONDS', help='refresh every SECONDS until every run has ended (default: print once)')
+    st.set_defaults(fn=cmd_status)
     rep = sub.add_parser('report', help="(re)render a batch directory's report.html")
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
 
@@ -332,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `oelm` console script."
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `--detach` starts this command again
     from oelm_nb.data import DataError
     from oelm_nb.rundir import RunLocked
     try: return args.fn(args)

@@ -124,7 +124,8 @@ def _take(self: RunLock):
     except RunLocked: lock.release(); raise
     self.recovered = prev if prev and prev.get('pid') != os.getpid() else None
     self.token = uuid.uuid4().hex
-    _write_json_atomic(self.dir / HOLDER_FILE, this_process(token=self.token, what=self.what))
+    detached = {'detached': True} if self.what == 'batch' and os.environ.get('OELM_DETACHED') else {}  # `oelm run --detach`: a later `oelm run` follows it
+    _write_json_atomic(self.dir / HOLDER_FILE, this_process(token=self.token, what=self.what, **detached))
     (self.dir / WORKERS_FILE).unlink(missing_ok=True)
     self._flock = lock; _tokens.add(self.token)
 

@@ -1,0 +1,145 @@
+"""Batches beyond one terminal: the SLURM backend end to end through submitit's local executor (`--backend
+submitit-local`: the same submission, waiting, cancelling and failure handling, with jobs as processes here), the
+sbatch file submitit writes for `--backend slurm` (built without a cluster), and `--detach`."""
+from __future__ import annotations
+import os, re, signal, subprocess, sys, time
+from pathlib import Path
+
+import pytest
+
+from oelm_nb.cluster import ClusterConfig, sbatch_script, slurm_parameters, time_minutes
+from oelm_nb.core import ConfigError
+from oelm_nb.rundir import read_holder, is_alive
+from cli_helpers import run_oelm, oelm_cmd, read_json, html_text, tiny_args
+
+TINY = tiny_args(4)
+LOCAL = ['--backend', 'submitit-local', '--time', '00:10:00']
+
+
+def wait_for(cond, timeout: float = 240, what: str = 'condition'):
+    t0 = time.time()
+    while not cond():
+        if time.time() - t0 > timeout: raise AssertionError(f'timed out after {timeout}s waiting for {what}')
+        time.sleep(0.3)
+
+
+# ====================================================================== the sbatch file, without a cluster
+def test_sbatch_script_of_a_two_gpu_run(tmp_path):
+    "The file submitit would hand to sbatch: partition, GPUs, CPUs, time, extra options, and the command that started the batch."
+    cfg = ClusterConfig(partition='gpu-a100', gpus_per_run=2, cpus_per_run=16, time='1-06:00:00', options={'account': 'lab', 'qos': 'high'})
+    s = sbatch_script(cfg, tmp_path / 'jobs' / 'gpt-s0', 'oelm-qk-freeze-gpt-s0', "oelm run qk-freeze --backend slurm --gpus-per-run 2")
+    for line in ('#SBATCH --partition=gpu-a100', '#SBATCH --gpus-per-node=2', '#SBATCH --cpus-per-task=16', '#SBATCH --time=1800',
+                 '#SBATCH --nodes=1', '#SBATCH --ntasks-per-node=1', '#SBATCH --account=lab', '#SBATCH --qos=high',
+                 '#SBATCH --job-name=oelm-qk-freeze-gpt-s0'):
+        assert line in s.splitlines(), f'{line!r} missing from\n{s}'
+    assert "export OELM_COMMAND='oelm run qk-freeze --backend slurm --gpus-per-run 2'" in s  # runs name the batch's command
+    srun = [l for l in s.splitlines() if l.startswith('srun ')]
+    assert len(srun) == 1 and srun[0].endswith(f'-u -m submitit.core._submit {tmp_path / "jobs" / "gpt-s0"}')
+    assert str(tmp_path / 'jobs' / 'gpt-s0') in s.split('#SBATCH --output=')[1].splitlines()[0]  # logs next to the job's pickles
+    # one task: torchrun inside the job starts a process per GPU
+    assert slurm_parameters(cfg, 'x')['ntasks_per_node'] == 1 and 'gpus_per_node' not in slurm_parameters(ClusterConfig(), 'x')
+
+
+def test_cluster_flags_are_checked_before_anything_runs(tmp_path):
+    out = tmp_path / 'b'
+    for args, msg in ((['--partition', 'gpu'], 'only with --backend slurm'),
+                      (['--backend', 'slurm', '--time', '4h'], 'HH:MM:SS'),
+                      (['--backend', 'slurm', '--gpus', '0,1'], '--gpus-per-run'),
+                      (['--backend', 'slurm', '--slurm-option', 'time=1:00:00'], 'set by oelm itself'),
+                      (['--backend', 'slurm', '--slurm-option', 'account'], 'KEY=VALUE'),
+                      (['--backend', 'slurm'], 'srun')):  # no SLURM on this machine: said plainly, before any run
+        res = run_oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), *TINY, *args, timeout=120)
+        assert res.returncode == 2 and msg in res.stderr and 'Traceback' not in res.stderr, (args, res.stderr)
+    assert not any(out.glob('*-s0')), 'no run may start'
+    with pytest.raises(ConfigError, match='cluster'): ClusterConfig(cluster='pbs')
+    assert time_minutes('00:59:01') == 60
+
+
+# ====================================================================== end to end on the local executor
+@pytest.fixture(scope='module')
+def pca_batch(tmp_path_factory):
+    "PCA runs need their baseline: seed 1's baseline fails (its checkpoint is cut off mid-write), so pca-k8-s1 is blocked."
+    out = tmp_path_factory.mktemp('cluster') / 'pca'
+    bad = out / 'baseline-s1' / 'checkpoints' / 'step_0000001'
+    bad.mkdir(parents=True)
+    (bad / 'meta.json').write_text('{"step": 1, "tokens": ')
+    res = run_oelm('run', 'pca', '--ks', '8', '--variants', 'pca-k8', '--seeds', '0', '1', '--jobs', '2', '--out', str(out), *TINY, *LOCAL)
+    return out, res
+
+
+def test_upstream_failure_and_job_ids_on_the_local_executor(pca_batch):
+    out, res = pca_batch
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert 'FAILED runs: baseline-s1, pca-k8-s1' in res.stderr
+    st = {d: read_json(out / d / 'summary.json') for d in ('baseline-s0', 'baseline-s1', 'pca-k8-s0', 'pca-k8-s1')}
+    assert st['baseline-s0']['status'] == st['pca-k8-s0']['status'] == 'completed'
+    assert st['baseline-s1']['status'] == 'failed' and 'CheckpointError' in st['baseline-s1']['error']
+    assert st['pca-k8-s1']['status'] == 'failed' and 'upstream run(s) baseline-s1' in st['pca-k8-s1']['error']
+    jobs = read_json(out / 'batch.json')['jobs']
+    assert set(jobs) == {'baseline-s0', 'baseline-s1', 'pca-k8-s0'}, jobs  # the blocked run was never submitted
+    for name, jid in jobs.items():
+        rec = read_json(out / name / 'job.json')
+        assert rec['job_id'] == jid and rec['backend'] == 'local' and Path(rec['stdout']).exists()
+        assert re.search(rf'{name}: submitted as local job {jid}\b', res.stdout)
+    # the dependent run's job was submitted only after its upstream run completed
+    assert read_json(out / 'pca-k8-s0' / 'job.json')['submitted'] >= read_json(out / 'baseline-s0' / 'provenance.json').get('started', '')
+    assert (out / 'pca-k8-s0' / 'pca.ipynb').exists(), 'the job executed the experiment notebook, as a local batch does'
+    text = html_text(out / 'report.html')
+    assert 'baseline-s1 (failed: CheckpointError' in text
+
+
+def test_status_of_the_finished_cluster_batch(pca_batch):
+    out, _ = pca_batch
+    res = run_oelm('status', str(out), timeout=120)
+    assert res.returncode == 0, res.stderr
+    jobs = read_json(out / 'batch.json')['jobs']
+    lines = {l.split()[0]: l for l in res.stdout.splitlines() if l.strip() and l.split()[0] in ('baseline-s0', 'baseline-s1', 'pca-k8-s0', 'pca-k8-s1')}
+    assert 'completed' in lines['baseline-s0'] and jobs['baseline-s0'] in lines['baseline-s0']
+    assert 'failed' in lines['baseline-s1'] and 'blocked' in lines['pca-k8-s1']
+    print(res.stdout)
+
+
+def test_cancelled_job_fails_its_run_and_a_rerun_skips_completed_runs(tmp_path):
+    "Cancel one job while it trains (what submitit's LocalJob.cancel sends); the other run completes; the same command again reruns only the cancelled one."
+    out = tmp_path / 'qk'
+    args = ('run', 'qk-freeze', '--variants', 'gpt,oelm', '--seeds', '0', '--jobs', '2', '--out', str(out), '--no-report',
+            *tiny_args(300), '--set', 'train.log_every=1', *LOCAL)
+    p = subprocess.Popen(oelm_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / 'gpt-s0' / 'job.json').exists() and (out / 'gpt-s0' / 'metrics.jsonl').exists(), what='gpt-s0 to train')
+    job_id = read_json(out / 'gpt-s0' / 'job.json')['job_id']
+    os.kill(int(job_id), signal.SIGINT)  # a local job's id is its process id
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 1, stdout + stderr
+    s = read_json(out / 'gpt-s0' / 'summary.json')
+    assert s['status'] == 'failed' and s['job_id'] == job_id and s['job_state'] in ('INTERRUPTED', 'CANCELLED', 'FAILED'), s
+    assert f'local job {job_id} ended without finishing' in stdout
+    assert read_json(out / 'oelm-s0' / 'summary.json')['status'] == 'completed'
+    again = run_oelm(*args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert 'oelm-s0: already completed, skipped' in again.stdout
+    assert re.search(r'gpt-s0: failed before, moved to gpt-s0\.failed', again.stdout), again.stdout
+    assert read_json(out / 'gpt-s0' / 'summary.json')['status'] == 'completed'
+    assert read_json(out / 'gpt-s0' / 'job.json')['job_id'] != job_id
+
+
+# ====================================================================== --detach
+def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path):
+    out = tmp_path / 'det'
+    args = ('run', 'qk-freeze', '--variants', 'gpt,oelm', '--seeds', '0', '--out', str(out), *tiny_args(60))
+    term = subprocess.Popen(oelm_cmd(*args, '--detach'), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdout, stderr = term.communicate(timeout=120)
+    assert term.returncode == 0, stdout + stderr
+    assert 'goes on in the background' in stdout and f'oelm status {out}' in stdout
+    try: os.killpg(term.pid, signal.SIGHUP)  # the terminal closes: its session gets a hangup
+    except ProcessLookupError: pass
+    wait_for(lambda: (h := read_holder(out)) is not None and h.get('detached'), 60, 'the detached batch to take its lock')
+    holder = read_holder(out)
+    assert is_alive(holder) and holder['pid'] != term.pid
+    attached = run_oelm(*args)  # the same command, attached: follows the batch, then reports as usual
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert 'is being run in the background by' in attached.stdout
+    assert 'gpt-s0: already completed, skipped' in attached.stdout and 'oelm-s0: already completed, skipped' in attached.stdout
+    assert (out / 'report.html').exists() and '2/2 runs completed' in attached.stdout
+    log = (out / 'batch.log').read_text()
+    assert 'gpt-s0: completed' in log and 'oelm-s0: completed' in log
+    assert not is_alive(holder)
