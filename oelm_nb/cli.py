@@ -291,7 +291,8 @@ def add_study_parser(sub, study, presets):
                    'afresh; needed to rerun a batch directory with another configuration')
     r.add_argument('--detach', action='store_true', help='return at once; the batch goes on in the background (output in OUT/batch.log; '
                    '`oelm status OUT` shows it; the same command without --detach attaches to it)')
-    c = r.add_argument_group('cluster', 'each run as a SLURM job through submitit (pip install "oelm_nb[slurm]"), on a filesystem the nodes share')
+    c = r.add_argument_group('cluster', textwrap.fill('each run as a SLURM job through submitit (pip install "oelm_nb[slurm]"), on a filesystem '
+                                                      'the nodes share; `oelm status OUT` shows the jobs', 78, initial_indent='  ', subsequent_indent='  '))
     c.add_argument('--backend', default='local', choices=['local', 'slurm', 'submitit-local'],
                    help="where runs execute: this machine, SLURM jobs, or submitit's local executor (the SLURM path with jobs as processes here) (default: local)")
     c.add_argument('--partition', default=None, help="SLURM partition (default: the cluster's default)")

@@ -161,8 +161,10 @@ def follow(batch_dir, interval: float = 5.0, out=print) -> None:
     if not h: return
     from oelm_nb.status import batch_status, format_status
     out(f'[oelm run] {batch_dir} is being run in the background by {describe_holder(h)}; following it (Ctrl-C stops following, not the batch)')
-    shown = ''
+    tty, shown = sys.stdout.isatty(), None
     while detached_holder(batch_dir):
-        table = format_status(batch_status(batch_dir), batch_dir)
-        if table != shown: out(table); shown = table
+        rows = batch_status(batch_dir)
+        states = [(r['run'], r['state']) for r in rows]
+        if tty: out('\033[H\033[2J' + format_status(rows, batch_dir))  # redrawn in place
+        elif states != shown: out(format_status(rows, batch_dir)); shown = states  # a log gets a table when a run changes state
         time.sleep(interval)
