@@ -4,7 +4,7 @@
 
 # %% ../nbs/07c_cluster.ipynb #f84c55ec
 from __future__ import annotations
-import json, math, os, re, shlex, subprocess, sys, tempfile, threading, time
+import json, math, os, re, shlex, socket, subprocess, sys, tempfile, threading, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,8 +14,8 @@ from .rundir import run_lock, RunLocked, read_holder, is_alive, describe_holder
 from .runner import Batch, Job, execute_run, run_status
 
 # %% auto #0
-__all__ = ['RESERVED_SBATCH', 'DETACHED_ENV', 'time_minutes', 'ClusterConfig', 'slurm_parameters', 'sbatch_script', 'run_on_node',
-           'record_job', 'ClusterBackend', 'detach', 'detached_holder', 'follow']
+__all__ = ['RESERVED_SBATCH', 'ACTIVE_STATES', 'DETACHED_ENV', 'time_minutes', 'ClusterConfig', 'slurm_parameters',
+           'sbatch_script', 'run_on_node', 'record_job', 'ClusterBackend', 'detach', 'detached_holder', 'follow']
 
 # %% ../nbs/07c_cluster.ipynb #62a8776f
 _re_time = re.compile(r'^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$')
@@ -88,10 +88,13 @@ def record_job(job: Job, batch: Batch, job_id: str, cluster: str, paths: dict, g
         write_json(batch.out / 'batch.json', b)
 
 # %% ../nbs/07c_cluster.ipynb #2b184769
+ACTIVE_STATES = ('PENDING', 'RUNNING', 'REQUEUED', 'CONFIGURING', 'COMPLETING', 'SUSPENDED', 'RESIZING')  # SLURM job states that may still write
+
 class ClusterBackend:
     "Run each job of a batch as a submitit job (SLURM, or local processes); a drop-in for `execute_run`."
-    def __init__(self, cfg: ClusterConfig, command: str = ''):
+    def __init__(self, cfg: ClusterConfig, command: str = '', poll_s: float = 5.0):
         self.cfg, self.command, self.guard, self.jobs = cfg, command or shlex.join(['oelm', *sys.argv[1:]]), threading.Lock(), {}
+        self.poll_s = poll_s # seconds between checks of a job from an earlier `oelm run`
 
     def executor(self, folder: Path, name: str):
         "A submitit executor for one job."
@@ -113,7 +116,23 @@ class ClusterBackend:
         except ImportError: raise ConfigError('--backend slurm needs submitit: pip install "oelm_nb[slurm]"') from None
         if self.cfg.cluster == 'slurm': self.executor(Path(tempfile.gettempdir()) / 'oelm-slurm-check', 'check')  # submitit writes nothing until a submission
 
+    def earlier_job(self, job: Job) -> str | None:
+        "The id of a job from an earlier `oelm run` of this batch that still trains `job`'s run (a live process holds its lock), else None."
+        h = read_holder(job.run_dir)
+        if not h or not is_alive(h): return None
+        rec = read_json(job.run_dir / 'job.json') or {}
+        if h.get('host') != socket.gethostname() and self.cfg.cluster == 'slurm' and rec.get('job_id'):  # a holder on another host: ask SLURM
+            import submitit
+            try: state = submitit.SlurmJob(folder=Path(str(rec.get('stdout', '.'))).parent, job_id=str(rec['job_id'])).state
+            except Exception: state = 'UNKNOWN'
+            if state not in ACTIVE_STATES: return None  # the node was lost with the lock record on it
+        return str(rec.get('job_id') or f"pid {h.get('pid')} on {h.get('host')}")
+
     def __call__(self, job: Job, batch: Batch, gpu_set=None, threads=None, log=print) -> str:
+        if earlier := self.earlier_job(job):  # re-attach: the run's own lock tells that a job of a previous `oelm run` is on it
+            log(f'[oelm run] {job.name}: job {earlier} from an earlier `oelm run` still trains it; waiting for it instead of submitting another')
+            while self.earlier_job(job): time.sleep(self.poll_s)
+            if run_status(job.run_dir) == 'completed': log(f'[oelm run] {job.name}: job {earlier} completed it'); return 'completed'
         folder = batch.out / 'jobs' / job.name
         sj = self.executor(folder, f'oelm-{batch.study}-{job.name}').submit(run_on_node, job, batch)
         self.jobs[job.name] = sj

@@ -365,7 +365,8 @@ def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus:
                     'host': socket.gethostname(), 'command': ' '.join(sys.argv)[:300], 'oelm_nb': __version__})
     planned = {**(old.get('plan') or {}), **{v: {'overrides': plan[v].overrides, 'upstream': list(plan[v].upstream)} for v in variants}}
     write_json(path, {**flags, 'variants': list(dict.fromkeys([*old.get('variants', []), *variants])),
-                      'seeds': sorted(set(old.get('seeds', [])) | set(seeds)), 'plan': planned, 'invocations': history})
+                      'seeds': sorted(set(old.get('seeds', [])) | set(seeds)), 'plan': planned, 'invocations': history,
+                      **({'jobs': old['jobs']} if isinstance(old.get('jobs'), dict) else {})})  # cluster job ids (oelm_nb.cluster)
     return len(history) - 1
 
 def record_outcome(out: Path, index: int, statuses: dict):

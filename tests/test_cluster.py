@@ -2,7 +2,7 @@
 submitit-local`: the same submission, waiting, cancelling and failure handling, with jobs as processes here), the
 sbatch file submitit writes for `--backend slurm` (built without a cluster), and `--detach`."""
 from __future__ import annotations
-import os, re, signal, subprocess, sys, time
+import json, os, re, signal, subprocess, sys, time
 from pathlib import Path
 
 import pytest
@@ -120,6 +120,24 @@ def test_cancelled_job_fails_its_run_and_a_rerun_skips_completed_runs(tmp_path):
     assert re.search(r'gpt-s0: failed before, moved to gpt-s0\.failed', again.stdout), again.stdout
     assert read_json(out / 'gpt-s0' / 'summary.json')['status'] == 'completed'
     assert read_json(out / 'gpt-s0' / 'job.json')['job_id'] != job_id
+
+
+def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_another(tmp_path):
+    "The `oelm run` that submitted a job is killed; the job goes on; the same command again re-attaches to it through the run's lock."
+    out = tmp_path / 're'
+    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), '--no-report', *tiny_args(300), *LOCAL)
+    driver = subprocess.Popen(oelm_cmd(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: (out / 'gpt-s0' / 'job.json').exists() and (out / 'gpt-s0' / 'metrics.jsonl').exists(), what='gpt-s0 to train')
+    job_id = read_json(out / 'gpt-s0' / 'job.json')['job_id']
+    driver.kill(); driver.wait()
+    assert not (out / 'gpt-s0' / 'summary.json').exists() and is_alive(read_holder(out / 'gpt-s0')), 'the job outlives its driver'
+    again = run_oelm(*args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f'gpt-s0: job {job_id} from an earlier `oelm run` still trains it' in again.stdout
+    assert f'gpt-s0: job {job_id} completed it' in again.stdout and 'submitted as' not in again.stdout
+    assert read_json(out / 'gpt-s0' / 'job.json')['job_id'] == job_id and read_json(out / 'batch.json')['jobs'] == {'gpt-s0': job_id}
+    steps = [json.loads(l)['step'] for l in (out / 'gpt-s0' / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+    assert steps == sorted(set(steps)) and steps[-1] == 300, 'one job wrote the run, once'
 
 
 # ====================================================================== --detach
