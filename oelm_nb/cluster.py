@@ -67,8 +67,7 @@ def sbatch_script(cfg: ClusterConfig, folder, name: str, command: str = '') -> s
     "The sbatch file submitit writes for a job of `cfg` named `name` (built without a cluster)."
     ex = _script_executor(folder)
     ex.update_parameters(**slurm_parameters(cfg, name, command))
-    submit = ' '.join([ex.python, '-u -m submitit.core._submit', shlex.quote(str(folder))])  # what submitit's sbatch line runs
-    return ex._make_submission_file_text(submit, 'uid')
+    return ex._make_submission_file_text(ex._submitit_command_str, 'uid')  # the srun line submitit writes: its runner on the job's pickle
 
 # %% ../nbs/07c_cluster.ipynb #5e711e82
 def run_on_node(job: Job, batch: Batch) -> str:

@@ -159,9 +159,9 @@ def unlink_run_files(nb: dict) -> dict:
     return nb
 
 
-def build_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True) -> list[DocNb]:
-    """Run each study's example batch (cached) and point its report page at the executed report; returns `docs` updated.
-    Paths on the page read as the batch's own (`runs/<study>`), not the build folder's."""
+def build_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True, studies: tuple | None = None) -> list[DocNb]:
+    """Run each study's example batch (cached; `studies`: only these) and point its report page at the executed report;
+    returns `docs` updated. Paths on the page read as the batch's own (`runs/<study>`), not the build folder's."""
     import example_batches as eb
     cfg = nbdev_config()
     studies, lib_files = report_studies(), sorted(Path(cfg.lib_path).glob('**/*.py'))
@@ -169,7 +169,7 @@ def build_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True) -> l
     for d in docs:
         rel = d.src.relative_to(cfg.nbs_path).as_posix() if d.src.is_relative_to(cfg.nbs_path) else ''
         study = studies.get(rel)
-        if d.library or study not in eb.EXAMPLES: out.append(d); continue
+        if d.library or study not in eb.EXAMPLES or (studies is not None and study not in studies): out.append(d); continue
         batch, page, keyf = ex_dir / 'runs' / study, ex_dir / 'pages' / d.src.name, ex_dir / f'{study}.key'
         key = _example_key(d.src, lib_files)
         if not (use_cache and page.exists() and keyf.exists() and keyf.read_text() == key):
@@ -675,7 +675,8 @@ def run_mkdocs(config: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int = 2,
-          use_cache: bool = True, check_links: bool = True, execute: str = 'all', examples: bool = True) -> Path:
+          use_cache: bool = True, check_links: bool = True, execute: str = 'all',
+          examples: bool | tuple = True) -> Path:  # report pages executed on example batches: all, none, or these studies'
     "Build the whole site; returns the site folder. Raises DocsBuildError with a readable message."
     t0 = time.time()
     cfg = nbdev_config()
@@ -683,7 +684,7 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
     build_dir = Path(build_dir or ROOT / '_mkdocs').resolve()
     docs = discover(cfg.nbs_path)
     if not any(d.library for d in docs): raise DocsBuildError(f'no notebooks found in {cfg.nbs_path}')
-    if examples: docs = build_examples(docs, build_dir / 'examples', use_cache)
+    if examples: docs = build_examples(docs, build_dir / 'examples', use_cache, None if examples is True else tuple(examples))
     processed = run_stage1(docs, build_dir / 'proc', jobs, use_cache, execute)
 
     docs_dir = build_dir / 'docs'
