@@ -103,11 +103,14 @@ def test_a_cancelled_job_fails_its_run_with_its_state(tmp_path):
     out = tmp_path / 'qk'
     args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), '--no-report',
             *tiny_args(5000), '--set', 'train.log_every=1', *LOCAL)
-    p = subprocess.Popen(oelm_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell's background job (`make test &`, some CI runners) starts with SIGINT ignored, and so would the job: give it a terminal's default
+    p = subprocess.Popen(oelm_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for(lambda: (out / 'gpt-s0' / 'job.json').exists() and (out / 'gpt-s0' / 'metrics.jsonl').exists(), what='gpt-s0 to train')
     job_id = read_json(out / 'gpt-s0' / 'job.json')['job_id']
     os.kill(int(job_id), signal.SIGINT)  # a local job's id is its process id
-    stdout, stderr = p.communicate(timeout=300)
+    try: stdout, stderr = p.communicate(timeout=300)
+    finally: p.kill()
     assert p.returncode == 1, stdout + stderr
     s = read_json(out / 'gpt-s0' / 'summary.json')
     assert s['status'] == 'failed' and s['job_id'] == job_id and s['job_state'] in ('INTERRUPTED', 'CANCELLED', 'FAILED'), s
@@ -136,7 +139,7 @@ def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_a
 # ====================================================================== --detach
 def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path):
     out = tmp_path / 'det'
-    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), *tiny_args(200))
+    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), *tiny_args(100))
     term = subprocess.Popen(oelm_cmd(*args, '--detach'), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stdout, stderr = term.communicate(timeout=120)
     assert term.returncode == 0, stdout + stderr

@@ -159,8 +159,8 @@ def unlink_run_files(nb: dict) -> dict:
     return nb
 
 
-def build_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True, studies: tuple | None = None) -> list[DocNb]:
-    """Run each study's example batch (cached; `studies`: only these) and point its report page at the executed report;
+def build_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True, only: tuple | None = None) -> list[DocNb]:
+    """Run each study's example batch (cached; `only`: these studies alone) and point its report page at the executed report;
     returns `docs` updated. Paths on the page read as the batch's own (`runs/<study>`), not the build folder's."""
     import example_batches as eb
     cfg = nbdev_config()
@@ -169,7 +169,7 @@ def build_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True, stud
     for d in docs:
         rel = d.src.relative_to(cfg.nbs_path).as_posix() if d.src.is_relative_to(cfg.nbs_path) else ''
         study = studies.get(rel)
-        if d.library or study not in eb.EXAMPLES or (studies is not None and study not in studies): out.append(d); continue
+        if d.library or study not in eb.EXAMPLES or (only is not None and study not in only): out.append(d); continue
         batch, page, keyf = ex_dir / 'runs' / study, ex_dir / 'pages' / d.src.name, ex_dir / f'{study}.key'
         key = _example_key(d.src, lib_files)
         if not (use_cache and page.exists() and keyf.exists() and keyf.read_text() == key):
