@@ -413,7 +413,7 @@ class RunExplorer:
         self.variants = widgets.SelectMultiple(description='variants', rows=6)
         self.seeds = widgets.SelectMultiple(description='seeds', rows=6)
         self.metric = widgets.Dropdown(description='metric', options=[(axis_label(m), m) for m in self.METRICS], value='val_ppl')
-        self.xaxis = widgets.ToggleButtons(options=[(axis_label(x), x) for x in ('step', 'tokens', 'elapsed_s')], value='step', description='x')
+        self.xaxis = widgets.Dropdown(options=[(axis_label(x), x) for x in ('step', 'tokens', 'elapsed_s')], value='step', description='x axis')
         self.logy = widgets.Checkbox(description='log y (ticks at the values)', value=False)
         self.smooth = widgets.FloatSlider(description='smoothing', min=0.0, max=0.95, step=0.05, value=0.0, readout_format='.2f')
         self.reload_button = widgets.Button(description='reload runs', icon='refresh')
