@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     for st in STUDIES.values(): add_study_parser(rs, st, PRESETS)
     st = sub.add_parser('status', help="the state of a batch's runs, from its run directories (also while it runs, locally or on a cluster)")
     st.add_argument('dir', help='a batch directory (the --out of oelm run)')
-    st.add_argument('--watch', type=float, default=None, metavar='SECONDS', help='refresh every SECONDS until every run has ended (default: print once)')
+    st.add_argument('--watch', type=float, default=None, metavar='SECONDS', help='refresh every SECONDS until no run can change any more; Ctrl-C stops watching, not the batch (default: print once)')
     st.set_defaults(fn=cmd_status)
     rep = sub.add_parser('report', help="(re)render a batch directory's report.html")
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
