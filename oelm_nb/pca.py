@@ -98,7 +98,8 @@ def reconstruction_curve(E: torch.Tensor, # token table [V, d]
     C = (E - pca.mean) @ pca.V  # [V, r]: codes in every direction
     m = pca.mean @ pca.V        # [r]: the mean in the same basis
     S2 = pca.S**2
-    err2 = (S2.sum() - S2.cumsum(0)).clamp(min=0)  # discarded variance at k
+    tail = S2.flip(0).cumsum(0).flip(0)  # tail[j] = S2[j:].sum()
+    err2 = torch.cat([tail[1:], tail.new_zeros(1)])  # discarded variance at k = S2[k:].sum(), summed small to large (no cancellation)
     dot = (E @ pca.mean)[:, None] + (C * (C + m)).cumsum(1)        # E_i . E_{k,i}
     norm2 = (pca.mean @ pca.mean) + (C * (C + 2 * m)).cumsum(1)    # ||E_{k,i}||^2
     cos = dot / (E.norm(dim=1, keepdim=True) * norm2.clamp(min=0).sqrt()).clamp(min=1e-300)
