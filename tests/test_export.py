@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_oelm, tiny_args
+from shared_runs import qk_freeze_batch, pca_batch, completed, inline_batch
 from oelm_nb.sample import load_run_model, run_codec
 
 transformers = pytest.importorskip('transformers')
@@ -13,11 +14,8 @@ transformers = pytest.importorskip('transformers')
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory) -> Path:
-    "A finished oelm-freeze run (frozen Q/K buffers) of 20 steps on a tiny corpus."
-    out = tmp_path_factory.mktemp('export') / 'batch'
-    res = run_oelm('run', 'qk-freeze', '--variants', 'oelm-freeze', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(20))
-    assert res.returncode == 0, res.stderr[-2000:]
-    return out / 'oelm-freeze-s0'
+    "A finished oelm-freeze run (frozen Q/K buffers) of 30 steps on a tiny corpus: tests/shared_runs.py."
+    return qk_freeze_batch(tmp_path_factory) / 'oelm-freeze-s0'
 
 
 def test_hf_export_has_our_logits_and_tokenizer(run, tmp_path):
@@ -53,7 +51,7 @@ def test_nanogpt_export_is_plain_tensors_in_nanogpts_layout(run, tmp_path):
     ours = load_run_model(run, 'final', device='cpu')[0]
     q = ours.transformer.h[0].attn.q_proj.weight
     assert torch.equal(sd['transformer.h.0.attn.c_attn.weight'][:d], q)  # the frozen Q, now an ordinary weight
-    assert ck['iter_num'] == 20 and set(a) == {'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout'}
+    assert ck['iter_num'] == 30 and set(a) == {'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout'}
 
 
 @pytest.mark.parametrize('args, message', [
@@ -221,10 +219,8 @@ def test_init_from_an_untied_gpt2_directory(tmp_path):
 
 
 def test_an_untied_run_exports_to_hf_and_is_refused_by_nanogpt(run, tmp_path):
-    out = tmp_path / 'batch'
-    res = run_oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(4),
-                   '--data', str(run.parent / 'data'), '--set', 'model.tie_embeddings=false')
-    assert res.returncode == 0, res.stderr[-2000:]
+    out = inline_batch(tmp_path / 'batch', 'qk-freeze', variants=['gpt'], steps=4, data=str(run.parent / 'data'),
+                       overrides={'model.tie_embeddings': False})
     rd = out / 'gpt-s0'
     res = run_oelm('export', str(rd), str(tmp_path / 'nano'), '--to', 'nanogpt')
     assert res.returncode == 2 and 'always ties its output head' in res.stderr and not (tmp_path / 'nano').exists(), res.stderr
@@ -236,13 +232,10 @@ def test_an_untied_run_exports_to_hf_and_is_refused_by_nanogpt(run, tmp_path):
     with torch.no_grad(): assert (hf(ids).logits - ours(ids)[0]).abs().max().item() < 1e-5
 
 
-def test_pca_study_runs_export_merged_and_factorized(run, tmp_path):
+def test_pca_study_runs_export_merged_and_factorized(tmp_path_factory, tmp_path):
     "`oelm export` of a PCA + LoRA run (adapters merged, table materialized) and of an evaluated-only PCA run (no checkpoint of its own)."
-    out = tmp_path / 'pca'
-    res = run_oelm('run', 'pca', '--variants', 'baseline,pca-k8,pca-lora-k8', '--ks', '8', '--seeds', '0', '--no-report', '--out', str(out),
-                   *tiny_args(8), '--data', str(run.parent / 'data'), '--set', 'train.dtype=float32')
-    assert res.returncode == 0, res.stderr[-2000:]
-    for name in ('pca-lora-k8-s0', 'pca-k8-s0', 'baseline-s0'):
+    out = completed(pca_batch(tmp_path_factory))  # float32 runs of the PCA study's matrix, k = 16 among them
+    for name in ('pca-lora-k16-s0', 'pca-k16-s0', 'baseline-s0'):
         res = run_oelm('export', str(out / name), str(tmp_path / name))
         assert res.returncode == 0, (name, res.stderr[-2000:])
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
@@ -252,10 +245,10 @@ def test_pca_study_runs_export_merged_and_factorized(run, tmp_path):
         with torch.no_grad(): gap = (hf(ids).logits - ours(ids)[0]).abs().max().item()
         assert gap < 1e-5, (name, gap)
         assert hf.config.tie_word_embeddings == (name == 'baseline-s0')
-    s = json.loads((out / 'pca-k8-s0' / 'summary.json').read_text())
+    s = json.loads((out / 'pca-k16-s0' / 'summary.json').read_text())
     from oelm_nb.pca_study import _eval
     from oelm_nb.experiment import prepare_run
-    ours, spec, _ = load_run_model(out / 'pca-k8-s0', device='cpu')
+    ours, spec, _ = load_run_model(out / 'pca-k16-s0', device='cpu')
     assert abs(_eval(ours, spec, prepare_run(spec)[2])['val_loss'] - s['val_loss']) < 1e-5  # the model the run evaluated
 
 

@@ -4,19 +4,16 @@ from __future__ import annotations
 import json, os, re, shutil
 from pathlib import Path
 import pytest
-from cli_helpers import run_oelm, tiny_args
+from cli_helpers import run_oelm
+from shared_runs import qk_freeze_batch
 from oelm_nb.core import ConfigError
 from oelm_nb.sample import sample
 
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory) -> Path:
-    "One finished gpt run of 30 steps on a tiny corpus (checkpoints at 10, 20, 30)."
-    out = tmp_path_factory.mktemp('sample') / 'batch'
-    res = run_oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(30),
-                   '--set', 'train.ckpt_every=10', '--set', 'train.keep_last=5', '--set', 'train.eval_every=10')
-    assert res.returncode == 0, res.stderr[-2000:]
-    return out / 'gpt-s0'
+    "One finished gpt run of 30 steps on a tiny corpus (checkpoints at 10, 20, 30): tests/shared_runs.py."
+    return qk_freeze_batch(tmp_path_factory) / 'gpt-s0'
 
 
 def samples(*args) -> list[dict]:

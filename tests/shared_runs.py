@@ -1,0 +1,82 @@
+"""Batches the suites share: each trained once per pytest session, in this process, and only read by the tests.
+
+A papermill execution costs seconds of kernel start-up before its first step; `oelm_nb.runner.execute_inline` runs a
+batch's runs in-process with the same run directories, summaries and report. Each study keeps exactly one papermill
+batch end to end in its own suite (qk-freeze: test_runner; pca: test_cluster; cvfp: test_cvfp_study; mercator: the
+HF-mode batch of test_mercator_study); every test that only reads runs, reports, exports or verdicts uses a batch from here.
+
+Under pytest-xdist the workers of one session share each batch through a lock file in the session's base temporary
+folder: the first worker to ask trains it, the others wait and read. A test that changes a batch works on a copy.
+"""
+from __future__ import annotations
+import fcntl, json, os, shutil, time, traceback
+from pathlib import Path
+
+SMALL_CORPUS = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
+                'train.eval_batches': 2}  # what cli_helpers.tiny_args sets on the command line
+
+
+def session_root(tmp_path_factory) -> Path:
+    "The base temporary folder of this pytest session, shared by its xdist workers."
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get('PYTEST_XDIST_WORKER') else root
+
+
+def shared_batch(tmp_path_factory, name: str, study: str, **run_study_kwargs) -> tuple[Path, dict]:
+    """`oelm_nb.runner.run_study(study, ...)` with every run in-process, once per session under `name`.
+    Returns (batch dir, record): record['log'] holds the lines `oelm run` would print, record['failed'] the failed runs,
+    record['error'] the exception if the batch itself raised (the tests then fail with it, the batch is not retried)."""
+    root = session_root(tmp_path_factory)
+    out, done = root / name, root / f'{name}.result.json'
+    with open(root / f'{name}.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists(): done.write_text(json.dumps(_train(study, out, run_study_kwargs)))
+        return out, json.loads(done.read_text())
+
+
+def _train(study: str, out: Path, kwargs: dict) -> dict:
+    from oelm_nb.runner import run_study, execute_inline
+    lines, t0 = [], time.time()
+    kwargs = {'seeds': [0], 'report': False, **kwargs}
+    kwargs['overrides'] = {**SMALL_CORPUS, **kwargs.get('overrides', {})}
+    try:
+        res = run_study(study, out_dir=out, execute=execute_inline, log=lines.append, **kwargs)
+        return {'log': lines, 'failed': list(res.failed), 'error': None, 'seconds': time.time() - t0}
+    except Exception as e:
+        return {'log': lines, 'failed': [], 'error': f'{type(e).__name__}: {e}\n{traceback.format_exc()}', 'seconds': time.time() - t0}
+
+
+def inline_batch(out: Path, study: str, **run_study_kwargs) -> Path:
+    "A private batch of one test, trained in-process now (seed 0, no report, the small corpus); asserts that every run completed."
+    return completed((out, _train(study, out, run_study_kwargs)))
+
+
+def completed(batch: tuple[Path, dict]) -> Path:
+    "The batch directory, after asserting that every run of the batch completed."
+    out, rec = batch
+    assert rec['error'] is None, f'the shared batch {out.name} raised:\n{rec["error"]}'
+    assert not rec['failed'], f'runs failed in the shared batch {out.name}: {rec["failed"]}\n' + '\n'.join(rec['log'][-30:])
+    return out
+
+
+def copy_batch(src: Path, dst: Path, *ignore: str) -> Path:
+    "A private copy of a shared batch for a test that changes it (`ignore`: glob patterns left out, e.g. 'checkpoints')."
+    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(*ignore) if ignore else None)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------- the batches
+def qk_freeze_batch(tmp_path_factory) -> Path:
+    """qk-freeze gpt and oelm-freeze, seed 0, 30 steps, checkpoints and evaluations every 10 steps (steps 10, 20, 30 kept):
+    the finished runs that `oelm sample` and `oelm export` read."""
+    return completed(shared_batch(tmp_path_factory, 'shared-qk-freeze', 'qk-freeze', variants=['gpt', 'oelm-freeze'], steps=30,
+                                  overrides={'train.ckpt_every': 10, 'train.keep_last': 5, 'train.eval_every': 10}))
+
+
+PCA_KS = (16, 64)  # 64 = d of the tiny preset: PCA keeps every direction there
+
+
+def pca_batch(tmp_path_factory) -> tuple[Path, dict]:
+    "The PCA study's whole matrix at ks 16 and 64, seeds 0 and 1, 4 baseline steps in float32, with its report."
+    return shared_batch(tmp_path_factory, 'shared-pca', 'pca', seeds=[0, 1], steps=4, options={'ks': list(PCA_KS)},
+                        overrides={'train.dtype': 'float32'}, report=True)
