@@ -19,25 +19,24 @@ from oelm_nb.experiment import resolve_spec
 from oelm_nb.studies import get_study
 from oelm_nb.mercator import cosine_stage, layer_map, pass_label
 from oelm_nb.mercator_study import mercator_common, mercator_run, resolve_checkpoint, resolve_dataset, MercatorSettings, load_texts, load_records
-from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
+from cli_helpers import run_oelm as oelm, read_json, html_text
+from shared_runs import shared_batch, completed
 
-TINY = tiny_args(6)
 STUDENTS = ('mercator-b0.01', 'logit-kd', 'no-distill')
 
 
 @pytest.fixture(scope='module')
 def batch(tmp_path_factory):
-    "`oelm run mercator --variants mercator-b0.01,logit-kd,no-distill --jobs 2` on tiny data: (batch dir, completed process)."
-    out = tmp_path_factory.mktemp('mercator') / 'batch'
-    return out, oelm('run', 'mercator', '--variants', ','.join(STUDENTS), '--seeds', '0', '--jobs', '2', '--out', str(out), *TINY)
+    """The students mercator-b0.01, logit-kd and no-distill with the runs they need, seed 0, 6 steps, and the report: trained in-process
+    once per session (tests/shared_runs.py); the study's papermill batch end to end is the HF-mode test below."""
+    out, rec = shared_batch(tmp_path_factory, 'shared-mercator', 'mercator', variants=list(STUDENTS), steps=6, report=True)
+    return completed((out, rec)), '\n'.join(rec['log'])
 
 
 def test_batch_runs_teacher_first_and_students_distil_from_it(batch):
-    out, res = batch
-    assert res.returncode == 0, f'oelm run failed ({res.returncode}):\n{res.stdout}\n{res.stderr}'
-    assert "added upstream run(s) ['teacher', 'pretrain']" in res.stdout
-    assert '5/5 runs completed' in res.stdout
-    log = res.stdout
+    out, log = batch
+    assert "added upstream run(s) ['teacher', 'pretrain']" in log
+    assert all(read_json(out / f'{v}-s0' / 'summary.json')['status'] == 'completed' for v in (*STUDENTS, 'teacher', 'pretrain'))
     for up in ('teacher', 'pretrain'): assert log.index(f'{up}-s0: completed') < min(log.index(f'{v}-s0: started') for v in STUDENTS)
     p_dir = out / 'pretrain-s0'
     p_cfg, p_sum = read_json(p_dir / 'config.json'), read_json(p_dir / 'summary.json')
@@ -95,8 +94,7 @@ def test_batch_runs_teacher_first_and_students_distil_from_it(batch):
 
 def test_students_start_from_the_same_weights(batch):
     "Paired comparison: step 1's losses are computed before any update, so equal initial weights, projector and batches give equal values."
-    out, res = batch
-    assert res.returncode == 0
+    out, _ = batch
     first = {v: json.loads((out / f'{v}-s0' / 'metrics.jsonl').read_text().splitlines()[0]) for v in STUDENTS}
     a, k, b = (first[v] for v in STUDENTS)
     assert a['step'] == b['step'] == k['step'] == 1
@@ -123,8 +121,7 @@ def test_students_start_from_the_same_weights(batch):
 
 
 def test_report_answers_with_numbers_from_the_runs(batch):
-    out, res = batch
-    assert res.returncode == 0
+    out, _ = batch
     text = html_text(out / 'report.html')
     sums = {v: read_json(out / f'{v}-s0' / 'summary.json') for v in (*STUDENTS, 'pretrain')}
     for heading in ('The answer', 'Protocol', 'Task accuracy against no-distill', 'KV agreement per layer', 'MSE against Mercator'):
@@ -144,8 +141,7 @@ def test_report_answers_with_numbers_from_the_runs(batch):
 
 
 def test_report_renders_when_a_run_failed(batch, tmp_path):
-    out, res = batch
-    assert res.returncode == 0
+    out, _ = batch
     dst = tmp_path / 'copy'
     shutil.copytree(out, dst, symlinks=True, ignore=shutil.ignore_patterns('checkpoints', 'report.*'))
     (dst / 'no-distill-s0' / 'summary.json').write_text(json.dumps({'status': 'failed', 'error': 'RuntimeError: boom'}))
