@@ -152,10 +152,14 @@ def test_killing_oelm_alone_stops_its_trainer_and_a_rerun_continues_cleanly(tmp_
     (('--set', 'train.batch_size=1000000'), 'batch_size=1000000'),
     (('--data', '/nonexistent/corpus.txt'), '/nonexistent/corpus.txt'),
 ])
-def test_flags_a_batch_cannot_honour_are_refused_before_anything_runs(tmp_path, flags, message):
+def test_flags_a_batch_cannot_honour_are_refused_before_anything_runs(tmp_path, capsys, flags, message):
+    "In-process through `oelm_nb.cli.main` (the console script's exit status and one-line error: test_cli)."
+    from oelm_nb.cli import main
     if '--gpus' in flags and torch.cuda.is_available(): pytest.skip('this machine has CUDA')
     out = tmp_path / 'never'
-    res = run_oelm('run', 'qk-freeze', '--variants', 'gpt', '--out', str(out), *flags)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert message in res.stderr and 'Traceback' not in res.stderr, res.stderr
+    try: rc = main(['run', 'qk-freeze', '--variants', 'gpt', '--out', str(out), *flags])
+    except SystemExit as e: rc = e.code  # argparse's own type errors
+    std = capsys.readouterr()
+    assert rc == 2, std.out + std.err
+    assert message in std.err and std.err.startswith('oelm run: error:') and 'Traceback' not in std.err, std.err
     assert not out.exists(), f'a refused call left {sorted(p.name for p in out.iterdir())} behind'

@@ -43,14 +43,15 @@ def copy_batch(src: Path, dst: Path) -> Path:
 # ====================================================================== the shared batch
 @pytest.fixture(scope='module')
 def batch(tmp_path_factory):
-    "`oelm run qk-freeze --variants gpt,oelm-freeze --seeds 0 1` on tiny data: (batch dir, exit code, stdout, stderr)."
+    """`oelm run qk-freeze --variants gpt,oelm-freeze --seeds 0 1 --jobs 2` on tiny data: (batch dir, exit code, stdout, stderr).
+    The Q/K study's one papermill batch end to end (tests/shared_runs.py says which batch is each study's)."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get('PYTEST_XDIST_WORKER'): root = root.parent  # shared by the workers of this session
     out, done = root / 'oelm-runner-batch', root / 'oelm-runner-batch.result.json'
     with open(root / 'oelm-runner-batch.lock', 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            res = run_oelm('run', 'qk-freeze', '--variants', ','.join(VARIANTS), '--seeds', *map(str, SEEDS), '--out', str(out), *TINY)
+            res = run_oelm('run', 'qk-freeze', '--variants', ','.join(VARIANTS), '--seeds', *map(str, SEEDS), '--jobs', '2', '--out', str(out), *TINY)
             done.write_text(json.dumps({'rc': res.returncode, 'stdout': res.stdout, 'stderr': res.stderr}))
         r = read_json(done)
     return out, r['rc'], r['stdout'], r['stderr']
@@ -103,6 +104,7 @@ def test_batch_completes_with_complete_run_directories(batch):
             assert sm['final_val_ppl'] == pytest.approx(math.exp(sm['final_val_loss']), rel=1e-6)
             assert isinstance(sm['recall_acc'], (int, float)) and 0.0 <= sm['recall_acc'] <= 1.0
             assert sm['tokens_per_s'] > 0 and sm['wall_time_s'] > 0
+            assert sm['runtime']['threads'] == max(1, (os.cpu_count() or 1) // 2)  # each of the 2 concurrent runs got its share of the cores
             p = sm['params']
             assert p['total'] == p['trainable'] + p['frozen']
             assert p['total'] == total_from_config(cfg['model'])
@@ -367,13 +369,19 @@ def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_
     assert read_json(tmp_path / 'batch.json')['variants'] == ['base', 'child-1']
 
 
-def test_every_study_has_its_own_run_command():
-    "`oelm run --help` lists the studies; each has its notebooks and its own flags."
+def test_every_study_has_its_own_run_command(capsys):
+    "`oelm run --help` lists the studies; each has its notebooks and its own flags (in-process; the console script's help: test_cli)."
+    from oelm_nb.cli import main
     from oelm_nb.studies import STUDIES as studies
     from oelm_nb.runner import notebook_path
-    out = run_oelm('run', '--help', timeout=120).stdout
+    def help_of(*args) -> tuple[int, str]:
+        try: rc = main([*args, '--help'])
+        except SystemExit as e: rc = e.code
+        return rc, capsys.readouterr().out
+    rc, out = help_of('run')
+    assert rc == 0
     for name, st in studies.items():
         assert name in out
         assert notebook_path(st.notebook).is_file() and (st.report is None or notebook_path(st.report).is_file())
-        sub = run_oelm('run', name, '--help', timeout=120)
-        assert sub.returncode == 0 and all('--' + f.replace('_', '-') in sub.stdout or f in sub.stdout for f in st.options)
+        rc, sub = help_of('run', name)
+        assert rc == 0 and all('--' + f.replace('_', '-') in sub or f in sub for f in st.options)
