@@ -57,6 +57,13 @@ pytest: $(STAMP)
 	@echo "[test] pytest"
 	@$(BIN)/python -m pytest -n 2 -q --durations=15 tests
 
+# The developer's inner loop (under 2 minutes): the notebook checks and the unit-level tests; tests marked `slow`
+# (batches, papermill, processes end to end) are left to `make test`.
+test-fast: $(STAMP) nbtest
+	@echo "[test-fast] pytest, tests marked slow left out"
+	@$(BIN)/python -m pytest -n 2 -q -m "not slow" --durations=5 tests
+	@echo "[test-fast] all checks passed (make test runs everything)"
+
 # README.md is generated from nbs/index.ipynb (executed, as nbdev_readme would render it with Quarto).
 readme-check: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_readme.py --check

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json, subprocess
 
 import numpy as np
+import pytest
 from cli_helpers import oelm_cmd as oelm, run_oelm
 
 TIMEOUT = 300
@@ -55,6 +56,7 @@ MEDIUM_QK = MEDIUM['L'] * 2 * MEDIUM['d'] ** 2  # Q and K weights of every layer
 
 
 # ====================================================================== oelm params
+@pytest.mark.slow
 def test_params_medium512_accounting_and_overrides():
     assert MEDIUM_TOTAL == 44_896_768 and MEDIUM_QK == 3_145_728  # the documented counts, from arithmetic alone
     p = '--preset', 'medium512', '--json'
@@ -84,6 +86,7 @@ def test_params_medium512_accounting_and_overrides():
 
 
 # ====================================================================== oelm bench
+@pytest.mark.slow
 def test_bench_counts_flops_and_optimizer_state_exactly():
     good, few = run_all(('bench', '--preset', 'tiny', '--variants', 'oelm,oelm-freeze', '--steps', '10', '--warmup', '1',
                          '--block-size', '32', '--json'),
@@ -151,6 +154,7 @@ def test_data_prepare_writes_a_dataset_and_rejects_a_missing_source(tmp_path):
 HELP = [(), ('params',), ('data',), ('data', 'prepare'), ('train',), ('run',), ('report',), ('bench',)]
 
 
+@pytest.mark.slow
 def test_every_help_exits_0():
     results = run_all(*[(*c, '--help') for c in HELP])
     for c, res in zip(HELP, results):
@@ -160,6 +164,7 @@ def test_every_help_exits_0():
     for sub in ('params', 'data', 'train', 'run', 'report', 'bench'): assert sub in top
 
 
+@pytest.mark.slow
 def test_version_and_study_help_lists_variants_options_and_defaults():
     import oelm_nb
     from oelm_nb.studies import STUDIES
@@ -180,6 +185,7 @@ def test_version_and_study_help_lists_variants_options_and_defaults():
     assert 'also available (--variants): oelm-freeze-half, oelm-progressive, oelm-learnable' in ' '.join(run_oelm('run', 'qk-freeze', '--help').stdout.split())
 
 
+@pytest.mark.slow
 def test_params_takes_the_study_variants():
     "oelm params --variant uses the Q/K study's variant names and their model settings (freeze_layers of oelm-freeze-half)."
     r = run_oelm('params', '--variant', 'oelm-freeze-half', '--json')

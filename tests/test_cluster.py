@@ -12,6 +12,8 @@ from oelm_nb.core import ConfigError
 from oelm_nb.rundir import read_holder, is_alive
 from cli_helpers import run_oelm, oelm_cmd, read_json, tiny_args
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 TINY = tiny_args(4)
 LOCAL = ['--backend', 'submitit-local', '--time', '00:10:00']
 

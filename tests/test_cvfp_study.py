@@ -15,6 +15,8 @@ import pytest
 import torch
 from cli_helpers import TIMEOUT, oelm_cmd as oelm, read_json, read_jsonl, html_text, tiny_args
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 TINY = tiny_args(4)
 SMALL_CVFP = ['--set', 'settings.val_tokens=600', '--set', 'settings.check_tokens=200', '--set', 'settings.phase1_max_iterations=3',
               '--set', 'settings.phase1_min_iterations=2', '--set', 'settings.speed_iterations=3',

@@ -9,6 +9,8 @@ from cli_helpers import run_oelm, tiny_args
 from shared_runs import qk_freeze_batch, pca_batch, completed, inline_batch
 from oelm_nb.sample import load_run_model, run_codec
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 transformers = pytest.importorskip('transformers')
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_oelm as oelm, tiny_args
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 

@@ -22,6 +22,8 @@ from oelm_nb.mercator_study import mercator_common, mercator_run, resolve_checkp
 from cli_helpers import run_oelm as oelm, read_json, html_text
 from shared_runs import shared_batch, completed
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 STUDENTS = ('mercator-b0.01', 'logit-kd', 'no-distill')
 
 

@@ -20,6 +20,7 @@ def char_folder(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_character_level_folder_trains_and_samples_characters(tmp_path):
     data = char_folder(tmp_path / 'shakespeare_char')
     out = tmp_path / 'batch'

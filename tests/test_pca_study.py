@@ -20,6 +20,8 @@ from oelm_nb.pca_study import pca_variants
 from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
 from shared_runs import pca_batch, completed, PCA_KS
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 TINY = tiny_args(4) + ['--set', 'train.dtype=float32']  # exact comparisons below: plain fp32
 KS = PCA_KS
 V, D, L = 300, 64, 2

@@ -19,6 +19,8 @@ import pytest
 from cli_helpers import run_oelm
 from fake_runs import failed, fake_batch, fake_run
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 MARK = 'pwned'
 
 # ---------------------------------------------------------------- the page, parsed

@@ -14,6 +14,8 @@ from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, tiny_arg
 from oelm_nb.experiment import resolve_spec, prepare_run, parse_run_name
 from oelm_nb.rundir import RunMismatch, read_workers, run_lock
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 
 def metric_steps(run_dir: Path) -> list[int]:
     return [json.loads(l)['step'] for l in (run_dir / 'metrics.jsonl').read_text().splitlines() if l.strip()]

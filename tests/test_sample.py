@@ -9,6 +9,8 @@ from shared_runs import qk_freeze_batch
 from oelm_nb.core import ConfigError
 from oelm_nb.sample import sample
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory) -> Path:

@@ -295,6 +295,7 @@ def ddp_runs(stories, tmp_path_factory):
     return ddp_dir, one_dir, single
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(ddp_runs, stories):
     ddp_dir, one_dir, single = ddp_runs
     s_ddp, s_one = read_json(ddp_dir / 'summary.json'), read_json(one_dir / 'summary.json')

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_oelm, read_json
 
+pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
+
 
 @pytest.fixture(scope='module')
 def wide_data(tmp_path_factory) -> Path:
