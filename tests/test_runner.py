@@ -241,11 +241,14 @@ def test_failed_run_is_retried_from_scratch(batch, tmp_path):
     (bad / 'meta.json').write_text('{"step": 99, "tokens": ')
     (d / 'gpt-s1' / 'summary.json').write_text(json.dumps(
         {'status': 'failed', 'variant': 'gpt', 'seed': 1, 'error': f'CheckpointError: {bad}/meta.json is corrupt'}))
-    res = run_oelm('run', 'qk-freeze', '--variants', ','.join(VARIANTS), '--seeds', *map(str, SEEDS), '--out', str(d),
-                   '--no-report', *TINY)
-    assert 'gpt-s1: started' in res.stdout and res.stdout.count('already completed, skipped') == 3, res.stdout
+    from oelm_nb.runner import run_study, execute_inline  # the runner's decision is under test: the run itself goes in-process
+    lines = []
+    res = run_study('qk-freeze', variants=list(VARIANTS), seeds=list(SEEDS), steps=4, out_dir=d, overrides=OVERRIDES, report=False,
+                    execute=execute_inline, log=lines.append)
+    log = '\n'.join(lines)
+    assert 'gpt-s1: started' in log and log.count('already completed, skipped') == 3, log
     sm = read_json(d / 'gpt-s1' / 'summary.json')
-    assert res.returncode == 0 and sm['status'] == 'completed', sm.get('error')
+    assert not res.failed and sm['status'] == 'completed', sm.get('error')
     assert [json.loads(l)['step'] for l in (d / 'gpt-s1' / 'metrics.jsonl').read_text().splitlines() if l.strip()] == [1, 2, 3, 4]
     aside = d / 'gpt-s1.failed-1'  # the failed attempt is kept for inspection, not deleted
     assert (aside / 'checkpoints' / 'step_0000099' / 'meta.json').exists()
