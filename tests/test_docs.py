@@ -1,11 +1,9 @@
-"""The documentation site (tools/build_docs.py) and the Quarto configuration nbdev_docs reads.
+"""The documentation site (tools/build_docs.py, mkdocs.yml), its notebook check and the Quarto configuration nbdev_docs reads.
 
 The site is built once per test session, as `make docs` builds it, into a temporary folder shared
-by the pytest-xdist workers. Executed notebooks that `make docs` / `make readme` left in _mkdocs/proc
-are reused when they are still valid (their key covers the notebook, the library and settings.ini),
-so a fresh clone executes every notebook and a working copy after `make docs` only re-renders.
-OELM_DOCS_TEST_EXECUTE=showdoc builds with nbdev's own execution for docs instead (only what show_doc
-needs, as nbdev_proc_nbs / nbdev_docs do): a check that nbdev_docs would get through the notebooks.
+by the pytest-xdist workers. Notebooks that `make nbtest` / `make docs` / `make readme` ran and processed
+(_mkdocs/proc) are reused when they are still valid (their key covers the notebook, the library and
+settings.ini), so `make test` runs each notebook once and a fresh clone runs them here.
 """
 from __future__ import annotations
 
@@ -13,9 +11,9 @@ import concurrent.futures as cf
 import fcntl
 import json
 import multiprocessing as mp
-import os
 import re
 import shutil
+import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
@@ -26,13 +24,17 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'tools'))
 import build_docs as bd  # noqa: E402
-from check_links import check_site  # noqa: E402
+import example_batches as eb  # noqa: E402
+from check_links import check_site, relative_404, relink  # noqa: E402
+from mkdocs_jupyter.utils import slugify  # noqa: E402
 
-LIB_NBS = bd.library_notebooks()
+DOCS = bd.discover()
+LIB_NBS = [d for d in DOCS if d.library]
 # the site's report pages run an example batch each (`make docs`: every study, about 2 minutes); here one study's, to
 # keep `make test` short: the machinery is the same for all, and each study's report is tested on real batches by its own suite
 EXAMPLE_STUDIES = ('qk-freeze',)
 BASE_PATH = '/' + bd.nbdev_config().get('doc_baseurl', '').strip('/')
+BASE_URL = bd.nbdev_config().doc_host + bd.nbdev_config().doc_baseurl
 
 
 # ------------------------------------------------------------------------------ the built site
@@ -53,7 +55,7 @@ def site(tmp_path_factory, request) -> Path:
             if examples.is_dir(): shutil.copytree(examples, out / 'build' / 'examples', ignore=shutil.ignore_patterns('.lock*'))
             try:
                 bd.build(site_dir=out / 'site', build_dir=out / 'build', jobs=2, use_cache=True, check_links=False,
-                         execute=os.environ.get('OELM_DOCS_TEST_EXECUTE', 'all'), examples=EXAMPLE_STUDIES)
+                         examples=EXAMPLE_STUDIES)
                 ok.write_text('ok')
             except bd.DocsBuildError as e:
                 failed.write_text(str(e))
@@ -88,15 +90,39 @@ def page(site: Path, html: str) -> tuple[str, _Page]:
 
 
 def test_notebooks_are_discovered():
+    "The notebooks nbdev_test runs are the library chapters (index first); nbs/experiments and nbs/reports hold a .notest file."
     names = [d.src.name for d in LIB_NBS]
     assert names[0] == 'index.ipynb', 'index.ipynb is the home page'
-    assert len(names) >= 2 and all(d.library for d in LIB_NBS)
-    assert [d.src for d in LIB_NBS[1:]] == sorted((d.src for d in LIB_NBS[1:]), key=bd.nb_order), \
-        'chapters are ordered by notebook number'
-    assert [bd.nb_order(Path(n))[1] for n in ('2_a.ipynb', '10_b.ipynb')] == [2, 10]
-    assert {d.html for d in LIB_NBS} >= {'index.html'}
+    assert len(names) >= 2 and [d.src for d in LIB_NBS[1:]] == sorted(d.src for d in LIB_NBS[1:]), 'chapters in notebook order'
     assert not any(d.src.parent != ROOT / 'nbs' for d in LIB_NBS), 'sub-folders of nbs/ are not library chapters'
+    assert {d.html for d in LIB_NBS} >= {'index.html', 'model.html'}, 'pages named as nbdev names them (03_model -> model)'
+    for folder in ('experiments', 'reports'):
+        assert (ROOT / 'nbs' / folder / '.notest').exists(), f'nbdev_test must skip nbs/{folder} (papermill notebooks)'
+        assert {d.dest for d in DOCS if d.src.parent.name == folder and not d.library} == \
+               {f'{folder}/{p.name}' for p in (ROOT / 'nbs' / folder).glob('*.ipynb')}
 
+
+def _title(d) -> str:
+    "The notebook's title as nbdev reads it (its frontmatter, or the '# title' cell)."
+    from nbdev.frontmatter import FrontmatterProc
+    from nbdev.process import NBProcessor
+    return NBProcessor(d.src, procs=FrontmatterProc, process=True).nb.frontmatter_['title']
+
+
+def test_mkdocs_yml_lists_every_notebook_and_matches_settings():
+    "mkdocs.yml is static: its nav lists every notebook, in notebook order, under its title; its site settings are settings.ini's."
+    from mkdocs.utils import yaml_load
+    conf = yaml_load((ROOT / 'mkdocs.yml').read_text())
+    entry = lambda d: {'Home' if d.dest == 'index.ipynb' else _title(d): d.dest}
+    expected = [entry(d) for d in LIB_NBS]
+    for section in dict.fromkeys(d.dest.split('/')[0] for d in DOCS if not d.library):
+        expected.append({section.title(): [entry(d) for d in DOCS if not d.library and d.dest.split('/')[0] == section]})
+    assert conf['nav'] == expected, ('mkdocs.yml nav does not list the notebooks (a new, renamed or retitled notebook?); '
+                                     'it should read:\n' + yaml.dump({'nav': expected}, sort_keys=False, allow_unicode=True))
+    cfg = bd.nbdev_config()
+    assert (conf['site_name'], conf['site_description'], conf['repo_url']) == (cfg.title, cfg.description, cfg.git_url)
+    assert conf['site_url'] == BASE_URL + '/' and conf['site_dir'] == cfg.doc_path.name
+    assert conf['use_directory_urls'] is False and conf['theme']['font'] is False and conf['strict'] is True
 
 @pytest.mark.parametrize('nb', LIB_NBS, ids=[d.src.name for d in LIB_NBS])
 def test_every_library_notebook_has_a_page(site, nb):
@@ -132,7 +158,7 @@ def test_api_reference_is_rendered_html(site):
             html, anchor = link.split('#')
             if not (site / html).exists(): continue
             if html not in pages: pages[html] = page(site, html)[1].ids
-            if bd._slugify(anchor) not in pages[html]: missing.append(f'{html}#{anchor} ({name})')
+            if slugify(anchor) not in pages[html]: missing.append(f'{html}#{anchor} ({name})')
             checked += 1
     assert checked > 0
     assert not missing, 'exported symbols without an API entry on their page:\n' + '\n'.join(missing)
@@ -145,7 +171,7 @@ def test_api_reference_is_rendered_html(site):
 @pytest.mark.parametrize('study', EXAMPLE_STUDIES)
 def test_report_page_is_executed_on_an_example_batch(site, study):
     "A study's report page shows the report computed from real (seconds-long) runs, says so, and links no run file."
-    report = {v: k for k, v in bd.report_studies().items()}[study]
+    report = {v: k for k, v in eb.report_studies().items()}[study]
     page_html = site / report.replace('.ipynb', '.html')
     text = page_html.read_text()
     assert 'Executed on an example batch' in text and 'answer none of its questions' in text
@@ -156,18 +182,39 @@ def test_report_page_is_executed_on_an_example_batch(site, study):
     summaries = [json.loads(p.read_text()) for p in batch.glob('*-s[0-9]*/summary.json')]
     assert len(summaries) >= 4 and all(s['status'] == 'completed' for s in summaries)
     assert {s['seed'] for s in summaries} == {0, 1}
-    others = [r for r, st in bd.report_studies().items() if st not in EXAMPLE_STUDIES]
+    others = [r for r, st in eb.report_studies().items() if st not in EXAMPLE_STUDIES]
     for r in others: assert 'Not executed for this site' in (site / r.replace('.ipynb', '.html')).read_text()  # shown as saved
 
 
 def test_site_is_self_contained_for_offline_viewing(site):
-    "No page loads fonts from a CDN; pages are plain .html files (use_directory_urls: false)."
+    "No font CDN; plain .html pages (use_directory_urls: false); nbdev's links to the docs host lead inside the site."
     text, _ = page(site, 'index.html')
     assert 'fonts.googleapis' not in text
     assert not (site / 'core').is_dir()
+    hosted = [p.name for p in site.rglob('*.html') if f'href="{BASE_URL}/' in p.read_text(encoding='utf-8')]
+    assert not hosted, f'links to {BASE_URL} left on {hosted}'
+    assert 'href="model.html#gpt"' in page(site, 'bench.html')[0], 'a link to an API entry leads to its anchor'
+    assert 'href="model.html#gpt"' in page(site, 'export.html')[0]
 
 
-# ------------------------------------------------------------------------------ execution path of `make docs`
+def test_site_is_polished(site):
+    "Figures are described by their section, 404.html works at any depth, the search index has no copy-button text."
+    pages = {p: p.read_text(encoding='utf-8') for p in site.rglob('*.html')}
+    assert not [p.name for p, t in pages.items() if bd.NO_ALT in t]
+    assert any('alt="Figure: ' in t for t in pages.values())
+    assert f'"{BASE_PATH}/assets' not in pages[site / '404.html'] and f'<base href="{BASE_PATH}/">' in pages[site / '404.html']
+    assert 'Copied!' not in (site / 'search' / 'search_index.json').read_text()
+
+
+def test_a_page_missing_from_the_nav_fails_the_build(site, tmp_path):
+    "mkdocs.yml's validation (strict): a notebook page that the nav does not list stops the build, naming it."
+    shutil.copytree(site.parent / 'build' / 'docs', tmp_path / 'docs')
+    shutil.copy(tmp_path / 'docs' / 'core.ipynb', tmp_path / 'docs' / 'new_chapter.ipynb')
+    with pytest.raises(bd.DocsBuildError, match=r'(?s)nav.*new_chapter\.ipynb'):
+        bd.run_mkdocs(tmp_path / 'docs', tmp_path / 'site')
+
+
+# ------------------------------------------------------------------------------ one notebook: nbdev's test_nb, then its docs processors
 def _nb(*cells) -> dict:
     def cell(src):
         if src.startswith('md:'): return {'cell_type': 'markdown', 'metadata': {}, 'source': src[3:]}
@@ -182,7 +229,7 @@ def _process(tmp_path, nb: dict, name: str) -> tuple[bool, object, Path]:
     src.write_text(json.dumps(nb))
     # in a fresh process, as the build does (IPython takes over the process it runs in)
     with cf.ProcessPoolExecutor(1, mp_context=mp.get_context('spawn')) as ex:
-        ok, res = ex.submit(bd._worker, str(src), str(dst), 'all', ('slow',)).result()
+        ok, res = ex.submit(bd._worker, str(src), str(dst), True).result()
     return ok, res, dst
 
 
@@ -196,12 +243,12 @@ def test_executed_notebook_keeps_outputs_figures_and_api_docs(tmp_path):
              '#| eval: false\nraise RuntimeError("eval: false: never runs")')
     ok, res, dst = _process(tmp_path, nb, '01_tiny.ipynb')
     assert ok, res
-    page_nb, title = bd.adapt_notebook(json.loads(dst.read_text()))
-    assert title == 'Tiny chapter'
-    cells = page_nb['cells']
+    cells = bd.adapt_notebook(json.loads(dst.read_text()))['cells']
     sources = [''.join(c['source']) for c in cells]
-    assert any(bd.SHOWDOC_MARKER in s and '### add' in s for s in sources), 'show_doc entry missing'
+    assert sources[0].startswith('# Tiny chapter\n\n> A synthetic notebook.'), 'the title and description come first'
+    assert any(bd.SHOWDOC_MARKER in s and '### add' in s and 'the first number' in s for s in sources), 'show_doc entry missing'
     assert not any('secret' in s for s in sources), '#| hide cell shown'
+    assert not any('#|' in s for s in sources), 'cell options left in the code'
     outs = [o for c in cells for o in c.get('outputs', [])]
     assert any(o.get('name') == 'stdout' and ''.join(o['text']).strip() == '3' for o in outs)
     assert any('image/png' in o.get('data', {}) for o in outs), 'matplotlib figure missing'
@@ -211,6 +258,49 @@ def test_a_failing_cell_fails_with_notebook_cell_and_error(tmp_path):
     ok, msg, _ = _process(tmp_path, _nb('x = 1', 'y = x / 0'), '02_broken.ipynb')
     assert not ok
     assert '02_broken.ipynb' in msg and 'y = x / 0' in msg and 'ZeroDivisionError' in msg
+
+
+def test_notebook_check_fails_on_a_broken_notebook(tmp_path):
+    """Negative control of `make nbtest`: `build_docs.py --check-only` on a small nbdev project exits with status 1, naming
+    the broken notebook, its cell and the error; cells flagged `slow` or `#| eval: false` are skipped (nbdev's rules)."""
+    (tmp_path / 'tools').mkdir(); (tmp_path / 'nbs').mkdir(); (tmp_path / 'oelm_nb').mkdir()
+    shutil.copy(ROOT / 'tools' / 'build_docs.py', tmp_path / 'tools')
+    shutil.copy(ROOT / 'settings.ini', tmp_path)  # tst_flags = slow cuda
+    (tmp_path / 'nbs' / '00_fine.ipynb').write_text(json.dumps(_nb(
+        'md:# Fine', 'x = 1', '#| slow\nraise RuntimeError("flagged slow: skipped")',
+        '#| eval: false\nraise RuntimeError("eval: false: skipped")', 'assert x == 1')))
+    (tmp_path / 'nbs' / '01_broken.ipynb').write_text(json.dumps(_nb('md:# Broken', 'x = 1', 'y = x / 0', 'print("never")')))
+    r = subprocess.run([sys.executable, 'tools/build_docs.py', '--check-only', '--jobs', '2'], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert 'nbs/00_fine.ipynb -> fine.html' in r.stdout, 'the notebook with skipped failing cells passes'
+    assert '1 notebook(s) failed' in r.stderr and 'nbs/01_broken.ipynb: cell 3 raised ZeroDivisionError' in r.stderr
+    assert 'y = x / 0' in r.stderr and 'Traceback' in r.stderr
+    assert 'skipped' not in r.stderr and (tmp_path / '_mkdocs' / 'proc' / 'fine.key').exists()
+    assert not (tmp_path / '_mkdocs' / 'proc' / 'broken.key').exists(), 'a failed notebook is not cached'
+
+
+def test_page_is_what_quarto_would_show():
+    "adapt_notebook: frontmatter as title, show_doc markdown as text, Quarto cell options applied, widgets as a note."
+    md = ('---\n\n[source](https://x/y.py#LNone){target="_blank" style="float:right"}\n\n### __init__\n\n'
+          '```python\ndef f(a, # see [`g`](https://host/m.html#g)\n):\n```\n')
+    out = lambda data: {'output_type': 'display_data', 'metadata': {}, 'data': data}
+    nb = {'cells': [{'cell_type': 'raw', 'metadata': {}, 'source': '---\ntitle: T\ndescription: D\n---'},
+                    {'cell_type': 'code', 'metadata': {}, 'outputs': [out({'text/markdown': md})],
+                     'source': '#| output: asis\n#| echo: false\nshow_doc(f)'},
+                    {'cell_type': 'code', 'metadata': {}, 'outputs': [out({bd.WIDGET_MIME: {}, 'text/plain': 'w'})], 'source': 'w'},
+                    {'cell_type': 'code', 'metadata': {}, 'outputs': [out({'text/plain': '1'})], 'source': '#| echo: false\n1'},
+                    {'cell_type': 'code', 'metadata': {}, 'outputs': [out({'text/plain': '2'})], 'source': '#| output: false\n2'},
+                    {'cell_type': 'code', 'metadata': {}, 'outputs': [], 'source': '#| include: false\n3'}],
+          'metadata': {'widgets': {'state': {}}}}
+    title, doc, widget, echo, output = bd.adapt_notebook(nb)['cells']
+    assert title['source'] == '# T\n\n> D\n' and 'widgets' not in bd.adapt_notebook(nb)['metadata']
+    assert doc['cell_type'] == 'markdown' and bd.SHOWDOC_MARKER in doc['source'] and '### \\_\\_init\\_\\_' in doc['source']
+    assert '<a href="https://x/y.py" class="nbdev-source" target="_blank"' in doc['source'] and '---' not in doc['source']
+    assert '# see `g`' in doc['source'], 'no markdown links inside the signature'
+    assert widget['outputs'][0]['data'] == {'text/html': bd.WIDGET_NOTE}
+    assert echo['metadata']['tags'] == [bd.HIDE_INPUT] and echo['source'] == '1' and echo['outputs']
+    assert output['source'] == '2' and output['outputs'] == []
 
 
 # ------------------------------------------------------------------------------ Quarto / nbdev configuration
@@ -253,17 +343,30 @@ def test_link_checker_reports_what_is_broken(tmp_path):
                       ('a.html', '#nowhere'), ('sub/c.html', '../b.html#gone')}
 
 
-def test_polish_site_fixes_404_alt_text_and_search(tmp_path):
-    "The site's finishing pass: a 404 page that works from any depth, figures described by their section, no 'Copied!' in search."
+def test_polish_site_describes_figures_and_cleans_search(tmp_path):
+    "After mkdocs: figures described by their section and page, no 'Copied!' (the copy button) in the search index."
     site = tmp_path / 'site'; (site / 'search').mkdir(parents=True); (site / 'reports').mkdir()
-    (site / '404.html').write_text('<html><head><link href="/oelm_nb/assets/main.css"></head><body><a href="/oelm_nb/">home</a></body></html>')
     (site / 'reports' / 'x.html').write_text('<html><head><title>Reports x - oelm_nb</title></head><body><h2>Curves &amp; more</h2>'
                                              f'<img src="a.png" alt="{bd.NO_ALT}"><h3>entry</h3><img alt="{bd.NO_ALT}"></body></html>')
     (site / 'search' / 'search_index.json').write_text(json.dumps({'docs': [{'location': 'a.html', 'text': 'Copied! x = 1'}]}))
-    counts = bd.polish_site(site, '/oelm_nb/')
-    assert counts == {'alt': 2, 'copied': 1, '404': 2}
-    p404 = (site / '404.html').read_text()
-    assert 'href="./assets/main.css"' in p404 and '"/oelm_nb/assets' not in p404 and '<base href="/oelm_nb/">' in p404
+    assert bd.polish_site(site) == {'alt': 2, 'copied': 1}
     x = (site / 'reports' / 'x.html').read_text()
     assert x.count('alt="Figure: Curves &amp; more (Reports x)"') == 2 and bd.NO_ALT not in x
     assert json.loads((site / 'search' / 'search_index.json').read_text())['docs'][0]['text'] == 'x = 1'
+
+
+def test_site_links_made_internal(tmp_path):
+    "Links to the site's public address become relative (a missing anchor: the page); 404.html works from any depth."
+    (tmp_path / 'sub').mkdir()
+    (tmp_path / 'model.html').write_text('<h3 id="gptforward">GPT.forward</h3>')
+    (tmp_path / 'index.html').write_text('home')
+    (tmp_path / 'sub' / 'a.html').write_text('<a href="https://h.io/site/model.html#gpt.forward">x</a> <a href="https://h.io/site/model.html#_private">y</a>'
+                                             ' <a href="https://h.io/site/gone.html">z</a> <a href="https://h.io/site/">home</a>')
+    (tmp_path / '404.html').write_text('<html><head><link href="/site/assets/main.css"></head><body><a href="/site/">home</a></body></html>')
+    assert relink(tmp_path, 'https://h.io/site', slugify) == 3
+    a = (tmp_path / 'sub' / 'a.html').read_text()
+    assert 'href="../model.html#gptforward"' in a and 'href="../model.html"' in a and 'href="../index.html"' in a
+    assert 'href="https://h.io/site/gone.html"' in a, 'a page this site lacks: the link stays as nbdev wrote it'
+    assert relative_404(tmp_path, '/site/') == 2
+    p404 = (tmp_path / '404.html').read_text()
+    assert 'href="./assets/main.css"' in p404 and '"/site/assets' not in p404 and '<base href="/site/">' in p404

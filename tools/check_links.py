@@ -7,10 +7,15 @@ named `<a>`) on the target page. External links are not fetched (there is no net
 Root-relative links (`/oelm_nb/model.html`, as mkdocs writes in 404.html) are resolved against the
 site's base path (`--base /oelm_nb/`, the path of the site's URL).
 
+`relink` and `relative_404` make the links of a freshly built site internal: links to the site's own public address
+(nbdev writes them) and the root-relative links of 404.html.
+
 Usage: python tools/check_links.py SITE_DIR [--base /PATH/]   (exit status 1 and a list when links are broken)
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -98,6 +103,39 @@ def check_site(site: Path | str, base_path: str = '/') -> list[BrokenLink]:
     res = []
     for page in sorted(site.rglob('*.html')): res += check_page(page, site, base_path)
     return res
+
+
+def relink(site: Path, base_url: str, slug=lambda anchor: anchor) -> int:
+    """Links to the site's public address (`base_url`, e.g. https://host/oelm_nb: nbdev links `model.html#gpt` there) ->
+    links inside `site`; `slug` turns the link's anchor into the page's id for it, and an anchor the page lacks (nbdev also
+    links private names, which get no entry) is dropped: the link goes to the page. Returns the number of links rewritten."""
+    site = Path(site).resolve()
+    _parse.cache_clear()
+    pages, n = {p.relative_to(site).as_posix(): p for p in site.rglob('*.html')}, 0
+    pattern = re.compile('href="' + re.escape(base_url.rstrip('/') + '/') + r'([^"#]*)#?([^"]*)"')
+    def sub(m, page):
+        nonlocal n
+        target, anchor = m[1] or 'index.html', slug(unquote(m[2]))
+        if target not in pages: return m[0]
+        n, anchor = n + 1, '#' + anchor if anchor and anchor in _parse(pages[target]).ids else ''
+        return f'href="{os.path.relpath(target, os.path.dirname(page) or ".")}{anchor}"'
+    for page, path in pages.items():
+        text = path.read_text(encoding='utf-8')
+        if (new := pattern.sub(lambda m: sub(m, page), text)) != text: path.write_text(new, encoding='utf-8')
+    return n
+
+
+def relative_404(site: Path, base_path: str) -> int:
+    """mkdocs writes 404.html with root-relative links (`/oelm_nb/assets/...`), as it is served for a missing URL at any
+    depth: make them relative (for file://) and, over http(s), resolve them against the site's root with a <base>."""
+    page, prefix = Path(site) / '404.html', '/' + base_path.strip('/') + '/'
+    if not page.exists() or prefix == '//': return 0
+    t = page.read_text(encoding='utf-8')
+    n = t.count(f'"{prefix}')
+    t = t.replace(f'"{prefix}', '"./').replace(f'"{prefix.rstrip("/")}"', '"."')
+    base = f'<script>if (location.protocol !== "file:") document.write(\'<base href="{prefix}">\');</script>'
+    page.write_text(t.replace('<head>', '<head>\n' + base, 1), encoding='utf-8')
+    return n
 
 
 def main(argv=None):

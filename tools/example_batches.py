@@ -8,13 +8,24 @@ vocabulary, 2 seeds, a few dozen steps) in one process per study, each run calle
 papermill, as `oelm run` does. The numbers on those pages show what the report computes; runs this
 short answer nothing, and each page says so.
 
-Usage: python tools/example_batches.py STUDY OUT_DIR   (one batch; tools/build_docs.py calls it)
+`report_page` runs a study's batch in a fresh process and turns its executed report into the page the docs show, cached.
+
+Usage: python tools/example_batches.py STUDY OUT_DIR   (one batch; tools/build_docs.py calls it through report_page)
 """
 from __future__ import annotations
 
+import hashlib
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SMALL_CORPUS = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
                 'train.eval_batches': 2}
@@ -47,6 +58,46 @@ def run_example(study: str, out: Path, log=print):
                     overrides={**SMALL_CORPUS, **ex.get('overrides', {})}, execute=execute_inline, report=True, log=log)
     if res.failed: raise RuntimeError(f"example batch {study}: run(s) {', '.join(res.failed)} did not complete; see {out}")
     return res
+
+
+def report_studies() -> dict[str, str]:
+    "Report notebook (relative to nbs/) -> its study."
+    from oelm_nb.studies import STUDIES
+    return {st.report: name for name, st in STUDIES.items() if st.report}
+
+
+NOTE = ('<div class="admonition example"><p class="admonition-title">Executed on an example batch</p><p>This page is the '
+        'report notebook executed when the site was built, on runs that take seconds: {what}. Every number is computed from '
+        'those runs, so the page shows what the report computes; runs this short answer none of its questions. Run the study '
+        '(<code>oelm run</code>, or <code>make run</code> for the Q/K freeze study) for a report that does. The code is in '
+        "the notebook (<code>nbs/reports/</code>); here, as in a batch's <code>report.html</code>, only its output is shown.</p></div>")
+_re_relative_anchor = re.compile(r'<a href="(?![a-z][a-z0-9+.-]*:|/|#)[^"]*">(.*?)</a>', re.S | re.I)
+
+
+def report_page(study: str, report_nb: Path, ex_dir: Path, use_cache: bool = True, log=print) -> Path:
+    """The report of `study` executed on its example batch, as a page for the docs: the batch runs in a fresh process into
+    ex_dir/runs/<study> (cached, keyed by the report, the library, settings.ini and this file); the page shows, under a
+    note saying what ran, only the outputs (Quarto cell options, which the docs apply), as a batch's report.html does;
+    paths read as the batch's own (`runs/<study>`), links to run files (not on the site) keep only their names."""
+    batch, page, keyf = ex_dir / 'runs' / study, ex_dir / 'pages' / report_nb.name, ex_dir / f'{study}.key'
+    h = hashlib.sha256()
+    for p in [report_nb, ROOT / 'settings.ini', Path(__file__), *sorted((ROOT / 'oelm_nb').glob('**/*.py'))]: h.update(p.name.encode() + p.read_bytes())
+    if use_cache and page.exists() and keyf.exists() and keyf.read_text() == h.hexdigest(): return page
+    shutil.rmtree(batch, ignore_errors=True); keyf.unlink(missing_ok=True)
+    batch.parent.mkdir(parents=True, exist_ok=True)
+    log(f'example batch for {report_nb.name}: {describe(study)}')
+    r = subprocess.run([sys.executable, __file__, study, f'runs/{study}'], cwd=ex_dir, capture_output=True, text=True,
+                       env={**os.environ, 'PYTHONHASHSEED': '0'})
+    if r.returncode: raise RuntimeError(f"the example batch of {study} failed (see {batch}):\n{r.stderr[-3000:]}")
+    log('  ' + (r.stdout.strip().splitlines() or [''])[-1].removeprefix('[docs] '))
+    nb = json.loads((batch / 'report.ipynb').read_text().replace(str(ex_dir.resolve()) + '/', ''))
+    for o in (o for c in nb['cells'] for o in c.get('outputs', []) if 'text/html' in o.get('data', {})):
+        o['data']['text/html'] = _re_relative_anchor.sub(r'\1', ''.join(o['data']['text/html']))
+    for c in (c for c in nb['cells'] if c['cell_type'] == 'code'):
+        c['source'] = ('#| echo: false\n' if c.get('outputs') else '#| include: false\n') + ''.join(c['source'])
+    nb['cells'].insert(1, {'cell_type': 'markdown', 'id': 'example-note', 'metadata': {}, 'source': NOTE.format(what=html.escape(describe(study)))})
+    page.parent.mkdir(parents=True, exist_ok=True); page.write_text(json.dumps(nb, indent=1)); keyf.write_text(h.hexdigest())
+    return page
 
 
 if __name__ == '__main__':
