@@ -206,6 +206,7 @@ def test_site_is_polished(site):
     assert 'Copied!' not in (site / 'search' / 'search_index.json').read_text()
 
 
+@pytest.mark.slow  # a process of its own: `make test` runs it, `make test-fast` does not
 def test_a_page_missing_from_the_nav_fails_the_build(site, tmp_path):
     "mkdocs.yml's validation (strict): a notebook page that the nav does not list stops the build, naming it."
     shutil.copytree(site.parent / 'build' / 'docs', tmp_path / 'docs')
@@ -260,6 +261,7 @@ def test_a_failing_cell_fails_with_notebook_cell_and_error(tmp_path):
     assert '02_broken.ipynb' in msg and 'y = x / 0' in msg and 'ZeroDivisionError' in msg
 
 
+@pytest.mark.slow  # a process of its own: `make test` runs it, `make test-fast` does not
 def test_notebook_check_fails_on_a_broken_notebook(tmp_path):
     """Negative control of `make nbtest`: `build_docs.py --check-only` on a small nbdev project exits with status 1, naming
     the broken notebook, its cell and the error; cells flagged `slow` or `#| eval: false` are skipped (nbdev's rules)."""

@@ -106,7 +106,7 @@ def process_notebook(src: str, dst: str, execute: bool) -> float:
     nb, (shell, ran) = read_nb(src), (execute and run_test_nb(src)) or (None, None)
     for cell, done in zip(*[[c for c in n.cells if c.cell_type == 'code'] for n in (nb, ran)] if ran else []):
         cell.outputs = done.get('outputs', [])
-    with working_directory(src.parent): NBProcessor(nb=nb, procs=docs_procs(shell)).process()
+    with working_directory(nbdev_config().nbs_path): NBProcessor(nb=nb, procs=docs_procs(shell)).process()  # nbdev reads settings.ini from the cwd
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     write_nb(nb, dst)
     return time.time() - t0
@@ -141,8 +141,8 @@ def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cach
         out[d.src] = dst = proc_dir / d.dest
         key, keyf = _key(d), dst.with_suffix('.key')
         if not (use_cache and dst.exists() and keyf.exists() and keyf.read_text() == key): todo.append((d, dst, keyf, key))
-    say(f"{len(todo)} notebook(s) to run, {jobs} at a time, each in a fresh process (nbdev's test_nb, then its docs processors); "
-        f"{len(docs) - len(todo)} unchanged since they last ran (cached in {_rel(proc_dir)})")
+    say(f"{len(todo)} of {len(docs)} notebook(s) to run ({len(docs) - len(todo)} unchanged since they ran, cached in {_rel(proc_dir)}), "
+        f"{jobs} at a time, each in a fresh process: nbdev's test_nb, then nbdev's docs processors")
     os.environ.setdefault('PYTHONHASHSEED', '0')
     for v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'):  # oversubscribed cores: torch's QR ~10x slower
         os.environ.setdefault(v, str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
@@ -153,7 +153,7 @@ def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cach
             try: ok, res = f.result()
             except Exception as e: ok, res = False, f'{_rel(d.src)}: the worker process died: {e!r}'
             keyf.unlink(missing_ok=True)
-            if ok: keyf.write_text(key); say(f"  {_rel(d.src)} -> {d.html}: {res:.1f}s" + ('' if d.library else ' (not executed)'))
+            if ok: keyf.write_text(key); say(f"  {_rel(d.src)} -> {d.html}: {res:.1f}s" + ('' if d.library else ' (example report)' if d.example else ' (not executed)'))
             else: log(f'  {_rel(d.src)}: FAILED'); errors.append(res)
     if errors: raise DocsBuildError(f'{len(errors)} notebook(s) failed:\n\n' + '\n\n'.join(errors))
     return out
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         else:
             t0, docs = time.time(), [d for d in discover() if d.library]
             process_notebooks(docs, Path(a.build_dir or ROOT / '_mkdocs').resolve() / 'proc', a.jobs, not a.no_cache)
-            log(f'{len(docs)} notebook(s) ran without an error in {time.time() - t0:.0f}s')
+            log(f"{len(docs)} notebook(s) pass nbdev's test_nb ({time.time() - t0:.0f}s)")
     except DocsBuildError as e:
         print(f'\n[docs] FAILED: {e}', file=sys.stderr)
         return 1
