@@ -43,15 +43,18 @@ test: $(STAMP) sync-check readme-check nbtest pytest
 sync-check: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" bash tools/check_sync.sh
 
-# Every library notebook executed once, as nbdev_test runs it (cells flagged slow/cuda or `eval: false` skipped), into the
-# docs build's cache (_mkdocs/proc): the docs test in pytest then renders these executed notebooks instead of running them again.
+# Every notebook nbdev_test tests, run by nbdev's own nbdev.test.test_nb (its rules: cells flagged slow/cuda or `eval: false`
+# skipped), each in a fresh process, 2 at a time, then processed for the docs into the docs build's cache (_mkdocs/proc):
+# the docs test in pytest and `make docs` render these notebooks instead of running them again.
 nbtest: $(STAMP)
-	@echo "[test] notebook checks: every library notebook executed (cells flagged slow/cuda are skipped)"
+	@echo "[test] notebook checks: nbdev's test_nb on every library notebook (cells flagged slow/cuda are skipped)"
 	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py --check-only --jobs 2
 
-# nbdev's own runner, for comparison (make test uses the executor above)
+# nbdev's own runner, as is (nbs/experiments and nbs/reports hold a .notest file: papermill notebooks, not tests);
+# the cores shared between the 2 workers (BLAS threads), as `make nbtest` does: oversubscribed cores make torch ~10x slower
 nbdev-test: $(STAMP)
-	@cd nbs && ../$(BIN)/nbdev_test --n_workers 2 --timing
+	@cd nbs && PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=$$(( ($$(getconf _NPROCESSORS_ONLN) + 1) / 2 )) \
+		../$(BIN)/nbdev_test --n_workers 2 --timing
 
 pytest: $(STAMP)
 	@echo "[test] pytest"
@@ -71,8 +74,9 @@ readme-check: $(STAMP)
 readme: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_readme.py
 
-# The docs site, without Quarto: executed notebooks -> mkdocs-material + mkdocs-jupyter -> _docs/
-# (tools/build_docs.py --help for options; nbdev_docs still works where Quarto is installed).
+# The docs site, without Quarto: the notebooks run and processed by nbdev (cached by `make nbtest`), the report pages on
+# example batches, then mkdocs-material + mkdocs-jupyter (mkdocs.yml) -> _docs/ (tools/build_docs.py --help for options;
+# nbdev_docs still works where Quarto is installed).
 docs: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py
 
