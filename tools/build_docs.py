@@ -104,9 +104,10 @@ def process_notebook(src: str, dst: str, execute: bool) -> float:
     kept, then nbdev's docs processors. Writes `dst`; returns the seconds it took."""
     t0, src = time.time(), Path(src)
     nb, (shell, ran) = read_nb(src), (execute and run_test_nb(src)) or (None, None)
-    for cell, done in zip(*[[c for c in n.cells if c.cell_type == 'code'] for n in (nb, ran)] if ran else []):
-        cell.outputs = done.get('outputs', [])
-    with working_directory(nbdev_config().nbs_path): NBProcessor(nb=nb, procs=docs_procs(shell)).process()  # nbdev reads settings.ini from the cwd
+    code = lambda n: [c for c in n.cells if c.cell_type == 'code'] if n else []  # test_nb's copy has the same code cells
+    for cell, done in zip(code(nb), code(ran)): cell.outputs = done.get('outputs', [])
+    with working_directory(nbdev_config().nbs_path):  # where nbdev finds settings.ini (its doc links need it)
+        NBProcessor(nb=nb, procs=docs_procs(shell)).process()
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     write_nb(nb, dst)
     return time.time() - t0
@@ -153,7 +154,7 @@ def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cach
             try: ok, res = f.result()
             except Exception as e: ok, res = False, f'{_rel(d.src)}: the worker process died: {e!r}'
             keyf.unlink(missing_ok=True)
-            if ok: keyf.write_text(key); say(f"  {_rel(d.src)} -> {d.html}: {res:.1f}s" + ('' if d.library else ' (example report)' if d.example else ' (not executed)'))
+            if ok: keyf.write_text(key); say(f"  {_rel(d.src)} -> {d.html}: {res:.1f}s{'' if d.library else ' (not run here)'}")
             else: log(f'  {_rel(d.src)}: FAILED'); errors.append(res)
     if errors: raise DocsBuildError(f'{len(errors)} notebook(s) failed:\n\n' + '\n\n'.join(errors))
     return out
@@ -196,10 +197,10 @@ def _pandoc_links_to_html(md: str) -> str:
                   + ' class="nbdev-source"' * (m[1] == 'source') + f' {m[3].strip()} rel="noopener">{m[1]}</a>', md)
 
 def showdoc_markdown(md: str) -> str:
-    "show_doc's markdown for nbconvert: Pandoc links as HTML, no leading rule (a box instead), `__init__` not bold, no links in code."
+    "show_doc's markdown for nbconvert: Pandoc links as HTML, no leading rule (a box), `__init__` not bold, no links in code."
     md = re.sub(r'^\s*---\s*\n', '', _pandoc_links_to_html(re.sub(r'(\.py)#LNone\b', r'\1', md)))
     md = re.sub(r'^(#{1,6}\s+)(.*)$', lambda m: m[1] + re.sub(r'(?<!\\)([_*])', r'\\\1', m[2]), md, flags=re.M)
-    md = re.sub(r'```.*?```', lambda m: re.sub(r'\[(`[^`]*`)\]\([^)\s]*\)', r'\1', m[0]), md, flags=re.S)  # nbdev links names in comments too
+    md = re.sub(r'```.*?```', lambda m: re.sub(r'\[(`[^`]*`)\]\([^)\s]*\)', r'\1', m[0]), md, flags=re.S)
     return f'<div class="{SHOWDOC_MARKER}"></div>\n\n{md.strip()}\n'
 
 def adapt_notebook(nb: dict) -> dict:
