@@ -124,6 +124,7 @@ def test_mkdocs_yml_lists_every_notebook_and_matches_settings():
     assert conf['site_url'] == BASE_URL + '/' and conf['site_dir'] == cfg.doc_path.name
     assert conf['use_directory_urls'] is False and conf['theme']['font'] is False and conf['strict'] is True
 
+@pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 @pytest.mark.parametrize('nb', LIB_NBS, ids=[d.src.name for d in LIB_NBS])
 def test_every_library_notebook_has_a_page(site, nb):
     assert (site / nb.html).exists(), f'{nb.src.name} has no page {nb.html}'
@@ -135,17 +136,20 @@ def test_every_library_notebook_has_a_page(site, nb):
     if m: assert m.group(1).strip() in ' '.join(p.h1), f'{nb.html}: the title "{m.group(1)}" is missing'
 
 
+@pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 def test_navigation_lists_every_chapter_in_order(site):
     _, p = page(site, 'index.html')
     order = list(dict.fromkeys(h for h in p.nav if h in {d.html for d in LIB_NBS}))
     assert order == [d.html for d in LIB_NBS]
 
 
+@pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 def test_no_broken_internal_links(site):
     broken = check_site(site, BASE_PATH)
     assert not broken, f'{len(broken)} broken internal link(s):\n' + '\n'.join(map(str, broken[:40]))
 
 
+@pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 def test_api_reference_is_rendered_html(site):
     "Each public exported function/class has a show_doc entry: an anchored heading and a highlighted signature."
     import importlib
@@ -168,6 +172,7 @@ def test_api_reference_is_rendered_html(site):
         if bd.SHOWDOC_MARKER in text: assert 'class="highlight' in text, f'{nb.html}: signatures not highlighted'
 
 
+@pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 @pytest.mark.parametrize('study', EXAMPLE_STUDIES)
 def test_report_page_is_executed_on_an_example_batch(site, study):
     "A study's report page shows the report computed from real (seconds-long) runs, says so, and links no run file."
@@ -186,6 +191,7 @@ def test_report_page_is_executed_on_an_example_batch(site, study):
     for r in others: assert 'Not executed for this site' in (site / r.replace('.ipynb', '.html')).read_text()  # shown as saved
 
 
+@pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 def test_site_is_self_contained_for_offline_viewing(site):
     "No font CDN; plain .html pages (use_directory_urls: false); nbdev's links to the docs host lead inside the site."
     text, _ = page(site, 'index.html')
@@ -197,6 +203,7 @@ def test_site_is_self_contained_for_offline_viewing(site):
     assert 'href="model.html#gpt"' in page(site, 'export.html')[0]
 
 
+@pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 def test_site_is_polished(site):
     "Figures are described by their section, 404.html works at any depth, the search index has no copy-button text."
     pages = {p: p.read_text(encoding='utf-8') for p in site.rglob('*.html')}
@@ -209,8 +216,10 @@ def test_site_is_polished(site):
 @pytest.mark.slow  # a process of its own: `make test` runs it, `make test-fast` does not
 def test_a_page_missing_from_the_nav_fails_the_build(site, tmp_path):
     "mkdocs.yml's validation (strict): a notebook page that the nav does not list stops the build, naming it."
-    shutil.copytree(site.parent / 'build' / 'docs', tmp_path / 'docs')
-    shutil.copy(tmp_path / 'docs' / 'core.ipynb', tmp_path / 'docs' / 'new_chapter.ipynb')
+    built = site.parent / 'build' / 'docs'  # two of the pages are enough (the nav's other entries are then reported missing too)
+    shutil.copytree(built / 'stylesheets', tmp_path / 'docs' / 'stylesheets')
+    for name in ('index.ipynb', 'core.ipynb'): shutil.copy(built / name, tmp_path / 'docs' / name)
+    shutil.copy(built / 'core.ipynb', tmp_path / 'docs' / 'new_chapter.ipynb')
     with pytest.raises(bd.DocsBuildError, match=r'(?s)nav.*new_chapter\.ipynb'):
         bd.run_mkdocs(tmp_path / 'docs', tmp_path / 'site')
 
