@@ -27,6 +27,9 @@ settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'ci'))
 # OpenMP threads spin against each other (measured here: the same suite took 7 s with one
 # thread and over 100 s with two threads on a loaded 2-core machine).
 torch.set_num_threads(int(os.environ.get('OELM_TEST_THREADS', '1')))
+# The same for the processes the tests start (oelm commands, cluster jobs, example batches), unless the runner or a test sets
+# their threads itself: two xdist workers each waiting on a child that takes both cores oversubscribe a 2-core machine.
+for _v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'): os.environ.setdefault(_v, os.environ.get('OELM_TEST_THREADS', '1'))
 
 
 def pytest_configure(config):
