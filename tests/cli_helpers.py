@@ -20,8 +20,8 @@ def run_oelm(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
 
 def tiny_args(steps: int = 4) -> list[str]:
     "`oelm run` flags for seconds-long runs: `steps` optimizer steps on a 300-story corpus with a 300-token vocabulary."
-    return ['--steps', str(steps), '--set', 'data.n_train_stories=300', '--set', 'data.n_val_stories=40',
-            '--set', 'data.vocab_size=300', '--set', 'model.vocab_size=300', '--set', 'train.eval_batches=2']
+    from shared_runs import SMALL_CORPUS
+    return ['--steps', str(steps), *(a for k, v in SMALL_CORPUS.items() for a in ('--set', f'{k}={v}'))]
 
 
 def read_json(p):

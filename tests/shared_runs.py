@@ -13,7 +13,7 @@ import fcntl, json, os, shutil, time, traceback
 from pathlib import Path
 
 SMALL_CORPUS = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
-                'train.eval_batches': 2}  # what cli_helpers.tiny_args sets on the command line
+                'train.eval_batches': 2}  # cli_helpers.tiny_args sets these on the command line
 
 
 def session_root(tmp_path_factory) -> Path:

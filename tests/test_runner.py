@@ -13,13 +13,13 @@ import fcntl, json, math, os, re, shutil, signal, subprocess, time
 from pathlib import Path
 
 import pytest
+from shared_runs import SMALL_CORPUS
 from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, html_text, tiny_args
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
 TINY = tiny_args(4)
-OVERRIDES = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
-             'train.eval_batches': 2}
+OVERRIDES = SMALL_CORPUS  # what tiny_args sets on the command line
 VARIANTS, SEEDS = ('gpt', 'oelm-freeze'), (0, 1)
 
 
