@@ -13,7 +13,8 @@ from torch import nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from .core import ConfigError, ModelConfig, DTYPES, set_seed, pick_device, autocast_dtype, autocast, TrainConfig
+from .core import ConfigError, ModelConfig, DTYPES, TrainConfig
+from .device import set_seed, pick_device, autocast_dtype, autocast
 from .model import GPT, model_config
 from .experiment import resolve_spec
 from .train import build_optimizer

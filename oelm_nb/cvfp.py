@@ -14,7 +14,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .core import ConfigBase, ConfigError, check, set_seed, TrainConfig
+from .core import ConfigBase, ConfigError, check, TrainConfig
+from .device import set_seed
 from .train import Trainer
 
 # %% auto #0

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import torch
-from .core import ConfigError, check, pick_device
+from .core import ConfigError, check
+from .device import pick_device
 from .experiment import start_run, Study, Variant, RunSpec, train_run, write_json, read_json, write_summary, TRAIN_PRESETS, DATA_PRESETS
 from .train import read_metrics
 from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, CVFPModel, EffectiveRank, Phase1Result,

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .core import ConfigError, ModelConfig, check, set_seed, pick_device
+from .core import ConfigError, ModelConfig, check
+from .device import set_seed, pick_device
 from .experiment import (start_run, Study, Variant, RunSpec, train_run, prepare_run, read_json, write_json, write_summary, run_name,
                                 TRAIN_PRESETS, DATA_PRESETS)
 from .model import GPT, model_config

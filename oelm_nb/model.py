@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .core import ModelConfig, ConfigError, set_seed
+from .core import ModelConfig, ConfigError
+from .device import set_seed
 from .orthogonal import OrthogonalLinear, init_orthogonal_, make_learnable_orthogonal_
 from .freeze import freeze_qk_, param_report, attention_layers, frozen_qk_layers
 

@@ -12,7 +12,8 @@ import pandas as pd
 import matplotlib.pyplot as plt
 import torch
 from torch import nn
-from .core import ConfigBase, ConfigError, check, pick_device, autocast_dtype, set_seed
+from .core import ConfigBase, ConfigError, check
+from .device import pick_device, autocast_dtype, set_seed
 from .experiment import (RunSpec, Study, Variant, train_run, prepare_run, run_samples, read_json, write_json, write_summary,
                                 run_name, TRAIN_PRESETS, DATA_PRESETS)
 from .model import GPT, PRESETS, model_config

@@ -6,7 +6,8 @@
 from __future__ import annotations
 from pathlib import Path
 import torch
-from .core import ConfigError, pick_device
+from .core import ConfigError
+from .device import pick_device
 from .model import GPT
 from .experiment import RunSpec
 from .train import list_checkpoints, load_weights, read_checkpoint_meta

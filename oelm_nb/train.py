@@ -19,7 +19,8 @@ from safetensors.torch import save_file, load_file, save_model
 from tqdm.auto import tqdm
 from fastcore.basics import patch
 
-from .core import ModelConfig, TrainConfig, ConfigError, set_seed, pick_device, autocast_dtype, autocast, precision_note
+from .core import ModelConfig, TrainConfig, ConfigError
+from .device import set_seed, pick_device, autocast_dtype, autocast, precision_note
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
 from .data import TokenData, DataError, batch as make_batch

@@ -110,7 +110,7 @@ def test_bench_counts_flops_and_optimizer_state_exactly():
         for k in ('step_time_median_s', 'tokens_per_s'):
             assert isinstance(r[k], (int, float)) and np.isfinite(r[k]) and r[k] > 0, (r['variant'], k, r[k])
         assert r['step_time_iqr_s'] >= 0
-    from oelm_nb.core import autocast_dtype
+    from oelm_nb.device import autocast_dtype
     import torch
     dtype = 'float32' if autocast_dtype(torch.device('cpu')) is None else 'bfloat16'  # the default precision, resolved
     ref = rows['reference']

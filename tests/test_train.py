@@ -101,7 +101,7 @@ def test_bf16_runs_are_bitwise_reproducible_with_fp32_weights_state_and_loss(tmp
     ({'architecture': 'aarch64'}, 0.8, False),
 ])
 def test_native_bf16_is_detected_but_auto_stays_fp32_on_cpu(monkeypatch, caps, speedup, native):
-    import oelm_nb.core as core
+    import oelm_nb.device as core
     monkeypatch.setattr(torch._C._cpu, '_get_cpu_capability', lambda: caps)
     monkeypatch.setattr(core, 'bf16_matmul_speedup', lambda *a, **k: speedup)
     core.cpu_has_native_bf16.cache_clear()

@@ -1,0 +1,85 @@
+"""Refactors change no number: run four short pinned-float32 batches (one per study) and record or compare their summaries.
+
+    python tools/same_numbers.py record OUT.json [--work DIR]   # before a refactor
+    python tools/same_numbers.py compare OUT.json [--work DIR]  # after it: every number within 1e-6 (relative), or exit 1
+
+Every numeric field of every run's summary.json is compared; timings, paths and dates are left out (they differ by nature).
+"""
+import argparse, json, math, shutil, subprocess, sys, tempfile
+from pathlib import Path
+
+SMALL = ['--set', 'train.dtype=float32', '--no-report', '--jobs', '1']
+BATCHES = {
+    'qk-freeze': ['--preset', 'tiny', '--seeds', '0', '--variants', 'gpt,oelm-freeze', '--steps', '60'],
+    'pca': ['--preset', 'tiny', '--seeds', '0', '--ks', '8', '--steps', '60'],
+    'cvfp': ['--preset', 'tiny', '--seeds', '0', '--algorithms', 'MCDL', 'ODCM', '--samples', '2', '--sequential',
+             '--set', 'settings.val_tokens=600', '--set', 'settings.check_tokens=200', '--set', 'settings.tokens=400',
+             '--set', 'settings.phase1_max_iterations=3', '--set', 'settings.phase1_min_iterations=2',
+             '--set', 'settings.speed_iterations=3', '--set', 'settings.phase2_epochs=2'],
+    'mercator': ['--preset', 'tiny', '--seeds', '0', '--variants', 'mercator-b0.01,mse', '--steps', '60'],
+}
+# words in a key that mark a number that differs by nature between two identical runs
+VOLATILE = ('time', 'second', 'elapsed', 'date', 'started', 'finished', 'tok_per', 'tokens_per', 'per_s', 'pid', 'host',
+            'mem', 'commit', 'version', 'duration', 'wall', 'mfu', 'throughput', 'ms')
+
+
+def numbers(obj, prefix=''):
+    "Flatten a summary into {dotted.key: number}, leaving out volatile fields."
+    out = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items(): out.update(numbers(v, f'{prefix}{k}.'))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj): out.update(numbers(v, f'{prefix}{i}.'))
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        key = prefix[:-1]
+        if not any(w in key.lower() for w in VOLATILE): out[key] = float(obj)
+    return out
+
+
+def run_all(work: Path):
+    oelm = str(Path(sys.executable).with_name('oelm'))
+    result = {}
+    for study, args in BATCHES.items():
+        out = work / study
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [oelm, 'run', study, *args, *SMALL, '--out', str(out)]
+        print('[same-numbers]', ' '.join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        for s in sorted(out.glob('*/summary.json')):
+            result[f'{study}/{s.parent.name}'] = numbers(json.loads(s.read_text()))
+    return result
+
+
+def compare(before, after, tol=1e-6):
+    bad = []
+    for run in sorted(set(before) | set(after)):
+        b, a = before.get(run), after.get(run)
+        if b is None or a is None:
+            bad.append(f'{run}: only {"after" if b is None else "before"}'); continue
+        for k in sorted(set(b) & set(a)):
+            x, y = b[k], a[k]
+            if not (math.isclose(x, y, rel_tol=tol, abs_tol=tol) or (math.isnan(x) and math.isnan(y))):
+                bad.append(f'{run}: {k} {x!r} -> {y!r}')
+        gone = sorted(set(b) - set(a))
+        if gone: bad.append(f'{run}: fields gone: {gone}')
+    return bad
+
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('mode', choices=['record', 'compare'])
+    p.add_argument('file', type=Path)
+    p.add_argument('--work', type=Path, default=None, help='where the batches go (default: a temporary folder)')
+    a = p.parse_args()
+    work = a.work or Path(tempfile.mkdtemp(prefix='same-numbers-'))
+    now = run_all(work)
+    if a.mode == 'record':
+        a.file.write_text(json.dumps(now, indent=1, sort_keys=True))
+        print(f'[same-numbers] {sum(map(len, now.values()))} numbers from {len(now)} runs -> {a.file}')
+    else:
+        bad = compare(json.loads(a.file.read_text()), now)
+        n = sum(map(len, now.values()))
+        print(f'[same-numbers] {n} numbers from {len(now)} runs compared with {a.file}: '
+              + ('identical to 1e-6' if not bad else f'{len(bad)} differ'))
+        for line in bad[:50]: print('  ', line)
+        sys.exit(1 if bad else 0)
