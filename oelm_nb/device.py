@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_device.ipynb #ef15cf20
 from __future__ import annotations
-import functools, os, random, time
+import contextlib, functools, os, random, time
 
 import numpy as np
 import torch
