@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from .core import ConfigError, ModelConfig, DTYPES, TrainConfig
-from .device import set_seed, pick_device, autocast_dtype, autocast
+from .device import set_seed, pick_device, autocast_dtype, autocast, is_oom
 from .model import GPT, model_config
 from .experiment import resolve_spec
 from .train import build_optimizer
@@ -265,12 +265,6 @@ def check_step_memory(model_cfg: ModelConfig, # the model's shape
     if need > avail: raise ConfigError(_memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
     return need
 
-def _is_oom(e: BaseException) -> bool:
-    "Whether `e` is an allocation failure (CUDA out of memory, or the CPU allocator's)."
-    msg = str(e).lower()
-    return (isinstance(e, (MemoryError, getattr(torch, 'OutOfMemoryError', MemoryError))) or
-            isinstance(e, RuntimeError) and ("can't allocate memory" in msg or 'out of memory' in msg))
-
 # %% ../nbs/09_bench.ipynb #5333ad5b
 @dataclass
 class BenchRow:
@@ -368,7 +362,7 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
     try: return _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides,
                            memory, reference, log)
     except (RuntimeError, MemoryError) as e:
-        if not _is_oom(e): raise
+        if not is_oom(e): raise
         first = (str(e).strip().splitlines() or [''])[0][:200]
         T = next(iter(cfgs.values())).block_size
         raise ConfigError(f'out of memory at batch_size={batch_size} x block_size={T} on {dev} ({type(e).__name__}: {first}): '

@@ -108,7 +108,7 @@ def print_batch_summary(batch_dir):
     "Per-variant results of a batch (and the study's verdict table, where it has one), as plain text."
     import pandas as pd
     from oelm_nb.report import load_runs, variant_table
-    from oelm_nb.experiment import read_json
+    from oelm_nb.rundir import read_json
     from oelm_nb.studies import get_study
     study = get_study((read_json(Path(batch_dir) / 'batch.json') or {}).get('study', 'qk-freeze'))
     runs = load_runs(batch_dir)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .core import ConfigError
-from .experiment import write_json, read_json, run_identity, COMMAND_ENV
+from .experiment import run_identity, COMMAND_ENV
+from .rundir import write_json, read_json
 from .rundir import run_lock, RunLocked, read_holder, is_alive, describe_holder
 from .runner import Batch, Job, execute_run, run_status
 

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from .core import ConfigError, check
 from .device import pick_device
-from .experiment import start_run, Study, Variant, RunSpec, train_run, write_json, read_json, write_summary, TRAIN_PRESETS, DATA_PRESETS
+from .experiment import start_run, Study, Variant, RunSpec, train_run, write_summary, TRAIN_PRESETS, DATA_PRESETS
+from .rundir import write_json, read_json
 from .train import read_metrics
 from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, CVFPModel, EffectiveRank, Phase1Result,
                          effective_rank, val_effective_rank, identity_check, cvfp_convergence_check, build_context_cache,

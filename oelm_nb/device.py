@@ -12,7 +12,7 @@ from .core import ConfigError
 
 # %% auto #0
 __all__ = ['set_seed', 'pick_device', 'bf16_matmul_speedup', 'cpu_has_native_bf16', 'autocast_dtype', 'precision_note',
-           'autocast']
+           'autocast', 'is_oom']
 
 # %% ../nbs/00a_device.ipynb #0ecd6383
 def set_seed(seed: int):
@@ -83,3 +83,11 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     "An autocast context for `device` and `dtype`, or a no-op when `dtype` is None."
     if dtype is None: return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+# %% ../nbs/00a_device.ipynb #32763294
+_OOM_TYPES = (getattr(torch, 'OutOfMemoryError', torch.cuda.OutOfMemoryError), MemoryError)
+
+def is_oom(e: BaseException) -> bool:
+    "Whether `e` is an allocation failure (CUDA out of memory, or the CPU allocator's)."
+    msg = str(e).lower()
+    return isinstance(e, _OOM_TYPES) or (isinstance(e, RuntimeError) and ('out of memory' in msg or "can't allocate memory" in msg))

@@ -16,24 +16,13 @@ from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, init_distributed
 from .data import prepare_data, load_split, load_tokenizer, read_meta, data_codec, DataError, TokenData
-from .rundir import run_lock, check_same_run, fingerprint, child_env
+from .rundir import run_lock, check_same_run, fingerprint, child_env, run_name, parse_run_name, read_json, write_json
 
 # %% auto #0
-__all__ = ['Overrides', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'COMMAND_ENV', 'SAMPLE_PROMPTS', 'run_name',
-           'parse_run_name', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study', 'apply_overrides',
-           'train_settings', 'resolve_spec', 'write_json', 'read_json', 'utc_now', 'provenance', 'record_provenance',
-           'write_summary', 'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run',
-           'train_run', 'launch_run']
-
-# %% ../nbs/06_experiment.ipynb #cd5470db
-def run_name(variant: str, seed: int) -> str:
-    "The folder name of one run in a batch directory: `<variant>-s<seed>`."
-    return f'{variant}-s{seed}'
-
-def parse_run_name(name: str) -> tuple[str, int] | None:
-    "`(variant, seed)` from a run folder name, or None when `name` is not one (e.g. `data`, `x-s0.failed-1`)."
-    variant, sep, seed = name.rpartition('-s')
-    return (variant, int(seed)) if sep and variant and seed.isdigit() else None
+__all__ = ['Overrides', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings',
+           'run_identity', 'RunSpec', 'Variant', 'Study', 'apply_overrides', 'train_settings', 'resolve_spec',
+           'utc_now', 'provenance', 'record_provenance', 'write_summary', 'generate_samples', 'sample_prompts',
+           'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run']
 
 # %% ../nbs/06_experiment.ipynb #172d917b
 @dataclass
@@ -212,16 +201,6 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
          'out_dir': str(out_dir), 'data_dir': data_dir, 'study': st.name, 'name': variant, 'preset': preset, 'settings': {}}
     d = apply_overrides(d, {**var.overrides, **(overrides or {})})
     return RunSpec.from_dict(d)
-
-# %% ../nbs/06_experiment.ipynb #2fa32c46
-def write_json(path, obj):
-    "Write JSON atomically (temp file + rename)."
-    path = Path(path); tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
-    tmp.write_text(json.dumps(obj, indent=2, default=str)); os.replace(tmp, path)
-
-def read_json(path) -> dict | None:
-    try: return json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError): return None
 
 # %% ../nbs/06_experiment.ipynb #29b79c5c
 COMMAND_ENV = 'OELM_COMMAND' # the batch runner's command line, for the runs it starts

@@ -13,8 +13,8 @@ from torch import nn
 import torch.nn.functional as F
 from .core import ConfigError, ModelConfig, check
 from .device import set_seed, pick_device
-from .experiment import (start_run, Study, Variant, RunSpec, train_run, prepare_run, read_json, write_json, write_summary, run_name,
-                                TRAIN_PRESETS, DATA_PRESETS)
+from .experiment import (start_run, Study, Variant, RunSpec, train_run, prepare_run, write_summary, TRAIN_PRESETS, DATA_PRESETS)
+from .rundir import read_json, write_json, run_name
 from .model import GPT, model_config
 from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,
                              cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, COLLAPSE_GAP, extract_kv, flatten_heads, _freeze_teacher, _masked_mean, _unwrap)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from .core import ConfigBase, ConfigError, check
 from .device import pick_device, autocast_dtype, set_seed
-from .experiment import (RunSpec, Study, Variant, train_run, prepare_run, run_samples, read_json, write_json, write_summary,
-                                run_name, TRAIN_PRESETS, DATA_PRESETS)
+from .experiment import (RunSpec, Study, Variant, train_run, prepare_run, run_samples, write_summary, TRAIN_PRESETS, DATA_PRESETS)
+from .rundir import read_json, write_json, run_name
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, evaluate, load_weights
 from .freeze import param_report

@@ -13,7 +13,7 @@ import pandas as pd
 import matplotlib
 import matplotlib.pyplot as plt
 
-from .experiment import read_json, parse_run_name, run_name
+from .rundir import read_json, parse_run_name, run_name
 from .train import read_metrics
 from .rundir import flatten
 

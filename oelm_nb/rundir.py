@@ -16,10 +16,37 @@ from filelock import FileLock, Timeout
 from .core import ConfigError
 
 # %% auto #0
-__all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'ABSENT_WHEN_DEFAULT', 'RunLocked',
-           'this_process', 'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env',
-           'watch_holder', 'die_with_parent', 'run_lock', 'flatten', 'identity_fields', 'fingerprint', 'config_diff',
+__all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'ABSENT_WHEN_DEFAULT', 'fsync_dir',
+           'write_atomic', 'write_json', 'read_json', 'RunLocked', 'this_process', 'pid_alive', 'is_alive',
+           'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env', 'watch_holder', 'die_with_parent',
+           'run_lock', 'run_name', 'parse_run_name', 'flatten', 'identity_fields', 'fingerprint', 'config_diff',
            'describe_diff', 'RunMismatch', 'recorded_config', 'check_same_run']
+
+# %% ../nbs/05a_rundir.ipynb #5b61ccf4
+def fsync_dir(path: Path):
+    "Flush a directory's entries to disk, so that a rename inside it survives a power cut (a no-op where the OS refuses)."
+    try:
+        fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.close(fd)
+    except OSError: pass
+
+def write_atomic(path, text: str):
+    "Replace file `path` by `text` whole: written to a temporary sibling, flushed to disk, renamed over `path`."
+    path = Path(path); tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
+    try:
+        with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True); raise
+
+# %% ../nbs/05a_rundir.ipynb #4b499e27
+def write_json(path, obj, indent: int = 2):
+    "Write `obj` as JSON with `write_atomic`; values JSON lacks (paths, dates) as their text."
+    write_atomic(path, json.dumps(obj, indent=indent, default=str))
+
+def read_json(path) -> dict | list | None:
+    "The JSON in file `path`; None when it is missing, unreadable or not JSON (the caller validates what it gets)."
+    try: return json.loads(Path(path).read_text())
+    except (OSError, ValueError): return None
 
 # %% ../nbs/05a_rundir.ipynb #517d92f7
 LOCK_FILE, HOLDER_FILE, WORKERS_FILE = '.lock', '.lock.json', '.lock-workers.jsonl'
@@ -37,6 +64,11 @@ def this_process(**extra) -> dict:
     cmd = ' '.join(sys.argv)
     return {'pid': os.getpid(), 'pid_start': _process_start(os.getpid()), 'host': socket.gethostname(),
             'started': datetime.now(timezone.utc).isoformat(timespec='seconds'), 'command': cmd[:300], **extra}
+
+def pid_alive(pid: int) -> bool:
+    "Whether a process with id `pid` exists on this machine (another user's counts)."
+    if pid <= 0: return False
+    return psutil.pid_exists(pid)
 
 def is_alive(proc: dict) -> bool:
     "Whether the process recorded in `proc` still runs (a process on another host counts as alive: we cannot tell)."
@@ -56,13 +88,9 @@ _held: dict = {} # (directory, thread id) -> [RunLock, depth]
 _held_guard = threading.Lock()
 _tokens: set = set() # tokens of the locks this process holds itself (children inherit them)
 
-def _read_json_file(path: Path):
-    try: return json.loads(path.read_text())
-    except (OSError, ValueError): return None
-
 def read_holder(d) -> dict | None:
     "The holder record of directory `d` (None when there is none or it is unreadable)."
-    h = _read_json_file(Path(d) / HOLDER_FILE)
+    h = read_json(Path(d) / HOLDER_FILE)
     return h if isinstance(h, dict) else None
 
 def read_workers(d) -> list[dict]:
@@ -125,7 +153,7 @@ def _take(self: RunLock):
     self.recovered = prev if prev and prev.get('pid') != os.getpid() else None
     self.token = uuid.uuid4().hex
     detached = {'detached': True} if self.what == 'batch' and os.environ.get('OELM_DETACHED') else {}  # `oelm run --detach`: a later `oelm run` follows it
-    _write_json_atomic(self.dir / HOLDER_FILE, this_process(token=self.token, what=self.what, **detached))
+    write_json(self.dir / HOLDER_FILE, this_process(token=self.token, what=self.what, **detached), indent=1)
     (self.dir / WORKERS_FILE).unlink(missing_ok=True)
     self._flock = lock; _tokens.add(self.token)
 
@@ -138,10 +166,6 @@ def _wait_for_workers(self: RunLock):
             raise RunLocked(f"{self.what} directory {self.dir}: a trainer started by an earlier process is still running "
                             f"({describe_holder(alive[0])}); stop it (kill {alive[0].get('pid')}) and try again")
         time.sleep(0.2)
-
-def _write_json_atomic(path: Path, obj):
-    tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
-    tmp.write_text(json.dumps(obj, indent=1)); os.replace(tmp, path)
 
 # %% ../nbs/05a_rundir.ipynb #690e5b1c
 @patch
@@ -201,6 +225,16 @@ def run_lock(path, what: str = 'run'):
     try: yield lock
     finally: lock.release()
 
+# %% ../nbs/05a_rundir.ipynb #cd5470db
+def run_name(variant: str, seed: int) -> str:
+    "The folder name of one run in a batch directory: `<variant>-s<seed>`."
+    return f'{variant}-s{seed}'
+
+def parse_run_name(name: str) -> tuple[str, int] | None:
+    "`(variant, seed)` from a run folder name, or None when `name` is not one (e.g. `data`, `x-s0.failed-1`)."
+    variant, sep, seed = name.rpartition('-s')
+    return (variant, int(seed)) if sep and variant and seed.isdigit() else None
+
 # %% ../nbs/05a_rundir.ipynb #520adaa9
 VOLATILE_FIELDS = ('out_dir', 'data_dir', 'train.progress', 'train.loggers', 'train.log_every', 'train.ckpt_every', 'train.keep_last')
 
@@ -240,7 +274,7 @@ class RunMismatch(ConfigError):
 
 def recorded_config(run_dir) -> dict | None:
     "The configuration a run directory was trained with (its config.json), or None."
-    c = _read_json_file(Path(run_dir) / 'config.json')
+    c = read_json(Path(run_dir) / 'config.json')
     return c if isinstance(c, dict) else None
 
 def check_same_run(run_dir, config: dict, fix: str = 'use another out_dir, or move the directory away to train afresh'):

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from .core import ConfigError, TrainConfig
-from .experiment import Study, RunSpec, resolve_spec, train_settings, write_json, read_json, run_name, parse_run_name, run_identity, COMMAND_ENV
+from .experiment import Study, RunSpec, resolve_spec, train_settings, run_identity, COMMAND_ENV
+from .rundir import write_json, read_json, run_name, parse_run_name
 from .studies import get_study
 from .data import prepare_data, read_meta
 from .train import list_checkpoints

@@ -8,7 +8,7 @@ import json, math, os, socket, sys, time
 from pathlib import Path
 
 from .core import ConfigError
-from .experiment import run_name
+from .rundir import run_name
 from .rundir import read_holder, is_alive
 
 # %% auto #0

@@ -20,11 +20,11 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .core import ModelConfig, TrainConfig, ConfigError
-from .device import set_seed, pick_device, autocast_dtype, autocast, precision_note
+from .device import set_seed, pick_device, autocast_dtype, autocast, precision_note, is_oom
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
 from .data import TokenData, DataError, batch as make_batch
-from .rundir import run_lock, config_diff, describe_diff, RunMismatch
+from .rundir import run_lock, config_diff, describe_diff, RunMismatch, write_atomic, fsync_dir, pid_alive
 
 # %% auto #0
 __all__ = ['LossFn', 'LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'lr_at', 'build_optimizer', 'set_lr',
@@ -166,19 +166,6 @@ def _set_rng_state(st: dict, rank: int = 0):
 _TMP_DIR = re.compile(r'\.tmp-(?:old-)?(?P<name>step_\d+)-(?P<pid>\d+)')  # a checkpoint being written (or an old copy moved aside)
 _TMP_FILE = re.compile(r'\.(?P<name>.+)\.tmp(?P<pid>\d+)')                # a file or link being replaced
 
-def _fsync_dir(path: Path):
-    try:
-        fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.close(fd)
-    except OSError: pass
-
-def _write_atomic(path: Path, text: str):
-    tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
-    try:
-        with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True); raise
-
 def _point(link: Path, target: str):
     "Atomically make `link` a symlink to `target` (a sibling directory name)."
     tmp = link.with_name(f'.{link.name}.tmp{os.getpid()}')
@@ -205,13 +192,13 @@ def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], o
             tensors, ometa = _optimizer_to_flat(opt)
             save_file(tensors, str(tmp / 'optimizer.safetensors')); meta = {**meta, 'optimizer': ometa}
         save_file(_rng_state(rank_rng), str(tmp / 'rng.safetensors'))
-        _write_atomic(tmp / 'meta.json', json.dumps({**meta, 'step': step}, indent=1, default=str))
+        write_atomic(tmp / 'meta.json', json.dumps({**meta, 'step': step}, indent=1, default=str))
         for f in tmp.iterdir():
             with open(f, 'rb') as fh: os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # move the complete old copy aside first: never a half-deleted step_* directory
             old = ckpt_root / f'.tmp-old-{name}-{os.getpid()}'; os.replace(final, old)
-        os.replace(tmp, final); _fsync_dir(ckpt_root)
+        os.replace(tmp, final); fsync_dir(ckpt_root)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists(): os.replace(old, final)  # the rename failed: put the old copy back
@@ -322,22 +309,10 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int):
         if m and int(m['pid']) == os.getpid() and p.is_dir() and not p.is_symlink(): shutil.rmtree(p, ignore_errors=True)
 
 # %% ../nbs/05_train.ipynb #d801fb4d
-def _pid_alive(pid: int) -> bool:
-    "Whether a process with id `pid` exists on this machine (another user's counts)."
-    if pid <= 0: return False
-    if os.name == 'nt':  # os.kill would terminate it there
-        try: import psutil
-        except ImportError: return True  # cannot tell: keep its files
-        return psutil.pid_exists(pid)
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    except PermissionError: return True
-    return True
-
 def clean_leftovers(run_dir: Path | str) -> list[str]:
     "Remove the temporary files of interrupted writes in `run_dir` and its checkpoints folder whose process is gone (or is this one); returns what was done."
     run_dir, me, done = Path(run_dir), os.getpid(), []
-    stale = lambda pid: pid == me or not _pid_alive(pid)
+    stale = lambda pid: pid == me or not pid_alive(pid)
     root = run_dir / 'checkpoints'
     for folder in (root, run_dir):
         if not folder.is_dir(): continue
@@ -400,7 +375,7 @@ def truncate_after(self: MetricsLog, step: int):
     "Drop records beyond `step` (a resumed run re-logs them) and a cut-off last line; the file is rewritten whole lines only."
     if not (self.path and self.path.exists()): return
     keep = [(l, r) for l, r in _read_jsonl(self.path, 'step') if r['step'] <= step]
-    _write_atomic(self.path, ''.join(l + '\n' for l, _ in keep))
+    write_atomic(self.path, ''.join(l + '\n' for l, _ in keep))
     self.records = [r for _, r in keep]
 
 @patch
@@ -500,12 +475,6 @@ def param_divergence(rms: float, ref_rms: float | None) -> str | None:
 class TrainingOutOfMemory(ConfigError):
     "A training step did not fit in memory: the message names batch_size, block_size and grad_accum and how to change them."
 
-_OOM_TYPES = (getattr(torch, 'OutOfMemoryError', torch.cuda.OutOfMemoryError), MemoryError)
-
-def _is_oom(e: BaseException) -> bool:
-    msg = str(e).lower()
-    return isinstance(e, _OOM_TYPES) or (isinstance(e, RuntimeError) and ('out of memory' in msg or "can't allocate memory" in msg))
-
 def oom_message(e: BaseException, step: int, device, cfg: TrainConfig, block_size: int | None) -> str:
     "What ran out of memory at `step`, with which batch shape, and how to make it fit."
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -522,7 +491,7 @@ def _oom_named(trainer):
     "Turn running out of memory inside the block into a `TrainingOutOfMemory` naming the batch shape."
     try: yield
     except Exception as e:
-        if not _is_oom(e): raise
+        if not is_oom(e): raise
         trainer.opt.zero_grad(set_to_none=True)
         if trainer.device.type == 'cuda': torch.cuda.empty_cache()
         raise TrainingOutOfMemory(oom_message(e, trainer.step + 1, trainer.device, trainer.cfg, trainer.block_size)) from None

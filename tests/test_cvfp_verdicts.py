@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oelm_nb.experiment import write_json
+from oelm_nb.rundir import write_json
 from oelm_nb import cvfp_study as cs
 
 RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 (GOOD) and verdict CONVERGED or CONVERGING',

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from oelm_nb.experiment import write_json
+from oelm_nb.rundir import write_json
 from oelm_nb.mercator_analysis import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, alignment, batch_line, cause_sentence,
                                     collapse_guard, failed_runs_note, headline, mercator_runs, mse_sentence, mse_table, ppl_table,
                                     protocol_text, runs_table, student_variants, style_acc, style_agreement, style_ppl, style_runs_table,

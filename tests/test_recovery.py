@@ -23,6 +23,7 @@ from torch import nn
 from safetensors.torch import load_file
 
 import oelm_nb.train as T
+from oelm_nb.rundir import pid_alive
 from oelm_nb.core import ConfigError, ModelConfig, TrainConfig
 from oelm_nb.model import GPT
 from oelm_nb.train import (CheckpointError, MetricsError, RecoveryWarning, Trainer, TrainingDiverged, TrainingOutOfMemory,
@@ -63,7 +64,7 @@ def cut(path: Path, keep: float = 0.5):
 def dead_pid() -> int:
     "The id of a process that has exited (and been reaped)."
     p = subprocess.Popen([sys.executable, '-c', 'pass']); p.wait()
-    assert not T._pid_alive(p.pid)
+    assert not pid_alive(p.pid)
     return p.pid
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def live_pid():
     "The id of a running process (a sleeping child of this test)."
     p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])
     try:
-        assert T._pid_alive(p.pid)
+        assert pid_alive(p.pid)
         yield p.pid
     finally:
         p.kill(); p.wait()

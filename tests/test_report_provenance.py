@@ -17,8 +17,8 @@ import torch
 
 import oelm_nb
 from oelm_nb.data import TokenData
-from oelm_nb.experiment import (COMMAND_ENV, SAMPLE_PROMPTS, provenance, record_provenance, write_summary, resolve_spec,
-                                prepare_run, sample_prompts, read_json)
+from oelm_nb.experiment import (COMMAND_ENV, SAMPLE_PROMPTS, provenance, record_provenance, write_summary, resolve_spec, prepare_run, sample_prompts)
+from oelm_nb.rundir import read_json
 from oelm_nb.rundir import RunMismatch
 from oelm_nb.report import (load_runs, load_curves, convergence, convergence_note, convergence_caveat, provenance_table,
                             hyperparameter_table, run_links, variant_colors, plot_curves, NOT_RECORDED)

@@ -11,7 +11,8 @@ from oelm_nb.qk_freeze import QK_TRAIN
 import torch
 from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, tiny_args
 
-from oelm_nb.experiment import resolve_spec, prepare_run, parse_run_name
+from oelm_nb.experiment import resolve_spec, prepare_run
+from oelm_nb.rundir import parse_run_name
 from oelm_nb.rundir import RunMismatch, read_workers, run_lock
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not

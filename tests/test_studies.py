@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, strategies as st_
 
 from oelm_nb.core import ConfigError
-from oelm_nb.experiment import parse_run_name, resolve_spec, run_name
+from oelm_nb.experiment import resolve_spec
+from oelm_nb.rundir import parse_run_name, run_name
 from oelm_nb.report import compare, load_runs
 from oelm_nb.studies import STUDIES, get_study
 from oelm_nb.qk_freeze import hypotheses

@@ -19,7 +19,8 @@ import oelm_nb
 import oelm_nb.train as T
 from oelm_nb.core import ConfigError, DataConfig, ModelConfig, TrainConfig
 from oelm_nb.data import TokenData, load_split, prepare_data
-from oelm_nb.experiment import read_json, resolve_spec, train_run
+from oelm_nb.experiment import resolve_spec, train_run
+from oelm_nb.rundir import read_json
 from oelm_nb.model import GPT
 from oelm_nb.train import (CheckpointError, Trainer, TrainingDiverged, copy_task_data, list_checkpoints, lm_loss,
                            load_weights, lr_at, read_checkpoint_meta, read_metrics)
