@@ -11,10 +11,9 @@ from pathlib import Path
 from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
-__all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'people_table',
-           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'cmd_run', 'cmd_status',
-           'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'study_variants_text', 'add_study_parser',
-           'build_parser', 'main']
+__all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
+           'convergence_text', 'study_plan', 'cluster_config', 'cmd_run', 'cmd_status', 'cmd_report', 'cmd_sample',
+           'cmd_export', 'cmd_bench', 'study_variants_text', 'add_study_parser', 'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -86,28 +85,10 @@ def _overrides(pairs) -> dict:
         except json.JSONDecodeError: out[k] = v
     return out
 
-def _mean_sd(m, s, fmt: str, scale: float = 1.0, unit: str = '') -> str:
-    "'m ± s' for people: the spread only where there is one (two or more seeds), '' without a value."
-    import pandas as pd
-    if pd.isna(m): return ''
-    return f'{m * scale:{fmt}}{unit}' + (f' ± {s * scale:{fmt}}{unit}' if pd.notna(s) else '')
-
-def people_table(vt):
-    "`report.variant_table` for the console: runs done, PPL and recall as mean ± sd (sd with 2+ seeds), tokens/s and parameters with separators."
-    import pandas as pd
-    out = pd.DataFrame(index=vt.index)
-    out['runs done'] = [f'{c}/{r}' for c, r in zip(vt['completed'], vt['runs'])]
-    if 'val_ppl_mean' in vt: out['best val PPL'] = [_mean_sd(m, s, '.3f') for m, s in zip(vt.val_ppl_mean, vt.val_ppl_std)]
-    if 'recall_acc_mean' in vt: out['recall'] = [_mean_sd(m, s, '.1f', 100, '%') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
-    if 'tokens_per_s_mean' in vt: out['tokens/s'] = ['' if pd.isna(m) else f'{m:,.0f}' for m in vt.tokens_per_s_mean]
-    if 'params_trainable' in vt: out['trainable params'] = ['' if pd.isna(p) else f'{int(p):,}' for p in vt.params_trainable]
-    out.index.name = None
-    return out
-
 def print_batch_summary(batch_dir):
     "Per-variant results of a batch (and the study's verdict table, where it has one), as plain text."
     import pandas as pd
-    from oelm_nb.report import load_runs, variant_table
+    from oelm_nb.report import load_runs, variant_table, people_table
     from oelm_nb.rundir import read_json
     from oelm_nb.studies import get_study
     study = get_study((read_json(Path(batch_dir) / 'batch.json') or {}).get('study', 'qk-freeze'))

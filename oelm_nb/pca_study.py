@@ -19,7 +19,7 @@ from .rundir import read_json, write_json, run_name
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, evaluate, load_weights
 from .freeze import param_report
-from .report import compare
+from .report import compare, t_interval, interval_text
 from .pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_, pca_factorize,
                          save_pca_mats, apply_lora, merge_lora, unmerge_lora)
 
@@ -27,9 +27,9 @@ from .pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_
 __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_METHOD_LABELS', 'GAP_TOL',
            'PCA_COLORS', 'PCA_STUDY', 'PCASettings', 'default_ks', 'check_ks', 'finetune_schedule', 'lora_finetune',
            'pca_variants', 'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k',
-           'method_means', 'ppl_table', 't_interval', 'interval_text', 'recovery_table', 'recovery_display',
-           'recovery_verdict', 'lora_vs_references', 'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k',
-           'plot_explained_variance', 'plot_tradeoff', 'pca_verdicts']
+           'method_means', 'ppl_table', 'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references',
+           'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff',
+           'pca_verdicts']
 
 # %% ../nbs/11a_pca_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -278,21 +278,6 @@ def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
 # %% ../nbs/11a_pca_study.ipynb #1a854816
 GAP_TOL = 1e-4  # nats: below this PCA-only equals the reference up to float rounding (k = d)
 
-def t_interval(values) -> tuple[float, float | None, float | None]:
-    "Mean and 95% t-interval over seeds of paired per-seed values (NaNs dropped); no interval (None, None) with fewer than 2."
-    v = np.asarray([x for x in values if pd.notna(x)], dtype=float)
-    if not len(v): return np.nan, None, None
-    m = float(v.mean())
-    if len(v) < 2: return m, None, None
-    from scipy import stats  # imported here, as in report.compare
-    half = float(stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v)))
-    return m, m - half, m + half
-
-def interval_text(mean: float, low: float | None, high: float | None, n: int, fmt: str = '{:.0%}') -> str:
-    "'40% .. 80%' for an interval, 'needs >= 2 seeds' for one value, '–' for none."
-    if n == 0 or pd.isna(mean): return '–'
-    return 'needs >= 2 seeds' if low is None else f'{fmt.format(low)} .. {fmt.format(high)}'
-
 def _per_seed(ok: pd.DataFrame, method: str, k=None) -> pd.Series:
     d = ok[(ok.method == method) & ((ok.k == k) if k is not None else ok.k.isna())]
     return d.groupby('seed')['val_loss'].mean()
@@ -315,7 +300,7 @@ def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
             rec = ((p[s] - l[s]) / gap).where(gap > GAP_TOL)
             mean, low, high = t_interval(rec)
             n = int(rec.notna().sum())
-            row[f'recovered vs {m}'], row[f'95% CI vs {m}'] = mean, interval_text(mean, low, high, n)
+            row[f'recovered vs {m}'], row[f'95% CI vs {m}'] = mean, interval_text(mean, low, high, n, '{:.0%}', point=False)
             row[f'_ci {m}'], row[f'_n {m}'] = (low, high), n
             if len(seeds) and not len(s): notes.append(f'{m} did not complete')
             elif len(s) and n < len(s):
@@ -354,8 +339,8 @@ def recovery_verdict(gaps: pd.DataFrame) -> str:
         by = {}
         for k, r in gaps[gaps[col].notna()].iterrows():
             ci = r[f'_ci {m}']
-            txt = f"{r[col]:.0%}" + (f", 95% CI {ci[0]:.0%} .. {ci[1]:.0%}" if ci[0] is not None else ', one seed: needs >= 2 seeds for an interval')
-            by.setdefault(_classify(r[col], ci), []).append(f'k={k} ({txt})')
+            txt = interval_text(r[col], ci[0], ci[1], int(r[f'_n {m}']), '{:.0%}')
+            by.setdefault(_classify(r[col], ci), []).append(f'k={k}: {txt}')
         said = '; it '.join(f"{_PHRASES[c]} {', '.join(v)}" for c, v in by.items() if c in _PHRASES)
         ref = ("the baseline (PCA + LoRA trained its fine-tuning steps on top of it: not matched in compute)" if m == 'baseline'
                else "baseline-cont (the baseline trained for the same extra steps: matched in steps and schedule)")
@@ -371,7 +356,7 @@ def lora_vs_references(runs: pd.DataFrame) -> pd.DataFrame:
         for m in REFERENCE_METHODS:
             c = compare(runs, f'pca-lora-k{k}', m, 'best_val_ppl')
             if c is None: row[f'vs {m}'] = '–'
-            else: row[f'vs {m}'] = f'{c.mean:+.2%} (' + (f'95% CI {c.low:+.2%} .. {c.high:+.2%}, {c.n} seeds)' if c.low is not None else f'{c.n} seed: needs >= 2 seeds)')
+            else: row[f'vs {m}'] = c.text()
         rows[f'k={k}'] = row
     t = pd.DataFrame(rows).T
     t.index.name = 'PCA + LoRA, val PPL'

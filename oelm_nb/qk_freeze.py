@@ -10,13 +10,13 @@ import numpy as np
 import pandas as pd
 from .experiment import Study, Variant, NoSettings, launch_run, resolve_spec, TRAIN_PRESETS, DATA_PRESETS
 from .model import model_config
-from .report import compare, Comparison, variant_table
+from .report import (compare, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
+                            interval_text)
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants',
-           'threshold_verdict', 'h1_verdict', 'load_timing', 'h3_verdict', 'hypotheses', 'interleaved_timing',
-           'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run',
-           'scale_note']
+__all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict',
+           'load_timing', 'h3_verdict', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
+           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note']
 
 # %% ../nbs/06a_qk_freeze.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -34,17 +34,6 @@ def qk_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
             'oelm-freeze-half': Variant({'model.variant': 'oelm-freeze', 'model.freeze_layers': n // 2}),
             'oelm-progressive': Variant({'model.variant': 'oelm-freeze', 'model.unfreeze_at': progressive_unfreeze_steps(n, steps)}),
             'oelm-learnable': Variant({'model.variant': 'oelm-learnable'})}
-
-# %% ../nbs/06a_qk_freeze.ipynb #f49b5b17
-def threshold_verdict(c: Comparison | None, # a paired comparison (None: no data)
-                      limit: float, # the threshold on the relative difference
-                      below: bool = True, # True: the hypothesis says the difference is below `limit`
-                     ) -> str:
-    "'supported', 'rejected' or 'inconclusive' when the 95% interval lies on one side of `limit` or straddles it."
-    if c is None: return 'no data'
-    if c.n < 2: return 'inconclusive (needs >= 2 seeds)'
-    if below: return 'supported' if c.high < limit else 'rejected' if c.low >= limit else 'inconclusive'
-    return 'supported' if c.low >= limit else 'rejected' if c.high < limit else 'inconclusive'
 
 # %% ../nbs/06a_qk_freeze.ipynb #d71624a6
 H1_TEXT = 'oelm-freeze has >= 15% fewer trainable parameters than oelm'
@@ -123,29 +112,24 @@ def control_table(runs: pd.DataFrame) -> pd.DataFrame:
         c = compare(runs, a, b)
         if c is None: verdict, gap = 'no data', f'needs completed {a} and {b} runs (oelm run qk-freeze --variants {a},{b},...)'
         else:
-            gap = str(c)
-            verdict = ('needs >= 2 seeds' if c.n < 2 else f'{a} lower' if c.high < 0 else f'{b} lower' if c.low > 0 else 'no resolvable difference')
+            gap, verdict = str(c), difference_verdict(c)
         rows.append({'question': question, 'comparison': f'{a} vs {b}', 'verdict': verdict, 'val PPL gap': gap})
     return pd.DataFrame(rows).set_index('question')
 
 # %% ../nbs/06a_qk_freeze.ipynb #07fe85ca
-def _mean_sd(m, s, f: str) -> str:
-    return (f.format(m) + (' ± ' + f.format(s) if pd.notna(s) else '')) if pd.notna(m) else 'n/a'
-
 def gap_text(c: Comparison | None) -> str:
-    "A paired gap as the report writes it: '+19.17% (95% CI +15.0% .. +23.3%)', or with one seed 'needs >= 2 seeds' after the point value."
-    if c is None: return 'n/a'
-    return f'{c.mean:+.2%} ' + (f'(95% CI {c.low:+.2%} .. {c.high:+.2%})' if c.low is not None else '(1 seed: needs >= 2 seeds)')
+    "A paired gap as the report writes it (`Comparison.text`): '+19.17% (95% CI +15.00% .. +23.30%, 3 seeds)'; 'n/a' without one."
+    return c.text() if c else 'n/a'
 
 def results_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
     "The per-variant results the report shows: completed runs, val PPL, paired gap vs `reference`, recall, tokens/s, PPL per M trainable."
     vt = variant_table(runs, reference)
     show = pd.DataFrame({'completed': vt['completed'].astype(str) + ' / ' + vt['runs'].astype(str)})
     if 'val_ppl_mean' in vt:
-        show['best val PPL'] = [_mean_sd(m, s, '{:.3f}') for m, s in zip(vt.val_ppl_mean, vt.val_ppl_std)]
+        show['best val PPL'] = [mean_sd(m, s, '{:.3f}', missing='n/a') for m, s in zip(vt.val_ppl_mean, vt.val_ppl_std)]
         show[f'vs {reference} (paired)'] = ['' if v == reference else gap_text(compare(runs, v, reference)) for v in vt.index]
-    if 'recall_acc_mean' in vt: show['recall acc'] = [_mean_sd(m, s, '{:.3f}') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
-    if 'tokens_per_s_mean' in vt: show['tokens/s (concurrent runs)'] = [_mean_sd(m, s, '{:,.0f}') for m, s in zip(vt.tokens_per_s_mean, vt.tokens_per_s_std)]
+    if 'recall_acc_mean' in vt: show['recall acc'] = [mean_sd(m, s, '{:.3f}', missing='n/a') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
+    if 'tokens_per_s_mean' in vt: show['tokens/s (concurrent runs)'] = [mean_sd(m, s, '{:,.0f}', missing='n/a') for m, s in zip(vt.tokens_per_s_mean, vt.tokens_per_s_std)]
     if 'ppl_per_M_trainable' in vt: show['PPL per M trainable'] = vt.ppl_per_M_trainable.map(lambda x: f'{x:.3f}' if pd.notna(x) else 'n/a')
     return show
 

@@ -12,17 +12,19 @@ import numpy as np
 import pandas as pd
 import matplotlib
 import matplotlib.pyplot as plt
+from scipy import stats
 
 from .rundir import read_json, parse_run_name, run_name
 from .train import read_metrics
 from .rundir import flatten
 
 # %% auto #0
-__all__ = ['PROJECT_ENV', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'EXPLORER_COLUMNS',
-           'project_root', 'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'Comparison', 'compare',
-           'axis_label', 'variant_colors', 'plot_curves', 'convergence', 'convergence_note', 'convergence_caveat',
-           'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links', 'smooth_curves',
-           'explorer_table', 'RunExplorer']
+__all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS',
+           'EXPLORER_COLUMNS', 'project_root', 'find_batch_dir', 'load_runs', 'load_curves', 'variant_table',
+           't_interval', 'interval_text', 'Comparison', 'paired', 'compare', 'threshold_verdict', 'difference_verdict',
+           'mean_sd', 'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
+           'convergence', 'convergence_note', 'convergence_caveat', 'safe_markdown', 'safe_table', 'provenance_table',
+           'hyperparameter_table', 'run_links', 'smooth_curves', 'explorer_table', 'RunExplorer']
 
 # %% ../nbs/08_report.ipynb #c879ad34
 PROJECT_ENV = 'OELM_PROJECT'  # a project root to resolve report batch paths against
@@ -113,10 +115,32 @@ def variant_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
         t['ppl_per_M_trainable'] = t['val_ppl_mean'] / (t['params_trainable'] / 1e6)
     return t.loc[[v for v in runs.variant.unique()]]
 
-# %% ../nbs/08_report.ipynb #47183d12
+# %% ../nbs/08_report.ipynb #7c74ed3d
+def t_interval(values, confidence: float = 0.95) -> tuple[float, float | None, float | None]:
+    "Mean and t-interval of paired per-seed values (NaNs dropped): (mean, None, None) with one value, (nan, None, None) with none."
+    v = np.asarray([x for x in values if pd.notna(x)], dtype=float)
+    if not len(v): return math.nan, None, None
+    m = float(v.mean())
+    if len(v) < 2: return m, None, None
+    if np.all(v == v[0]): return m, m, m  # no spread: the interval is the point (scipy would warn about precision)
+    ci = stats.ttest_1samp(v, 0.0).confidence_interval(confidence)
+    return m, float(ci.low), float(ci.high)
+
+# %% ../nbs/08_report.ipynb #2304505e
+def interval_text(mean: float, low: float | None, high: float | None, n: int,
+                  fmt: str = '{:+.2%}', # how one number is written
+                  point: bool = True, # False: only the interval ('lo .. hi'), for a table with the point in its own column
+                 ) -> str:
+    "'+1.20% (95% CI -0.40% .. +2.80%, 3 seeds)'; one seed: '+1.20% (1 seed: needs >= 2 seeds)'; no value: 'n/a'."
+    if not n or mean is None or pd.isna(mean): return 'n/a'
+    lo_hi = None if low is None else f'{fmt.format(low)} .. {fmt.format(high)}'
+    if not point: return lo_hi or 'needs >= 2 seeds'
+    return fmt.format(mean) + (f' (95% CI {lo_hi}, {n} seeds)' if lo_hi else f' ({n} seed: needs >= 2 seeds)')
+
+# %% ../nbs/08_report.ipynb #282d6880
 @dataclass
 class Comparison:
-    "Paired relative difference (a / b - 1) of a metric between two variants over common seeds."
+    "A paired comparison of `metric` between `a` and `b` over common seeds: per-seed differences, their mean and 95% interval."
     metric: str
     a: str
     b: str
@@ -124,28 +148,77 @@ class Comparison:
     mean: float
     low: float | None # 95% t-interval over seeds; None with fewer than 2 seeds
     high: float | None
+    relative: bool = True # a / b - 1 (else a - b)
     @property
     def n(self) -> int: return len(self.per_seed)
     @property
     def resolvable(self) -> bool: return self.low is not None and (self.low > 0 or self.high < 0)
-    def __str__(self):
-        ci = f'95% CI {self.low:+.2%} .. {self.high:+.2%}, {self.n} seeds' if self.low is not None else f'{self.n} seed: no interval, needs >= 2 seeds'
-        return f"{self.metric}: {self.a} vs {self.b} {self.mean:+.2%} ({ci})"
+    def text(self, fmt: str | None = None) -> str:
+        "The difference and its interval (`interval_text`): percent for a relative comparison."
+        return interval_text(self.mean, self.low, self.high, self.n, fmt or ('{:+.2%}' if self.relative else '{:+.4g}'))
+    def __str__(self): return f"{self.metric}: {self.a} vs {self.b} {self.text()}"
 
-def compare(runs: pd.DataFrame, a: str, b: str, metric: str = 'best_val_ppl') -> Comparison | None:
+# %% ../nbs/08_report.ipynb #91e024cb
+def paired(a: pd.Series, b: pd.Series, # per-seed values (index: seed) of the two sides
+           metric: str = '', a_name: str = 'a', b_name: str = 'b', relative: bool = True) -> Comparison | None:
+    "The paired comparison of two per-seed series over their common seeds; None when they share none."
+    d = ((a / b - 1) if relative else (a - b)).dropna()
+    if d.empty: return None
+    mean, low, high = t_interval(d)
+    return Comparison(metric, a_name, b_name, {int(k): float(v) for k, v in d.items()}, mean, low, high, relative)
+
+def compare(runs: pd.DataFrame, a: str, b: str, metric: str = 'best_val_ppl', relative: bool = True) -> Comparison | None:
     "Paired comparison of `metric` between variants `a` and `b` over their common completed seeds."
     ok = runs[(runs.status == 'completed') & runs.variant.isin([a, b])]
     if metric not in ok: return None
     piv = ok.pivot_table(index='seed', columns='variant', values=metric)
     if a not in piv or b not in piv: return None
-    rel = (piv[a] / piv[b] - 1).dropna()
-    if rel.empty: return None
-    m = float(rel.mean())
-    per_seed = {int(k): float(v) for k, v in rel.items()}
-    if len(rel) < 2: return Comparison(metric, a, b, per_seed, m, None, None)
-    from scipy import stats  # imported here: training processes load this module but never compare
-    half = float(stats.t.ppf(0.975, len(rel) - 1) * rel.std(ddof=1) / math.sqrt(len(rel)))
-    return Comparison(metric, a, b, per_seed, m, m - half, m + half)
+    return paired(piv[a], piv[b], metric, a, b, relative)
+
+# %% ../nbs/08_report.ipynb #0f5d0677
+def threshold_verdict(c: Comparison | None, # a paired comparison (None: no data)
+                      limit: float, # the threshold on the difference
+                      below: bool = True, # True: the hypothesis says the difference is below `limit`
+                     ) -> str:
+    "'supported', 'rejected' or 'inconclusive' when the 95% interval lies on one side of `limit` or straddles it."
+    if c is None: return 'no data'
+    if c.n < 2: return 'inconclusive (needs >= 2 seeds)'
+    if below: return 'supported' if c.high < limit else 'rejected' if c.low >= limit else 'inconclusive'
+    return 'supported' if c.low >= limit else 'rejected' if c.high < limit else 'inconclusive'
+
+def difference_verdict(c: Comparison | None, none: str = 'no resolvable difference') -> str:
+    "Which side of a paired comparison is lower ('<a> lower' / '<b> lower'), or `none` when the interval holds zero."
+    if c is None: return 'no data'
+    if c.n < 2: return 'needs >= 2 seeds'
+    return f'{c.a} lower' if c.high < 0 else f'{c.b} lower' if c.low > 0 else none
+
+# %% ../nbs/08_report.ipynb #e5ca1ca6
+def mean_sd(m, s, fmt: str = '{:.3f}', scale: float = 1.0, unit: str = '', missing: str = '') -> str:
+    "'m ± s' for people: the spread only where there is one (two or more seeds); `missing` without a value."
+    if m is None or pd.isna(m): return missing
+    return fmt.format(m * scale) + unit + (f' ± {fmt.format(s * scale)}{unit}' if s is not None and pd.notna(s) else '')
+
+PEOPLE_FORMATS = {'best_val_ppl': '{:.3f}', 'val_ppl': '{:.3f}', 'recall_acc': '{:.1%}', 'tokens_per_s': '{:,.0f}',
+                  'params_trainable': '{:,.0f}', 'params_total': '{:,.0f}'}
+
+def people_number(v, column: str) -> str:
+    "`v` written for people as column `column` is (`PEOPLE_FORMATS`; text as it is); '' without a value."
+    if v is None or (isinstance(v, float) and math.isnan(v)): return ''
+    f = PEOPLE_FORMATS.get(column)
+    return f.format(v) if f and isinstance(v, (int, float, np.number)) else str(v)
+
+# %% ../nbs/08_report.ipynb #9eec8cc4
+def people_table(vt: pd.DataFrame) -> pd.DataFrame:
+    "`variant_table` for people (the console summary): runs done, PPL and recall as mean ± sd, tokens/s and parameters."
+    out = pd.DataFrame(index=vt.index)
+    out['runs done'] = [f'{c}/{r}' for c, r in zip(vt['completed'], vt['runs'])]
+    if 'val_ppl_mean' in vt: out['best val PPL'] = [mean_sd(m, s) for m, s in zip(vt.val_ppl_mean, vt.val_ppl_std)]
+    if 'recall_acc_mean' in vt:
+        out['recall'] = [mean_sd(m, s, '{:.1f}', 100, '%') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
+    if 'tokens_per_s_mean' in vt: out['tokens/s'] = [people_number(m, 'tokens_per_s') for m in vt.tokens_per_s_mean]
+    if 'params_trainable' in vt: out['trainable params'] = [people_number(p, 'params_trainable') for p in vt.params_trainable]
+    out.index.name = None
+    return out
 
 # %% ../nbs/08_report.ipynb #1513d976
 METRIC_LABELS = {'val_ppl': 'validation perplexity', 'val_loss': 'validation loss (nats/token)',
@@ -167,7 +240,7 @@ def variant_colors(variants) -> dict[str, str]:
     return {v: matplotlib.colors.to_hex(cols[k]) for k, v in enumerate(names)}
 
 # %% ../nbs/08_report.ipynb #2a816da3
-def _value_ticks(axis, lo: float, hi: float, n: int = 5):
+def log_ticks(axis, lo: float, hi: float, n: int = 5):
     "Log-axis ticks at `n` values spread over [lo, hi] (two significant digits), labelled as plain numbers."
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
     ticks = sorted({float(f'{v:.2g}') for v in np.geomspace(lo, hi, n)}) if hi > lo else [float(f'{lo:.3g}')]
@@ -196,7 +269,7 @@ def plot_curves(curves: pd.DataFrame, metric: str = 'val_ppl', x: str = 'step', 
                  **(dict(units='seed', estimator=None) if per_seed else dict(errorbar='sd')))
     vals = df[metric].to_numpy(float); vals = vals[np.isfinite(vals) & (vals > 0)]
     if len(vals) and (logy is True or (logy == 'auto' and vals.max() > 10 * vals.min())):
-        ax.set_yscale('log'); _value_ticks(ax.yaxis, vals.min(), vals.max())
+        ax.set_yscale('log'); log_ticks(ax.yaxis, vals.min(), vals.max())
     if x == 'tokens': ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())
     ax.set_xlabel(axis_label(x)); ax.set_ylabel(axis_label(metric))
     return ax
@@ -389,9 +462,8 @@ def smooth_curves(curves: pd.DataFrame, metric: str, weight: float = 0.0) -> pd.
     out.loc[ok, metric] = out[ok].groupby(['variant', 'seed'])[metric].transform(lambda s: s.ewm(alpha=1 - weight, adjust=False).mean())
     return out
 
-EXPLORER_COLUMNS = {'variant': ('variant', str), 'seed': ('seed', str), 'status': ('status', str),
-                    'best_val_ppl': ('best val PPL', '{:.3f}'.format), 'recall_acc': ('recall', '{:.1%}'.format),
-                    'tokens_per_s': ('tokens/s', '{:,.0f}'.format), 'error': ('error', str)}
+EXPLORER_COLUMNS = {'variant': 'variant', 'seed': 'seed', 'status': 'status', 'best_val_ppl': 'best val PPL',
+                    'recall_acc': 'recall', 'tokens_per_s': 'tokens/s', 'error': 'error'}
 
 def explorer_table(runs: pd.DataFrame, variants=None, seeds=None) -> str:
     "HTML table of the selected runs with numbers for people: PPL to 3 decimals, recall in %, tokens/s with separators, empty cells where a run has no value (escaped)."
@@ -399,8 +471,7 @@ def explorer_table(runs: pd.DataFrame, variants=None, seeds=None) -> str:
     sel = sel if seeds is None else sel[sel.seed.isin(list(seeds))]
     if not len(sel): return '<i>no runs selected</i>'
     cols = [c for c in EXPLORER_COLUMNS if c in sel]
-    shown = pd.DataFrame({EXPLORER_COLUMNS[c][0]: [('' if v is None or (isinstance(v, float) and math.isnan(v)) else EXPLORER_COLUMNS[c][1](v))
-                                                    for v in sel[c]] for c in cols})
+    shown = pd.DataFrame({EXPLORER_COLUMNS[c]: [people_number(v, c) for v in sel[c]] for c in cols})
     return shown.to_html(index=False, escape=True)
 
 class RunExplorer:

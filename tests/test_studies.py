@@ -147,7 +147,7 @@ def test_pca_recovery_from_run_directories(tmp_path):
     assert gaps.loc[8, 'recovered vs baseline'] == pytest.approx(0.5) and gaps.loc[8, '95% CI vs baseline'] == 'needs >= 2 seeds'
     assert gaps.loc[64, 'note'] == 'no seed with completed PCA and PCA + LoRA runs'  # the failed run's k comes from the plan
     assert recovery_verdict(gaps) == ('**Against the baseline (PCA + LoRA trained its fine-tuning steps on top of it: not matched in compute), '
-                                      'PCA + LoRA recovers part of the gap at k=8 (50%, one seed: needs >= 2 seeds for an interval).**')
+                                      'PCA + LoRA recovers part of the gap at k=8: 50% (1 seed: needs >= 2 seeds).**')
     assert ppl_table(table).loc['PCA + LoRA', 'k=64'] == 'failed'
 
 
