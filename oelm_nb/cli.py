@@ -11,9 +11,10 @@ from pathlib import Path
 from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
-__all__ = ['add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'convergence_text', 'study_plan', 'cluster_config', 'cmd_run', 'cmd_status', 'cmd_report', 'cmd_sample',
-           'cmd_export', 'cmd_bench', 'study_variants_text', 'add_study_parser', 'build_parser', 'main']
+__all__ = ['RETIRED_FLAGS', 'add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train',
+           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'cmd_run', 'cmd_status',
+           'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'study_variants_text', 'add_study_parser',
+           'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -227,6 +228,16 @@ def cmd_bench(args) -> int:
     return 0
 
 # %% ../nbs/10_cli.ipynb #993527e0
+RETIRED_FLAGS = {  # one meaning per flag across every `oelm run STUDY`: old spellings are refused, naming the new one
+    '--parallel': "--parallel meant two things and is gone: write --concurrent to run GPU sets at once, "
+                  "or, for `oelm run cvfp`, --phase1 parallel for Phase 1's parallel version",
+    '--sequential': "--sequential is now --phase1 sequential (`oelm run cvfp`: Phase 1's sequential version)"}
+
+class _Retired(argparse.Action):
+    "A flag that no longer exists: refused with a message that names its replacement."
+    def __init__(self, option_strings, dest, **kw): super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS)
+    def __call__(self, parser, namespace, values, option_string=None): parser.error(RETIRED_FLAGS[option_string])
+
 def _positive(text: str) -> int:
     n = int(text)
     if n < 1: raise argparse.ArgumentTypeError(f'{text} is not a positive integer')
@@ -257,8 +268,7 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--seeds', type=_non_negative, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
     r.add_argument('--steps', type=_positive, default=None, help="optimizer steps per run (default: the study's for the preset)")
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun; default: none, on the CPU or the one visible device)")
-    conc = ['--concurrent'] if 'parallel' in study.options else ['--parallel', '--concurrent']
-    r.add_argument(*conc, dest='concurrent', action='store_true', help='run GPU sets concurrently (default: one set after another)')
+    r.add_argument('--concurrent', action='store_true', help='run GPU sets concurrently (default: one set after another)')
     r.add_argument('--jobs', type=_positive, default=None, help='concurrent CPU runs when no GPUs are given (default: 1); '
                    'with --backend slurm, jobs kept in the queue at once (default: 64)')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
@@ -286,6 +296,9 @@ def add_study_parser(sub, study, presets):
         for flag, kw in study.options.items():
             kw = dict(kw); flags = kw.pop('flags', None) or ['--' + flag.replace('_', '-')]
             g.add_argument(*flags, dest=f'opt_{flag}', **{'default': None, **kw})
+    taken = {f for a in r._actions for f in a.option_strings}
+    for flag in RETIRED_FLAGS:
+        if flag not in taken: r.add_argument(flag, action=_Retired)
     r.set_defaults(fn=cmd_run)
     return r
 

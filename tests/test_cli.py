@@ -205,3 +205,14 @@ def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path)
     assert study_plan(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
     r = run_oelm('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
     assert r.returncode == 2 and "unknown ['tensorbord']" in r.stderr and not (tmp_path / 'b').exists()
+
+
+@pytest.mark.parametrize('study', ['qk-freeze', 'pca', 'cvfp', 'mercator'])
+def test_one_meaning_per_flag_the_old_spellings_are_refused_naming_the_new(study, capsys):
+    "`--parallel` meant 'GPU sets at once' in three studies and 'Phase 1's parallel version' in CVFP: refused everywhere."
+    from oelm_nb.cli import build_parser
+    for flag, new in (('--parallel', '--concurrent'), ('--sequential', '--phase1 sequential')):
+        with pytest.raises(SystemExit) as e: build_parser().parse_args(['run', study, flag])
+        assert e.value.code == 2 and new in capsys.readouterr().err
+    args = build_parser().parse_args(['run', study, '--concurrent'])
+    assert args.concurrent is True
