@@ -311,21 +311,21 @@ def _timed_step(model, opt, x, y, device, amp) -> float:
     sync(); return time.perf_counter() - t0
 
 # %% ../nbs/09_bench.ipynb #e0e131ff
-def _rss_probe(study, preset, variant, block_size, overrides, batch_size, dtype) -> int | None:
+def _rss_probe(variant: str, cfg: ModelConfig, batch_size: int, dtype: str) -> int | None:
     "Run in a fresh process: two training steps of one entry; the peak resident set size during them."
     dev = torch.device('cpu'); amp = autocast_dtype(dev, dtype)
-    m = _build(variant, _bench_config(study, preset, variant, block_size, overrides), dev)
+    m = _build(variant, cfg, dev)
     opt = build_optimizer(m, TrainConfig(lr=1e-4))
     reset_peak_rss()  # count from here: interpreter, torch and the model resident, import spikes forgotten
     for i in range(2): _timed_step(m, opt, *_step_inputs(m, batch_size, dev, seed=i), dev, amp)
     return peak_rss_bytes()
 
-def cpu_peak_memory(study, preset, variant, block_size, overrides, batch_size, dtype) -> int | None:
+def cpu_peak_memory(variant: str, cfg: ModelConfig, batch_size: int, dtype: str) -> int | None:
     "Peak RSS of a fresh process that trains only this entry (spawned, so other entries' memory does not count)."
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn')) as ex:
-        try: return ex.submit(_rss_probe, study, preset, variant, block_size, overrides, batch_size, dtype).result()
+        try: return ex.submit(_rss_probe, variant, cfg, batch_size, dtype).result()
         except BrokenProcessPool:  # a multiprocessing.Pool would wait forever for a worker the kernel killed
             raise ConfigError(f'the process measuring the peak memory of {variant!r} at batch_size={batch_size} died '
                               '(killed by the system, most likely out of memory): lower --batch-size or --block-size, '
@@ -420,7 +420,7 @@ def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size
             if i >= warmup: times[v, d].append(dt)
         if log: log(f'[bench] round {i + 1}/{warmup + steps}: ' + ', '.join(f'{v}/{d} {times[v, d][-1] if times[v, d] else 0:.3f}s' for v, d in entries))
     if dev.type == 'cpu' and memory:
-        mem = {(v, d): cpu_peak_memory(study, preset, v, block_size, overrides, batch_size, d) for v, d in entries}
+        mem = {(v, d): cpu_peak_memory(v, cfgs[v], batch_size, d) for v, d in entries}
     return [_row(e, entries[0], times, counts[e[0]], batch_size * cfgs[e[0]].block_size, peaks[e[1]],
                  mem[e] if (dev.type == 'cuda' or memory) else None, reference) for e in entries]
 

@@ -19,10 +19,10 @@ from .data import prepare_data, load_split, load_tokenizer, read_meta, data_code
 from .rundir import run_lock, check_same_run, fingerprint, child_env, run_name, parse_run_name, read_json, write_json
 
 # %% auto #0
-__all__ = ['Overrides', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings',
-           'run_identity', 'RunSpec', 'Variant', 'Study', 'apply_overrides', 'train_settings', 'resolve_spec',
-           'utc_now', 'provenance', 'record_provenance', 'write_summary', 'generate_samples', 'sample_prompts',
-           'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run']
+__all__ = ['Overrides', 'STUDIES', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings',
+           'run_identity', 'RunSpec', 'Variant', 'Study', 'register_study', 'get_study', 'apply_overrides',
+           'train_settings', 'resolve_spec', 'utc_now', 'provenance', 'record_provenance', 'write_summary',
+           'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run']
 
 # %% ../nbs/06_experiment.ipynb #172d917b
 @dataclass
@@ -33,10 +33,6 @@ class NoSettings(ConfigBase):
 def run_identity(study: str, variant: str, preset: str, seed: int) -> dict:
     "The block every `summary.json` starts from: which study, variant, preset and seed the run is."
     return {'study': study, 'variant': variant, 'preset': preset, 'seed': seed}
-
-def _study(name: str) -> 'Study':
-    from oelm_nb.studies import get_study  # the registry imports every study chapter, which import this one
-    return get_study(name)
 
 # %% ../nbs/06_experiment.ipynb #2a65ca13
 @dataclass
@@ -58,13 +54,14 @@ class RunSpec(ConfigBase):
                 'settings': self.settings.to_dict()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> 'RunSpec':
+    def from_dict(cls, d: dict, study: 'Study | None' = None) -> 'RunSpec':
+        "The RunSpec of dict `d`; its settings typed by `study` (default: the registered study `d['study']` names)."
         if 'extra' in d: raise ConfigError("RunSpec.extra is now RunSpec.settings, a typed class per study; rename the key (and extra.X overrides to settings.X)")
         unknown = sorted(set(d) - set(cls.field_names()))
         if unknown: raise ConfigError(f"RunSpec has no field(s) {unknown}; valid fields: {cls.field_names()}")
         missing = [k for k in ('model', 'train', 'data', 'out_dir') if k not in d]
         if missing: raise ConfigError(f"RunSpec is missing {missing}")
-        settings = _study(d.get('study', 'qk-freeze')).make_settings(d.get('settings'))
+        settings = (study or get_study(d.get('study', 'qk-freeze'))).make_settings(d.get('settings'))
         return cls(model=ModelConfig.from_dict(d['model']), train=TrainConfig.from_dict(d['train']), data=DataConfig.from_dict(d['data']),
                    settings=settings, **{k: d[k] for k in ('out_dir', 'data_dir', 'study', 'name', 'preset') if k in d})
 
@@ -114,6 +111,22 @@ class Study:
     report: str | None = None # report notebook, relative to nbs/
     verdicts: Callable | None = None # runs table (`report.load_runs`) -> verdict table for the console summary
     after_batch: Callable | None = None # (batch_dir, preset, completed variants, overrides, log) -> None: a measurement when a batch ends
+    load_model: Callable | None = None # (spec, find_checkpoint) -> (model, checkpoint dir), or None for a plain GPT: how sample/export rebuild a run's model
+
+# %% ../nbs/06_experiment.ipynb #a04ec12a
+STUDIES: dict[str, Study] = {}  # the studies this process knows, by name (`register_study`)
+
+def register_study(study: Study) -> Study:
+    "Make `study` known by its name (to `get_study`, `resolve_spec` and `RunSpec.from_dict`); returns it."
+    STUDIES[study.name] = study
+    return study
+
+def get_study(name: str) -> Study:
+    "The registered study called `name`; an unknown name lists the known ones."
+    if name not in STUDIES:
+        hint = '' if STUDIES else " (none is registered: `import oelm_nb.studies` registers the package's studies)"
+        raise ConfigError(f"unknown study {name!r}; choose from {list(STUDIES)}{hint}")
+    return STUDIES[name]
 
 # %% ../nbs/06_experiment.ipynb #052e7416
 @patch
@@ -189,7 +202,7 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
                  data_dir: str | None = None, overrides: dict | None = None, data_vocab: int | None = None,
                  options: dict | None = None) -> RunSpec:
     "Build the `RunSpec` of (study, variant, preset, seed) with optional step count, study flags and dotted overrides."
-    st = _study(study) if isinstance(study, str) else study
+    st = get_study(study) if isinstance(study, str) else study
     if preset not in PRESETS: raise ConfigError(f"unknown preset {preset!r}; choose from {list(PRESETS)}")
     train = train_settings(st, preset, seed, steps)
     var = st.variant(variant, preset, train.get('max_steps', TrainConfig().max_steps), options)
@@ -200,7 +213,7 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
     d = {'model': mdict, 'train': train, 'data': {**st.data.get(preset, {}), 'source': data},
          'out_dir': str(out_dir), 'data_dir': data_dir, 'study': st.name, 'name': variant, 'preset': preset, 'settings': {}}
     d = apply_overrides(d, {**var.overrides, **(overrides or {})})
-    return RunSpec.from_dict(d)
+    return RunSpec.from_dict(d, st)
 
 # %% ../nbs/06_experiment.ipynb #29b79c5c
 COMMAND_ENV = 'OELM_COMMAND' # the batch runner's command line, for the runs it starts

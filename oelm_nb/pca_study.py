@@ -21,7 +21,7 @@ from .train import Trainer, evaluate, load_weights
 from .freeze import param_report
 from .report import compare, t_interval, interval_text
 from .pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_, pca_factorize,
-                         save_pca_mats, apply_lora, merge_lora, unmerge_lora)
+                         save_pca_mats, apply_lora, merge_lora, unmerge_lora, attach_scale_layers_)
 
 # %% auto #0
 __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_METHOD_LABELS', 'GAP_TOL',
@@ -29,7 +29,7 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
            'pca_variants', 'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k',
            'method_means', 'ppl_table', 'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references',
            'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff',
-           'pca_verdicts']
+           'load_pca_model', 'pca_verdicts']
 
 # %% ../nbs/11a_pca_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -468,6 +468,20 @@ def plot_tradeoff(runs: pd.DataFrame):
         ax.set_xscale('log'); ax.set_yscale('log'); ax.set_xlabel(name); ax.set_ylabel('validation PPL'); ax.legend()
     return fig
 
+# %% ../nbs/11a_pca_study.ipynb #1972c0c6
+def load_pca_model(spec: RunSpec, find_checkpoint) -> tuple[GPT, Path]:
+    "A PCA-study run's model and checkpoint dir: PCA-only from its baseline, PCA + LoRA with its adapters, others as trained."
+    s = spec.settings
+    if s.method == 'pca':  # evaluated only, no checkpoint: the baseline's, cut to k again
+        base, ckpt = load_baseline(spec)
+        return pca_factorize(base, spec.model.wte_dim), ckpt
+    ckpt, model = find_checkpoint(), GPT(spec.model, init_seed=0)
+    if s.method == 'pca-lora':  # the adapters must exist before their weights load
+        if not spec.model.factorized: attach_scale_layers_(model)  # k = n_embd: pca_factorize attached them
+        apply_lora(model, s.lora_targets, s.lora_rank, s.lora_alpha, s.lora_dropout)
+    load_weights(model, ckpt, 'model')
+    return model, ckpt
+
 # %% ../nbs/11a_pca_study.ipynb #231bb5ce
 def pca_verdicts(runs: pd.DataFrame) -> pd.DataFrame:
     "The console's verdict table: one row per (k, reference) with the recovery class and its evidence."
@@ -483,6 +497,7 @@ def pca_verdicts(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).T
 
 PCA_STUDY = Study(
+    load_model=load_pca_model,
     name='pca',
     description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, against the baseline and the baseline continued (the PCA document)',
     settings=PCASettings,

@@ -92,9 +92,9 @@ def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: d
     from oelm_nb.bench import bench
     order = sorted(dict.fromkeys(variants), key=lambda v: v != 'oelm')  # ratios are relative to the first: oelm (H3)
     if len(order) < 2: return None
-    spec = resolve_spec('qk-freeze', order[0], preset, 0, None, overrides=overrides)
+    spec = resolve_spec(QK_FREEZE, order[0], preset, 0, None, overrides=overrides)
     log(f"[oelm run] timing {', '.join(order)} interleaved in one process ({steps} rounds after {warmup} warm-up) for H3")
-    rows = bench(preset, order, steps, warmup, batch_size=spec.train.batch_size, reference=False, overrides=overrides,
+    rows = bench(preset, order, steps, warmup, batch_size=spec.train.batch_size, reference=False, overrides=overrides, study=QK_FREEZE,
                  dtypes=(spec.train.dtype,), memory=False)
     (Path(batch_dir) / 'timing.json').write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return load_timing(batch_dir)

@@ -10,6 +10,7 @@ from .core import ConfigError
 from .device import pick_device
 from .model import GPT
 from .experiment import RunSpec
+from .studies import get_study
 from .train import list_checkpoints, load_weights, read_checkpoint_meta
 from .data import data_codec
 
@@ -58,19 +59,13 @@ def load_run_model(run_dir, # one run's directory
     if spec.study == 'cvfp' and spec.name not in ('embed',):
         raise ConfigError(f"{run_dir} is a CVFP run ({spec.name}): its model is a context block and a token block, not a GPT that "
                           "samples text; sample the batch's embedding run instead (embed-s<seed>)")
-    s = spec.settings
-    if spec.study == 'pca' and getattr(s, 'method', None) == 'pca':  # evaluated only, no checkpoint: the baseline's, cut to k again
-        from oelm_nb.pca import pca_factorize
-        from oelm_nb.pca_study import load_baseline
-        base, ckpt = load_baseline(spec)
-        return pca_factorize(base, spec.model.wte_dim).to(pick_device(device)).eval(), spec, ckpt
-    ckpt = find_checkpoint(run_dir, checkpoint)
-    model = GPT(spec.model, init_seed=0)
-    if getattr(s, 'method', None) == 'pca-lora':  # the adapters must exist before their weights load
-        from oelm_nb.pca import apply_lora, attach_scale_layers_
-        if not spec.model.factorized: attach_scale_layers_(model)  # k = n_embd: pca_factorize attached them
-        apply_lora(model, s.lora_targets, s.lora_rank, s.lora_alpha, s.lora_dropout)
-    load_weights(model, ckpt, 'model')
+    hook = get_study(spec.study).load_model  # a study whose runs are not a plain GPT says how to rebuild them
+    found = hook(spec, lambda: find_checkpoint(run_dir, checkpoint)) if hook else None
+    if found is None:
+        ckpt = find_checkpoint(run_dir, checkpoint)
+        model = GPT(spec.model, init_seed=0)
+        load_weights(model, ckpt, 'model')
+    else: model, ckpt = found
     return model.to(pick_device(device)).eval(), spec, ckpt
 
 # %% ../nbs/15_sample.ipynb #a44461fe

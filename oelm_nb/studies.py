@@ -5,7 +5,7 @@
 # %% ../nbs/14_studies.ipynb #14fb3bde
 from __future__ import annotations
 from .core import ConfigError
-from .experiment import Study
+from .experiment import Study, STUDIES, get_study, register_study
 from .qk_freeze import QK_FREEZE
 from .pca_study import PCA_STUDY
 from .cvfp_study import CVFP_STUDY
@@ -15,9 +15,5 @@ from .mercator_study import MERCATOR_STUDY
 __all__ = ['STUDIES', 'get_study']
 
 # %% ../nbs/14_studies.ipynb #c4f191fa
-STUDIES: dict[str, Study] = {s.name: s for s in (QK_FREEZE, PCA_STUDY, CVFP_STUDY, MERCATOR_STUDY)}
-
-def get_study(name: str) -> Study:
-    "The study called `name`."
-    if name not in STUDIES: raise ConfigError(f"unknown study {name!r}; choose from {list(STUDIES)}")
-    return STUDIES[name]
+_all_ = ['STUDIES', 'get_study']  # the registry lives in oelm_nb.experiment; this module fills it
+for _s in (QK_FREEZE, PCA_STUDY, CVFP_STUDY, MERCATOR_STUDY): register_study(_s)
