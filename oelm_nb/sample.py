@@ -10,7 +10,7 @@ from .core import ConfigError
 from .device import pick_device
 from .model import GPT
 from .experiment import RunSpec
-from .train import list_checkpoints, load_weights, read_checkpoint_meta
+from .checkpoint import list_checkpoints, load_weights, read_checkpoint_meta
 from .data import data_codec
 
 # %% auto #0
