@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 # %% auto #0
-__all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'ConfigBase', 'ModelConfig', 'TrainConfig',
-           'DataConfig']
+__all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'DataError', 'ConfigBase', 'ModelConfig',
+           'TrainConfig', 'DataConfig']
 
 # %% ../nbs/00_core.ipynb #f0c64d3e
 class ConfigError(ValueError):
@@ -27,6 +27,10 @@ def check(ok: bool, # the condition that must hold
          ):
     "Raise `ConfigError` naming `cls.name=value` and the fix unless `ok`."
     if not ok: raise ConfigError(f"{cls}.{name}={value!r} is invalid: {fix}")
+
+# %% ../nbs/00_core.ipynb #bcc4ee11
+class DataError(ValueError):
+    "A data source or file is wrong: the message names the file, the problem and the fix."
 
 # %% ../nbs/00_core.ipynb #64e8c7da
 class ConfigBase:

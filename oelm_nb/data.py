@@ -15,22 +15,19 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
-from .core import DataConfig
+from .core import DataConfig, DataError
 from .stories import NAMES, WORDS, Story, generate_stories, make_names, synthetic_splits
 
-_all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic_splits']  # the story corpus, re-exported
+_all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic_splits',  # the story corpus,
+         'DataError']  # and core's DataError (torch-free readers raise it too), re-exported
 
 # %% auto #0
-__all__ = ['EOT', 'GPT2_FILES', 'SPLITS', 'TINYSTORIES', 'FORMAT', 'GPT2_VOCAB_SIZES', 'DataError', 'BPETokenizer',
-           'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer', 'token_dtype', 'recall_positions', 'split_at_eot',
-           'read_documents', 'load_tinystories', 'unigram_ppl', 'prepare_data', 'PlainUnpickler', 'read_nanogpt_meta',
-           'TokenData', 'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'gsm8k_number',
-           'gsm8k_correct', 'gsm8k_sample', 'write_gsm8k_sample', 'NAMES', 'WORDS', 'Story', 'generate_stories',
-           'make_names', 'synthetic_splits']
-
-# %% ../nbs/04_data.ipynb #0ad88a93
-class DataError(ValueError):
-    "A data source or file is wrong: the message names the file, the problem and the fix."
+__all__ = ['EOT', 'GPT2_FILES', 'SPLITS', 'TINYSTORIES', 'FORMAT', 'GPT2_VOCAB_SIZES', 'BPETokenizer', 'TiktokenTokenizer',
+           'gpt2_tokenizer', 'load_tokenizer', 'token_dtype', 'recall_positions', 'split_at_eot', 'read_documents',
+           'load_tinystories', 'unigram_ppl', 'prepare_data', 'PlainUnpickler', 'read_nanogpt_meta', 'TokenData',
+           'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'gsm8k_number', 'gsm8k_correct',
+           'gsm8k_sample', 'write_gsm8k_sample', 'NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names',
+           'synthetic_splits', 'DataError']
 
 # %% ../nbs/04_data.ipynb #c2c02220
 EOT = '<|endoftext|>'

@@ -12,7 +12,7 @@ from .core import ConfigError
 from .model import GPT
 from .pca import TanhGELUMLP, lora_modules, merge_lora, _no_scale_layers
 from .sample import load_run_model, run_codec
-from .train import read_checkpoint_meta
+from .checkpoint import read_checkpoint_meta
 
 # %% auto #0
 __all__ = ['EXPORT_FORMATS', 'linear_parts', 'norm_parts', 'activation', 'check_exportable', 'merged_copy', 'hf_config',

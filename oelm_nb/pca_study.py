@@ -17,7 +17,8 @@ from .device import pick_device, autocast_dtype, set_seed
 from .experiment import (RunSpec, Study, Variant, train_run, prepare_run, run_samples, write_summary, TRAIN_PRESETS, DATA_PRESETS)
 from .rundir import read_json, write_json, run_name
 from .model import GPT, PRESETS, model_config
-from .train import Trainer, evaluate, load_weights
+from .train import Trainer, evaluate
+from .checkpoint import load_weights
 from .freeze import param_report
 from .report import compare, t_interval, interval_text
 from .pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_, pca_factorize,

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 from scipy import stats
 
 from .rundir import read_json, parse_run_name, run_name
-from .train import read_metrics
+from .metrics import read_metrics
 from .rundir import flatten
 
 # %% auto #0

@@ -17,10 +17,10 @@ from .core import ConfigError
 
 # %% auto #0
 __all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'ABSENT_WHEN_DEFAULT', 'fsync_dir',
-           'write_atomic', 'write_json', 'read_json', 'RunLocked', 'this_process', 'pid_alive', 'is_alive',
-           'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env', 'watch_holder', 'die_with_parent',
-           'run_lock', 'run_name', 'parse_run_name', 'flatten', 'identity_fields', 'fingerprint', 'config_diff',
-           'describe_diff', 'RunMismatch', 'recorded_config', 'check_same_run']
+           'write_atomic', 'write_json', 'read_json', 'RecoveryWarning', 'RunLocked', 'this_process', 'pid_alive',
+           'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env', 'watch_holder',
+           'die_with_parent', 'run_lock', 'run_name', 'parse_run_name', 'flatten', 'identity_fields', 'fingerprint',
+           'config_diff', 'describe_diff', 'RunMismatch', 'recorded_config', 'check_same_run']
 
 # %% ../nbs/05a_rundir.ipynb #5b61ccf4
 def fsync_dir(path: Path):
@@ -47,6 +47,10 @@ def read_json(path) -> dict | list | None:
     "The JSON in file `path`; None when it is missing, unreadable or not JSON (the caller validates what it gets)."
     try: return json.loads(Path(path).read_text())
     except (OSError, ValueError): return None
+
+# %% ../nbs/05a_rundir.ipynb #1386ee5b
+class RecoveryWarning(UserWarning):
+    "Something an interrupted run left behind (a cut-off metrics line, a damaged checkpoint) was dropped or set aside."
 
 # %% ../nbs/05a_rundir.ipynb #517d92f7
 LOCK_FILE, HOLDER_FILE, WORKERS_FILE = '.lock', '.lock.json', '.lock-workers.jsonl'

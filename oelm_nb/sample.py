@@ -11,7 +11,7 @@ from .device import pick_device
 from .model import GPT
 from .experiment import RunSpec
 from .studies import get_study
-from .train import list_checkpoints, load_weights, read_checkpoint_meta
+from .checkpoint import list_checkpoints, load_weights, read_checkpoint_meta
 from .data import data_codec
 
 # %% auto #0

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_train.ipynb #103c9165
 from __future__ import annotations
-import errno, inspect, json, math, os, re, shutil, time, statistics, warnings
+import inspect, math, os, time, statistics
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +15,6 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 import torch.distributed as dist
-from safetensors.torch import save_file, load_file, save_model
 from tqdm.auto import tqdm
 from fastcore.basics import patch
 
@@ -23,16 +22,19 @@ from .core import ModelConfig, TrainConfig, ConfigError
 from .device import set_seed, pick_device, autocast_dtype, autocast, precision_note, is_oom
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
-from .data import TokenData, DataError, batch as make_batch
-from .rundir import run_lock, config_diff, describe_diff, RunMismatch, write_atomic, fsync_dir, pid_alive
+from .data import TokenData, batch as make_batch
+from .rundir import run_lock, config_diff, describe_diff, RunMismatch
+from .checkpoint import (CheckpointError, save_checkpoint, list_checkpoints, read_checkpoint, set_aside,
+                                prune_checkpoints, clean_leftovers, _point, _optimizer_from_flat, _set_rng_state)
+from .metrics import MetricsLog
+from .checkpoint import load_weights  # re-exported: chapters 11a, 12a and 13a import it from here
+from .metrics import read_metrics     # re-exported: chapters 08, 12a, 13 and nbs/experiments import it from here
 
 # %% auto #0
 __all__ = ['LossFn', 'LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'lr_at', 'build_optimizer', 'set_lr',
-           'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook', 'evaluate', 'CheckpointError', 'RecoveryWarning',
-           'save_checkpoint', 'list_checkpoints', 'read_checkpoint_meta', 'check_trainer_meta', 'load_weights',
-           'prune_checkpoints', 'clean_leftovers', 'MetricsLog', 'MetricsError', 'read_metrics', 'DistInfo',
-           'init_distributed', 'all_mean', 'TrainingDiverged', 'step_divergence', 'param_rms', 'param_divergence',
-           'TrainingOutOfMemory', 'oom_message', 'Trainer', 'runtime_info', 'copy_task_data']
+           'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook', 'evaluate', 'DistInfo', 'init_distributed',
+           'all_mean', 'TrainingDiverged', 'step_divergence', 'param_rms', 'param_divergence', 'TrainingOutOfMemory',
+           'oom_message', 'Trainer', 'runtime_info', 'copy_task_data']
 
 # %% ../nbs/05_train.ipynb #df8a6e64
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -66,6 +68,7 @@ def _qk_params(model, layer):
     a = attention_layers(model)[layer]
     return [p for p in (a.q_proj.weight, a.k_proj.weight) if isinstance(p, nn.Parameter)]
 
+# %% ../nbs/05_train.ipynb #0811d218
 def set_lr(opt: torch.optim.Optimizer, lr: float):
     "Set every group's learning rate to `lr` times its `lr_scale` (default 1)."
     for g in opt.param_groups: g['lr'] = lr * g.get('lr_scale', 1.0)
@@ -80,6 +83,7 @@ def train_starts(n_tokens: int, block_size: int, batch_size: int, seed: int, ste
     starts = rng.integers(0, high, size=batch_size * world_size)
     return starts[rank * batch_size:(rank + 1) * batch_size]
 
+# %% ../nbs/05_train.ipynb #5216cefb
 def eval_starts(n_tokens: int, block_size: int, count: int) -> np.ndarray:
     "Evenly spaced start offsets of the fixed validation sample."
     high = n_tokens - block_size - 1
@@ -95,6 +99,7 @@ def lm_loss(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
     logits, _ = model(x)
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)), {}
 
+# %% ../nbs/05_train.ipynb #b585301e
 def call_loss_hook(fn: LossFn, model: nn.Module, batch: tuple, step: int) -> tuple[torch.Tensor, dict]:
     "Call a loss hook; a hook with a `step` parameter also gets the optimizer step (for a schedule inside the loss, such as a warm-up)."
     try: takes_step = 'step' in inspect.signature(fn).parameters
@@ -125,280 +130,6 @@ def evaluate(model: nn.Module, data: TokenData, block_size: int, batch_size: int
     if n_recall: out.update(recall_acc=hit / n_recall, recall_n=n_recall)
     return out
 
-# %% ../nbs/05_train.ipynb #887c8d36
-class CheckpointError(RuntimeError):
-    "A checkpoint is missing, unreadable or could not be written: the message names the file, the problem and the fix."
-
-class RecoveryWarning(UserWarning):
-    "Something an interrupted run left behind (a cut-off metrics line, a damaged checkpoint) was dropped or set aside."
-
-def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for idx, st in sd['state'].items():
-        for k, v in st.items():
-            if torch.is_tensor(v): tensors[f'{idx}.{k}'] = v.detach().cpu().contiguous()
-            else: scalars[f'{idx}.{k}'] = v
-    return tensors, {'param_groups': sd['param_groups'], 'scalars': scalars}
-
-def _optimizer_from_flat(tensors: dict, meta: dict) -> dict:
-    state: dict = {}
-    for key, v in tensors.items():
-        idx, k = key.split('.', 1); state.setdefault(int(idx), {})[k] = v
-    for key, v in meta['scalars'].items():
-        idx, k = key.split('.', 1); state.setdefault(int(idx), {})[k] = v
-    return {'state': state, 'param_groups': meta['param_groups']}
-
-# %% ../nbs/05_train.ipynb #890ea64b
-def _rng_state(per_rank: list | None = None) -> dict:
-    st = {'torch_cpu': torch.get_rng_state()}
-    for r, s in enumerate(per_rank or []): st[f'torch_cpu_rank{r}'] = s
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()): st[f'cuda_{i}'] = s
-    return st
-
-def _set_rng_state(st: dict, rank: int = 0):
-    torch.set_rng_state(st.get(f'torch_cpu_rank{rank}', st['torch_cpu']))
-    cuda = [st[k] for k in sorted((k for k in st if k.startswith('cuda_')), key=lambda k: int(k[5:]))]
-    if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
-
-# %% ../nbs/05_train.ipynb #23612124
-_TMP_DIR = re.compile(r'\.tmp-(?:old-)?(?P<name>step_\d+)-(?P<pid>\d+)')  # a checkpoint being written (or an old copy moved aside)
-_TMP_FILE = re.compile(r'\.(?P<name>.+)\.tmp(?P<pid>\d+)')                # a file or link being replaced
-
-def _point(link: Path, target: str):
-    "Atomically make `link` a symlink to `target` (a sibling directory name)."
-    tmp = link.with_name(f'.{link.name}.tmp{os.getpid()}')
-    if tmp.is_symlink() or tmp.exists(): tmp.unlink()
-    os.symlink(target, tmp); os.replace(tmp, link)
-
-# %% ../nbs/05_train.ipynb #8b2d188e
-def _latest_note(ckpt_root: Path) -> str:
-    "Which complete checkpoint `ckpt_root` holds now, in words."
-    cks = list_checkpoints(ckpt_root)
-    return f"the latest complete checkpoint is still {cks[-1]} (step {int(cks[-1].name[5:])})" if cks else f"no complete checkpoint exists in {ckpt_root} yet"
-
-def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], opt: torch.optim.Optimizer | None,
-                    meta: dict, rank_rng: list | None = None) -> Path:
-    "Write checkpoint `step` under `ckpt_root` atomically; returns its directory. A failed write leaves nothing behind."
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    name = f'step_{step:07d}'
-    final, tmp, old = ckpt_root / name, ckpt_root / f'.tmp-{name}-{os.getpid()}', None
-    try:
-        if tmp.exists(): shutil.rmtree(tmp)
-        tmp.mkdir()
-        for key, mod in modules.items(): save_model(mod, str(tmp / f'{key}.safetensors'))
-        if opt is not None:
-            tensors, ometa = _optimizer_to_flat(opt)
-            save_file(tensors, str(tmp / 'optimizer.safetensors')); meta = {**meta, 'optimizer': ometa}
-        save_file(_rng_state(rank_rng), str(tmp / 'rng.safetensors'))
-        write_atomic(tmp / 'meta.json', json.dumps({**meta, 'step': step}, indent=1, default=str))
-        for f in tmp.iterdir():
-            with open(f, 'rb') as fh: os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        if final.exists():  # move the complete old copy aside first: never a half-deleted step_* directory
-            old = ckpt_root / f'.tmp-old-{name}-{os.getpid()}'; os.replace(final, old)
-        os.replace(tmp, final); fsync_dir(ckpt_root)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not final.exists(): os.replace(old, final)  # the rename failed: put the old copy back
-        if not isinstance(e, OSError): raise
-        space = getattr(e, 'errno', None) in (errno.ENOSPC, getattr(errno, 'EDQUOT', -1))
-        fix = f"free disk space in {ckpt_root}" if space else f"check that {ckpt_root} is writable"
-        raise CheckpointError(f"writing the checkpoint of step {step} failed: {e}. Its partial files ({tmp.name}) were removed "
-                              f"and {_latest_note(ckpt_root)}. Fix: {fix} (or set another out_dir) and run again; "
-                              "fit() resumes from that checkpoint") from e
-    if old is not None: shutil.rmtree(old, ignore_errors=True)
-    return final
-
-# %% ../nbs/05_train.ipynb #fb73d49e
-_STEP_DIR = re.compile(r'step_(\d+)')
-
-def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
-
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    "Complete checkpoint directories `step_N` (those with a meta.json), oldest first; temporary and set-aside (`corrupt-*`) directories are ignored."
-    if not ckpt_root.exists(): return []
-    cks = [p for p in ckpt_root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
-    return sorted(cks, key=lambda p: int(p.name[5:]))
-
-def read_checkpoint_meta(ckpt: Path) -> dict:
-    "A checkpoint's meta.json: a JSON object with an integer `step` (else a `CheckpointError` naming the file)."
-    ckpt = Path(ckpt); path = ckpt / 'meta.json'
-    try: meta = json.loads(path.read_text())
-    except FileNotFoundError: raise CheckpointError(f"{ckpt} is not a checkpoint: meta.json is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupt ({e}); resume from an earlier checkpoint") from None
-    if not (isinstance(meta, dict) and _is_int(meta.get('step'))):
-        raise CheckpointError(f"{path} is corrupt: expected a JSON object with an integer 'step', got {str(meta)[:80]}; "
-                              "resume from an earlier checkpoint")
-    return meta
-
-# %% ../nbs/05_train.ipynb #442e4329
-def _is_num(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool)
-def _finite(v) -> bool: return _is_num(v) and math.isfinite(v)
-
-def _optimizer_meta_ok(o) -> bool:
-    return (isinstance(o, dict) and isinstance(o.get('scalars'), dict) and all(re.fullmatch(r'\d+\..+', k) for k in o['scalars'])
-            and isinstance(o.get('param_groups'), list)
-            and all(isinstance(g, dict) and isinstance(g.get('params'), list) and all(map(_is_int, g['params'])) for g in o['param_groups']))
-
-def _divergence_meta_ok(d) -> bool:
-    return (isinstance(d, dict) and isinstance(d.get('recent_losses'), list) and all(map(_finite, d['recent_losses']))
-            and (d.get('ref_rms') is None or (_finite(d['ref_rms']) and d['ref_rms'] >= 0)))
-
-def check_trainer_meta(meta: dict, # a checkpoint's meta.json, as read by `read_checkpoint_meta`
-                       path: Path, # where it was read from (for the message)
-                      ) -> dict:
-    "Check the fields a `Trainer` reads back from meta.json; a `CheckpointError` names the first bad one."
-    best = meta.get('best')
-    rules = [('step', _is_int(meta.get('step')) and meta['step'] >= 0, 'a non-negative integer'),
-             ('tokens', _is_int(meta.get('tokens')) and meta['tokens'] >= 0, 'a non-negative integer'),
-             ('best', isinstance(best, dict) and _is_num(best.get('val_loss')) and (best.get('step') is None or _is_int(best['step'])),
-              "an object {'val_loss': number, 'step': integer or null}")]
-    if 'optimizer' in meta:
-        rules.append(('optimizer', _optimizer_meta_ok(meta['optimizer']),
-                      "an object {'param_groups': [{'params': [integers], ...}], 'scalars': {'<index>.<name>': value}}"))
-    if 'divergence' in meta:
-        rules.append(('divergence', _divergence_meta_ok(meta['divergence']),
-                      "an object {'recent_losses': [finite numbers], 'ref_rms': a finite number >= 0 or null}"))
-    for key, ok, want in rules:
-        if not ok: raise CheckpointError(f"{path}: field {key!r} must be {want}, got {str(meta.get(key, '<missing>'))[:80]}; "
-                                         "the checkpoint is damaged or was not written by a Trainer")
-    m = _STEP_DIR.fullmatch(Path(path).parent.name)
-    if m and int(m[1]) != meta['step']:
-        raise CheckpointError(f"{path}: 'step' is {meta['step']} but the directory is {Path(path).parent.name}; the checkpoint is damaged")
-    return meta
-
-# %% ../nbs/05_train.ipynb #c9e2aac5
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    "Every tensor of a safetensors file, read completely; a `CheckpointError` names the file if it is missing or cut off."
-    if not path.exists(): raise CheckpointError(f"{path} does not exist")
-    try: return load_file(str(path))
-    except Exception as e: raise CheckpointError(f"{path} is unreadable ({e}): it is truncated or damaged") from None
-
-def _match_module(module: nn.Module, tensors: dict, path: Path):
-    "Check that `tensors` (read from `path`) fit `module`: the same names (tied tensors stored once), the same shapes, finite parameters."
-    sd = module.state_dict()
-    stored = {sd[k].data_ptr() for k in tensors if k in sd and sd[k].numel()}
-    missing = sorted(k for k in sd if k not in tensors and not (sd[k].numel() and sd[k].data_ptr() in stored))
-    unexpected = sorted(k for k in tensors if k not in sd)
-    shapes = sorted(f'{k} {tuple(tensors[k].shape)} vs {tuple(sd[k].shape)}' for k in tensors if k in sd and tensors[k].shape != sd[k].shape)
-    if missing or unexpected or shapes:
-        raise CheckpointError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes "
-                              f"(file vs model) {shapes[:3]}; was it saved from another variant or preset?")
-    names = {n for n, _ in module.named_parameters()}
-    bad = [k for k, v in tensors.items() if k in names and v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad: raise CheckpointError(f"{path} holds non-finite weights ({bad[:5]}): a diverged run wrote it; resume from an earlier checkpoint")
-
-def load_weights(module: nn.Module, ckpt: Path, key: str = 'model'):
-    "Load `key.safetensors` of checkpoint `ckpt` into `module` (strict: the same names and shapes, finite weights)."
-    path = Path(ckpt) / f'{key}.safetensors'
-    tensors = _read_tensors(path); _match_module(module, tensors, path)
-    module.load_state_dict(tensors, strict=False)  # tied tensors are stored once: their other names are not in the file
-    return module
-
-def prune_checkpoints(ckpt_root: Path, keep_last: int):
-    "Delete periodic checkpoints beyond the newest `keep_last`, sparing those `best`/`final`/`latest` point to, and this process's temporary directories."
-    keep = {os.path.realpath(ckpt_root / n) for n in ('best', 'final', 'latest') if (ckpt_root / n).is_symlink()}
-    ckpts = list_checkpoints(ckpt_root)
-    for p in ckpts[:max(0, len(ckpts) - keep_last)]:
-        if os.path.realpath(p) not in keep: shutil.rmtree(p)
-    for p in ckpt_root.glob('.tmp-*'):  # another process's may be a write in progress: `clean_leftovers` decides about those
-        m = _TMP_DIR.fullmatch(p.name)
-        if m and int(m['pid']) == os.getpid() and p.is_dir() and not p.is_symlink(): shutil.rmtree(p, ignore_errors=True)
-
-# %% ../nbs/05_train.ipynb #d801fb4d
-def clean_leftovers(run_dir: Path | str) -> list[str]:
-    "Remove the temporary files of interrupted writes in `run_dir` and its checkpoints folder whose process is gone (or is this one); returns what was done."
-    run_dir, me, done = Path(run_dir), os.getpid(), []
-    stale = lambda pid: pid == me or not pid_alive(pid)
-    root = run_dir / 'checkpoints'
-    for folder in (root, run_dir):
-        if not folder.is_dir(): continue
-        for p in sorted(folder.iterdir()):  # '.tmp-old-*' sorts before '.tmp-step_*'
-            m = _TMP_DIR.fullmatch(p.name) if folder == root else None
-            if m and p.is_dir() and not p.is_symlink():
-                if not stale(int(m['pid'])): continue
-                final = root / m['name']
-                if p.name.startswith('.tmp-old-') and not final.exists() and (p / 'meta.json').exists():
-                    os.replace(p, final); done.append(f'restored {final.name} from {p.name}')
-                else: shutil.rmtree(p, ignore_errors=True); done.append(f'removed {p.name}')
-            elif (m := _TMP_FILE.fullmatch(p.name)) and (p.is_symlink() or p.is_file()) and stale(int(m['pid'])):
-                p.unlink(); done.append(f'removed {p.name}')
-    return done
-
-# %% ../nbs/05_train.ipynb #6aa33897
-class MetricsLog:
-    "Appends JSON records to metrics.jsonl and forwards scalars to the optional loggers."
-    def __init__(self, out_dir: Path | None, loggers: tuple = (), run_name: str = 'run', config: dict | None = None):
-        self.path = out_dir / 'metrics.jsonl' if out_dir else None
-        self.records: list[dict] = []
-        self.tb = self.wandb = None
-        if out_dir is None: return
-        if 'tensorboard' in loggers:
-            try: from torch.utils.tensorboard import SummaryWriter
-            except ImportError: raise ConfigError("TrainConfig.loggers includes 'tensorboard' but the tensorboard package is missing: pip install 'oelm_nb[log]'") from None
-            self.tb = SummaryWriter(log_dir=str(out_dir / 'tensorboard'))
-        if 'wandb' in loggers:
-            try: import wandb
-            except ImportError: raise ConfigError("TrainConfig.loggers includes 'wandb' but the wandb package is missing: pip install 'oelm_nb[log]'") from None
-            os.environ.setdefault('WANDB_MODE', 'offline')
-            self.wandb = wandb.init(project='oelm_nb', name=run_name, dir=str(out_dir), config=config or {}, reinit=True)
-
-# %% ../nbs/05_train.ipynb #64d60fef
-class MetricsError(DataError):
-    "A JSON-lines file of a run (metrics.jsonl, ...) is damaged: the message names the file, the line and the fix."
-
-def _read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, dict]]:
-    "(text, record) of each non-blank line of `path`; a cut-off last line is dropped with a warning, any other bad line raises `MetricsError`."
-    lines = [(no, l) for no, l in enumerate(path.read_bytes().decode('utf-8', errors='replace').split('\n'), 1) if l.strip()]
-    out = []
-    for j, (no, line) in enumerate(lines):
-        try: rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if j == len(lines) - 1:
-                warnings.warn(f"{path}: line {no} is cut off ({e}), as a writer killed mid-line leaves it; the line is dropped",
-                              RecoveryWarning, stacklevel=3)
-                break
-            raise MetricsError(f"{path}: line {no} is not valid JSON ({e}); only the last line can be cut off by an interrupted "
-                               f"write, so the file was damaged otherwise. Fix: repair or delete line {no}") from None
-        if not (isinstance(rec, dict) and (step_key is None or _is_int(rec.get(step_key)))):
-            want = f"a JSON object with an integer {step_key!r}" if step_key else 'a JSON object'
-            raise MetricsError(f"{path}: line {no} is not a record: expected {want}, got {line[:80]!r}. Fix: repair or delete line {no}")
-        out.append((line, rec))
-    return out
-
-# %% ../nbs/05_train.ipynb #8b5684b9
-@patch
-def truncate_after(self: MetricsLog, step: int):
-    "Drop records beyond `step` (a resumed run re-logs them) and a cut-off last line; the file is rewritten whole lines only."
-    if not (self.path and self.path.exists()): return
-    keep = [(l, r) for l, r in _read_jsonl(self.path, 'step') if r['step'] <= step]
-    write_atomic(self.path, ''.join(l + '\n' for l, _ in keep))
-    self.records = [r for _, r in keep]
-
-@patch
-def log(self: MetricsLog, record: dict):
-    self.records.append(record)
-    if self.path:
-        with open(self.path, 'a') as f: f.write(json.dumps(record) + '\n')
-    scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != 'step'}
-    if self.tb:
-        for k, v in scalars.items(): self.tb.add_scalar(k, v, record['step'])
-    if self.wandb: self.wandb.log(scalars, step=record['step'])
-
-@patch
-def close(self: MetricsLog):
-    if self.tb: self.tb.close()
-    if self.wandb: self.wandb.finish()
-
-# %% ../nbs/05_train.ipynb #cafd0c53
-def read_metrics(run_dir, file: str = 'metrics.jsonl') -> list[dict]:
-    "The records of a run's metrics.jsonl (or of another JSON-lines file of the run, e.g. phase1.jsonl); a cut-off last line is dropped with a warning."
-    p = Path(run_dir) / file
-    return [r for _, r in _read_jsonl(p, 'step' if file == 'metrics.jsonl' else None)] if p.exists() else []
-
 # %% ../nbs/05_train.ipynb #701f0fd9
 @dataclass
 class DistInfo:
@@ -410,6 +141,7 @@ class DistInfo:
     @property
     def enabled(self) -> bool: return self.world_size > 1
 
+# %% ../nbs/05_train.ipynb #9d775d44
 def init_distributed(device_pref: str = 'auto') -> DistInfo:
     "Join the torchrun process group if this process was started by torchrun."
     ws = int(os.environ.get('WORLD_SIZE', 1))
@@ -421,6 +153,7 @@ def init_distributed(device_pref: str = 'auto') -> DistInfo:
         dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
     return info
 
+# %% ../nbs/05_train.ipynb #a242d1cf
 def all_mean(x: float, info: DistInfo, device) -> float:
     "Mean of a scalar over all ranks."
     if not info.enabled: return x
@@ -442,6 +175,7 @@ RMS_FACTOR = 100.0  # rule (c): the trained parameters' global RMS may grow at m
 class TrainingDiverged(RuntimeError):
     "A step or a checkpoint broke the divergence rule: the message names the step, the rule and its numbers, the checkpoint really kept and the fix."
 
+# %% ../nbs/05_train.ipynb #b3548f23
 def step_divergence(loss: float, grad_norm: float, recent: list[float]) -> str | None:
     "Why a step with this loss and gradient norm is not good (rules a and b), given the losses of the steps before it; None if it is good."
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -453,6 +187,7 @@ def step_divergence(loss: float, grad_norm: float, recent: list[float]) -> str |
                 f"{len(prev)} steps' losses and more than {LOSS_MARGIN:g} above it (gradient norm {grad_norm:.4g})")
     return None
 
+# %% ../nbs/05_train.ipynb #1da60411
 def param_rms(params) -> float:
     "Global root-mean-square of the values of `params`, accumulated in float64 (NaN or inf if any value is); 0.0 if there are none."
     total, n = 0.0, 0
@@ -463,6 +198,7 @@ def param_rms(params) -> float:
         total += norm * norm; n += t.numel()
     return math.sqrt(total / n) if n else 0.0
 
+# %% ../nbs/05_train.ipynb #084c0c53
 def param_divergence(rms: float, ref_rms: float | None) -> str | None:
     "Why trained parameters of global RMS `rms` must not be checkpointed (rule c), given the RMS at the start of training; None if they may."
     if not math.isfinite(rms): return f"rule (c): the trained parameters are not all finite (their global RMS is {rms})"
@@ -486,6 +222,7 @@ def oom_message(e: BaseException, step: int, device, cfg: TrainConfig, block_siz
     else: fix = "batch_size is already 1: lower the model's block_size or size, or train in dtype='bfloat16'"
     return f"step {step} ran out of memory on {device} ({first}) with TrainConfig.batch_size={bs}, block_size={block_size}, grad_accum={ga}. Fix: {fix}"
 
+# %% ../nbs/05_train.ipynb #0e04b030
 @contextmanager
 def _oom_named(trainer):
     "Turn running out of memory inside the block into a `TrainingOutOfMemory` naming the batch shape."
@@ -540,6 +277,7 @@ def _wrap(self: Trainer):
         m = DDP(m, device_ids=[self.device.index] if self.device.type == 'cuda' else None)
     self.model_run = m
 
+# %% ../nbs/05_train.ipynb #958434cf
 @patch
 def _checkpoint_modules(self: Trainer) -> dict:
     return {'model': self.raw, **{k: mod for k, (mod, _) in self.extra_modules.items()}}
@@ -554,6 +292,7 @@ def _trained_params(self: Trainer) -> list[nn.Parameter]:
             if p.requires_grad: seen.setdefault(id(p), p)
     return list(seen.values())
 
+# %% ../nbs/05_train.ipynb #7fdbfe7f
 @patch
 def _kept_checkpoint(self: Trainer, step: int) -> str:
     "What is really kept on disk, for an error at `step`: the newest complete checkpoint, or that there is none."
@@ -562,6 +301,7 @@ def _kept_checkpoint(self: Trainer, step: int) -> str:
     if not cks: return f'no checkpoint was written before step {step}'
     return f'{cks[-1]} (step {int(cks[-1].name[5:])}), the newest complete checkpoint on disk; fit() resumes from it'
 
+# %% ../nbs/05_train.ipynb #07289635
 @patch
 def _diverged(self: Trainer, step: int, reason: str, checkpoint: bool = False) -> TrainingDiverged:
     "The error for step `step` (or, with `checkpoint`, its checkpoint) failing the divergence rule for `reason`."
@@ -572,36 +312,7 @@ def _diverged(self: Trainer, step: int, reason: str, checkpoint: bool = False) -
     return TrainingDiverged(f"{head}: {reason}. Kept: {self._kept_checkpoint(step)}. "
                             f"Fix: lower TrainConfig.lr (now {cfg.lr:g}, e.g. {min(cfg.lr / 10, 1e-3):g}), {clip}{amp}.")
 
-# %% ../nbs/05_train.ipynb #1b4e6852
-def _check_rng(rng: dict, path: Path):
-    "The states of rng.safetensors must be usable: a CPU generator state (one per rank under DDP) and CUDA byte states."
-    if 'torch_cpu' not in rng: raise CheckpointError(f"{path} has no 'torch_cpu' state; it is damaged")
-    for k in [k for k in rng if k == 'torch_cpu' or k.startswith('torch_cpu_rank')]:
-        try: torch.Generator().set_state(rng[k])  # a throwaway generator: the global RNG is not touched
-        except (RuntimeError, TypeError) as e: raise CheckpointError(f"{path}: {k!r} is not a CPU generator state ({e}); it is damaged") from None
-    bad = [k for k, v in rng.items() if k.startswith('cuda_') and v.dtype != torch.uint8]
-    if bad: raise CheckpointError(f"{path}: {bad} are not CUDA generator states (byte tensors); it is damaged")
-
-@patch
-def _read_checkpoint(self: Trainer, ckpt: Path) -> dict:
-    "Read and check every file of checkpoint `ckpt` into memory, leaving the trainer untouched; a `CheckpointError` names the first bad file."
-    ckpt = Path(ckpt)
-    meta = check_trainer_meta(read_checkpoint_meta(ckpt), ckpt / 'meta.json')
-    weights = {}
-    for key, mod in self._checkpoint_modules().items():
-        path = ckpt / f'{key}.safetensors'
-        weights[key] = _read_tensors(path); _match_module(mod, weights[key], path)
-    opt, path = None, ckpt / 'optimizer.safetensors'
-    if 'optimizer' in meta:
-        tensors = _read_tensors(path)
-        known = {i for g in meta['optimizer']['param_groups'] for i in g['params']}
-        bad = [k for k in tensors if not (re.fullmatch(r'\d+\..+', k) and int(k.split('.')[0]) in known)]
-        if bad: raise CheckpointError(f"{path} holds state {bad[:3]} of no parameter listed in meta.json; it is damaged")
-        opt = (tensors, meta['optimizer'])
-    elif path.exists(): raise CheckpointError(f"{ckpt / 'meta.json'} has no 'optimizer' entry for {path}; the checkpoint is damaged")
-    rng = _read_tensors(ckpt / 'rng.safetensors'); _check_rng(rng, ckpt / 'rng.safetensors')
-    return {'path': ckpt, 'meta': meta, 'weights': weights, 'opt': opt, 'rng': rng}
-
+# %% ../nbs/05_train.ipynb #ca570b1e
 @patch
 def _commit_checkpoint(self: Trainer, state: dict):
     "Take over a checkpoint read by `_read_checkpoint`: weights, counters and divergence history now, optimizer state and RNG in `fit`."
@@ -615,32 +326,16 @@ def _commit_checkpoint(self: Trainer, state: dict):
     self._recent_losses = [float(x) for x in div.get('recent_losses', [])][-LOSS_WINDOW:]
     self._ref_rms = div.get('ref_rms')  # None (a checkpoint from before the rule): `_start_fit` takes it from these weights
 
-# %% ../nbs/05_train.ipynb #4e01c702
-def _free_name(path: Path) -> Path:
-    "`path`, or `path-2`, `path-3`, ..., whichever does not exist yet."
-    p, n = path, 2
-    while p.exists() or p.is_symlink(): p, n = path.with_name(f'{path.name}-{n}'), n + 1
-    return p
-
-def _repair_links(root: Path, resumed: str, best_step: int | None):
-    "After resuming from `resumed`: `latest` points at it; a `best`/`final` link whose target is gone moves to the best step on disk, or goes."
-    _point(root / 'latest', resumed)
-    for tag in ('best', 'final'):
-        link = root / tag
-        if not link.is_symlink() or (root / os.readlink(link) / 'meta.json').exists(): continue
-        target = f'step_{best_step:07d}' if tag == 'best' and best_step is not None else None
-        if target and (root / target / 'meta.json').exists(): _point(link, target)
-        else: link.unlink()
-
+# %% ../nbs/05_train.ipynb #f5948d26
 @patch
 def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
     "Restore weights, optimizer, RNG, counters and divergence history from `ckpt` (default: the newest usable checkpoint in out_dir)."
     if ckpt is not None:
-        state = self._read_checkpoint(Path(ckpt)); self._check_same_config(state)
+        state = read_checkpoint(Path(ckpt), self._checkpoint_modules()); self._check_same_config(state)
         self._commit_checkpoint(state); return True
     bad, state = [], None
     for ck in reversed(list_checkpoints(self.ckpt_root) if self.ckpt_root else []):
-        try: state = self._read_checkpoint(ck); break
+        try: state = read_checkpoint(ck, self._checkpoint_modules()); break
         except CheckpointError as e: bad.append((ck, str(e)))
     if state is None:
         if not bad: return False
@@ -649,16 +344,10 @@ def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
                               f"{self.ckpt_root}.broken), or restore the damaged files")
     self._check_same_config(state)  # a run resumes only into the configuration it was trained with
     self._commit_checkpoint(state)
-    if self.dist.is_main:
-        for ck, why in bad:
-            aside = _free_name(ck.with_name(f'corrupt-{ck.name}'))
-            try: os.replace(ck, aside); moved = f'it was moved aside to {aside.name}'
-            except OSError as e: moved = f'it could not be moved aside ({e})'
-            warnings.warn(f"checkpoint {ck} is unusable: {why}. {moved.capitalize()}; resuming from {state['path'].name} "
-                          f"(step {state['meta']['step']}) instead", RecoveryWarning, stacklevel=2)
-        _repair_links(self.ckpt_root, state['path'].name, self.best.get('step'))
+    if self.dist.is_main: set_aside(self.ckpt_root, bad, state, self.best.get('step'))
     return True
 
+# %% ../nbs/05_train.ipynb #c0214961
 @patch
 def _check_same_config(self: Trainer, state: dict):
     "Raise `RunMismatch` naming the fields when the checkpoint was trained with another configuration (see `rundir.config_diff`)."
@@ -669,6 +358,7 @@ def _check_same_config(self: Trainer, state: dict):
     if diff: raise RunMismatch(f"{state['path']} was trained with another configuration ({describe_diff(diff)}); it is not resumed: "
                                "train into another directory, or move this one away to train afresh")
 
+# %% ../nbs/05_train.ipynb #79a63b93
 @patch
 def _meta(self: Trainer) -> dict:
     return {'tokens': self.tokens, 'best': self.best, 'train_config': self.cfg.to_dict(), 'run_config': self.run_config,
@@ -787,6 +477,7 @@ def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoin
     with run_lock(self.out_dir) if self.out_dir and self.dist.is_main else nullcontext():  # one writer per run directory
         return self._fit(resume, until)
 
+# %% ../nbs/05_train.ipynb #11091dd5
 @patch
 def _fit(self: Trainer, resume: bool, until: int | None) -> dict:
     cfg = self.cfg
@@ -827,6 +518,7 @@ def runtime_info(device: torch.device, amp: torch.dtype | None, cfg: TrainConfig
     return {'device': str(device), 'device_name': name, 'dtype': 'float32' if amp is None else str(amp).removeprefix('torch.'),
             'dtype_config': cfg.dtype, 'threads': torch.get_num_threads(), 'compile': cfg.compile, 'torch': torch.__version__}
 
+# %% ../nbs/05_train.ipynb #09014a47
 @patch
 def summary(self: Trainer, records: list[dict], speeds: list[float], wall: float) -> dict:
     "The run's summary: losses, recall, throughput, parameter accounting (computed from records and the model)." 

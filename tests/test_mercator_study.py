@@ -105,7 +105,7 @@ def test_students_start_from_the_same_weights(batch):
     # the start is the pre-trained student: its step-1 cross-entropy equals the pre-trained model's on that batch, not a random init's
     from oelm_nb.experiment import RunSpec
     from oelm_nb.model import GPT
-    from oelm_nb.train import load_weights
+    from oelm_nb.checkpoint import load_weights
     spec = RunSpec.load_json(out / 'no-distill-s0' / 'config.json')
     s = read_json(out / 'no-distill-s0' / 'summary.json')
     from oelm_nb.train import train_starts

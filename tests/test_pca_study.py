@@ -63,7 +63,7 @@ def test_lowrank_with_the_models_own_init_is_the_plain_training_run(tmp_path):
     "lowrank trains through its own path (to re-draw the factors); with lowrank_init='gpt' that path gives train_run's losses exactly."
     from oelm_nb.experiment import train_run
     from oelm_nb.pca_study import pca_run
-    from oelm_nb.train import read_metrics
+    from oelm_nb.metrics import read_metrics
     over = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
             'train.eval_batches': 2, 'train.dtype': 'float32', 'settings.lowrank_init': 'gpt', 'train.progress': False}
     spec = lambda d: resolve_spec('pca', 'lowrank-k8', 'tiny', 0, 8, str(tmp_path / d / 'lowrank-k8-s0'), 'synthetic', str(tmp_path / 'data'),

@@ -23,12 +23,14 @@ from torch import nn
 from safetensors.torch import load_file
 
 import oelm_nb.train as T
-from oelm_nb.rundir import pid_alive
+import oelm_nb.checkpoint as C
+from oelm_nb.rundir import RecoveryWarning, pid_alive
 from oelm_nb.core import ConfigError, ModelConfig, TrainConfig
 from oelm_nb.model import GPT
-from oelm_nb.train import (CheckpointError, MetricsError, RecoveryWarning, Trainer, TrainingDiverged, TrainingOutOfMemory,
-                           copy_task_data, list_checkpoints, lm_loss, param_rms, prune_checkpoints, read_checkpoint_meta,
-                           read_metrics)
+from oelm_nb.checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, read_checkpoint_meta
+from oelm_nb.metrics import MetricsError, read_metrics
+from oelm_nb.train import Trainer, TrainingDiverged, TrainingOutOfMemory, lm_loss, param_rms
+from tasks import copy_task_data
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -405,14 +407,14 @@ def test_prune_keeps_another_process_tmp_dir(tmp_path, live_pid):
 # ====================================================================== 6. a failing checkpoint write
 def test_disk_full_during_a_checkpoint_leaves_no_partial_directory(tmp_path, monkeypatch):
     tc = tcfg(max_steps=6, ckpt_every=2, keep_last=5, eval_every=0)
-    real = T.save_file
+    real = C.save_file
 
     def full_at_step_4(tensors, filename, *a, **k):
         if '.tmp-step_0000004-' in str(filename) and Path(filename).name == 'optimizer.safetensors':
             raise OSError(errno.ENOSPC, 'No space left on device', str(filename))
         return real(tensors, filename, *a, **k)
 
-    monkeypatch.setattr(T, 'save_file', full_at_step_4)
+    monkeypatch.setattr(C, 'save_file', full_at_step_4)
     with pytest.raises(CheckpointError) as e:
         trainer(tmp_path, tc=tc).fit()
     msg, root = str(e.value), tmp_path / 'checkpoints'
@@ -420,7 +422,7 @@ def test_disk_full_during_a_checkpoint_leaves_no_partial_directory(tmp_path, mon
     assert f'the latest complete checkpoint is still {root}/step_0000002 (step 2)' in msg and 'free disk space' in msg
     assert sorted(p.name for p in root.iterdir()) == ['latest', 'step_0000002']  # no .tmp-step_0000004-*
     assert os.readlink(root / 'latest') == 'step_0000002'
-    monkeypatch.setattr(T, 'save_file', real)  # space freed: the run resumes and finishes
+    monkeypatch.setattr(C, 'save_file', real)  # space freed: the run resumes and finishes
     assert trainer(tmp_path, tc=tc).fit()['status'] == 'completed'
 
 

@@ -17,13 +17,15 @@ from safetensors.torch import load_file, save_file
 
 import oelm_nb
 import oelm_nb.train as T
+from oelm_nb.checkpoint import CheckpointError, list_checkpoints, load_weights, read_checkpoint_meta
 from oelm_nb.core import ConfigError, DataConfig, ModelConfig, TrainConfig
 from oelm_nb.data import TokenData, load_split, prepare_data
 from oelm_nb.experiment import resolve_spec, train_run
 from oelm_nb.rundir import read_json
 from oelm_nb.model import GPT
-from oelm_nb.train import (CheckpointError, Trainer, TrainingDiverged, copy_task_data, list_checkpoints, lm_loss,
-                           load_weights, lr_at, read_checkpoint_meta, read_metrics)
+from oelm_nb.metrics import read_metrics
+from oelm_nb.train import Trainer, TrainingDiverged, lm_loss, lr_at
+from tasks import copy_task_data
 
 PKG = Path(oelm_nb.__file__).resolve().parent
 SUB_ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': '', 'PYTHONUNBUFFERED': '1'}
@@ -172,12 +174,15 @@ CHILD = textwrap.dedent('''
     import torch
     torch.set_num_threads(1)
     import oelm_nb.train as T
+    import oelm_nb.checkpoint as C
     from oelm_nb.core import ModelConfig, TrainConfig
     from oelm_nb.model import GPT
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     out, kill_at = Path(sys.argv[2]), spec['kill_at']
-    _orig = T.save_file
+    sys.path.insert(0, sys.argv[3])  # tests/, for the copy task
+    from tasks import copy_task_data
+    _orig = C.save_file
 
     def slow_save_file(tensors, filename, *a, **k):
         _orig(tensors, filename, *a, **k)
@@ -186,9 +191,9 @@ CHILD = textwrap.dedent('''
             with open(p, 'r+b') as f: f.truncate(p.stat().st_size // 2)  # a half-written file ...
             time.sleep(600)                                               # ... and the parent kills us here
 
-    T.save_file = slow_save_file
-    train = T.copy_task_data(n_seqs=128, half=8, vocab=64, seed=0)
-    val = T.copy_task_data(n_seqs=32, half=8, vocab=64, seed=1)
+    C.save_file = slow_save_file
+    train = copy_task_data(n_seqs=128, half=8, vocab=64, seed=0)
+    val = copy_task_data(n_seqs=32, half=8, vocab=64, seed=1)
     mc, tc = ModelConfig.from_dict(spec['model']), TrainConfig.from_dict(spec['train'])
     T.Trainer(GPT(mc, init_seed=0), tc, train, val, out_dir=out).fit()
     print('FINISHED WITHOUT BEING KILLED')
@@ -200,7 +205,8 @@ def test_sigkill_during_checkpoint_then_resume(tmp_path):
     (tmp_path / 'spec.json').write_text(json.dumps({'model': mc.to_dict(), 'train': tc.to_dict(), 'kill_at': kill_at}))
     (tmp_path / 'child.py').write_text(CHILD)
     root = out / 'checkpoints'
-    proc = subprocess.Popen([sys.executable, str(tmp_path / 'child.py'), str(tmp_path / 'spec.json'), str(out)],
+    proc = subprocess.Popen([sys.executable, str(tmp_path / 'child.py'), str(tmp_path / 'spec.json'), str(out),
+                             str(Path(__file__).parent)],
                             env=SUB_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 90
@@ -502,6 +508,15 @@ def test_missing_wandb_is_a_config_error(tmp_path):
 
 
 # ====================================================================== 9. metrics
+def test_the_metrics_module_imports_no_torch():
+    "Reports read runs without torch: oelm_nb.metrics imports neither torch nor any module that does (a fresh process)."
+    probe = ("import sys, oelm_nb.metrics as m; print(m.__file__); "
+             "print(sorted(n for n in sys.modules if n.split('.')[0] == 'torch'))")
+    res = subprocess.run([sys.executable, '-c', probe], env=SUB_ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    where, torch_modules = res.stdout.strip().splitlines()
+    assert Path(where).resolve().parent == PKG and torch_modules == '[]', res.stdout
+
 class _Crash(Exception):
     "A crash in the middle of training (after steps were logged past the last checkpoint)."
 
