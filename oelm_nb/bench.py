@@ -19,13 +19,12 @@ from .model import GPT, model_config
 from .experiment import resolve_spec
 from .train import build_optimizer
 from .freeze import param_report
+from .memory import GiB, _gib, available_memory, step_memory, _memory_message
 
 # %% auto #0
-__all__ = ['GPU_PEAK_BF16_TFLOPS', 'GiB', 'REFERENCE', 'NUMERICS_DTYPES', 'train_step_flops', 'optimizer_state_bytes',
-           'RefAttention', 'RefBlock', 'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops',
-           'reset_peak_rss', 'peak_rss_bytes', 'param_counts', 'StepMemory', 'step_memory', 'available_memory',
-           'check_step_memory', 'BenchRow', 'cpu_peak_memory', 'bench', 'bench_table', 'numerics_table',
-           'plot_numerics', 'numerics_check']
+__all__ = ['GPU_PEAK_BF16_TFLOPS', 'REFERENCE', 'train_step_flops', 'optimizer_state_bytes', 'RefAttention', 'RefBlock',
+           'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops', 'reset_peak_rss', 'peak_rss_bytes',
+           'BenchRow', 'cpu_peak_memory', 'bench', 'bench_table']
 
 # %% ../nbs/09_bench.ipynb #6818645a
 def _step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
@@ -149,121 +148,6 @@ def peak_rss_bytes() -> int | None:
     import sys
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB elsewhere
-
-# %% ../nbs/09_bench.ipynb #0dece4b8
-GiB = 2 ** 30
-def _gib(n: float) -> str: return f'{n / GiB:.2f} GiB'
-
-def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    "(total, trainable) weights of a `GPT` built from `cfg`, counted from its shape (frozen Q/K are buffers: in total only)."
-    C, F, k, V = cfg.n_embd, cfg.ff_dim, cfg.wte_dim, cfg.vocab_size
-    lin = lambda i, o, bias: i * o + (o if bias else 0)  # a Linear's weight and bias
-    ln = C * (2 if cfg.bias else 1)  # a LayerNorm's weight and bias
-    layer = 2 * ln + 4 * lin(C, C, cfg.attn_bias) + lin(C, F, cfg.bias) + lin(F, C, cfg.bias)
-    total = V * k + cfg.block_size * C + cfg.n_layer * layer + ln  # wte (tied to lm_head), wpe, blocks, ln_f
-    if cfg.factorized: total += lin(k, C, cfg.bias) + lin(C, k, cfg.bias)  # scale_up, scale_down
-    return total, total - 2 * C * C * len(cfg.frozen_layers)
-
-@dataclass
-class StepMemory:
-    "Estimated bytes of one training step, by part (see the formula above); `total` is their sum."
-    weights: int # parameters and buffers, fp32
-    grads: int # one fp32 gradient per trainable weight
-    adam: int # AdamW's two fp32 moments per trainable weight
-    blocks: int # activations the transformer blocks keep for backward, one micro-batch
-    logits: int # logits, log-softmax and their gradients
-    other: int # embeddings and the final LayerNorm
-    @property
-    def total(self) -> int: return self.weights + self.grads + self.adam + self.blocks + self.logits + self.other
-
-def _device_type(device) -> str:
-    return pick_device('auto').type if isinstance(device, str) and device == 'auto' else torch.device(device).type
-
-def step_memory(model_cfg: ModelConfig, # the model's shape
-                batch_size: int, # B, sequences per micro-batch
-                block_size: int | None = None, # T, tokens per sequence (None: model_cfg.block_size)
-                device='cpu', # where the step runs (on a CPU with dropout, attention weights are materialized)
-               ) -> StepMemory:
-    "Estimate the bytes one training step of a `GPT` of `model_cfg` needs, from the shapes alone."
-    c, B, T = model_cfg, batch_size, block_size or model_cfg.block_size
-    total, trainable = param_counts(c)
-    layer = 4 * B * T * (9 * c.n_embd + 2 * c.ff_dim)
-    if c.dropout > 0 and _device_type(device) != 'cuda': layer += 16 * B * c.n_head * T * T
-    base = 2 * c.n_embd ** 2 * c.n_layer if c.variant == 'oelm-learnable' else 0  # the orthogonal parametrization's base
-    return StepMemory(4 * (total + base), 4 * trainable, 8 * trainable, c.n_layer * layer, 16 * B * T * c.vocab_size,
-                      4 * B * T * (4 * c.n_embd + 2 * c.wte_dim))
-
-# %% ../nbs/09_bench.ipynb #4dd171c4
-def _cgroup_room() -> int | None:
-    "Bytes left under this process's cgroup memory limit (reclaimable page cache counted as free), or None without one."
-    for limit, usage, cache in (('memory.max', 'memory.current', 'inactive_file'),
-                                ('memory/memory.limit_in_bytes', 'memory/memory.usage_in_bytes', 'total_inactive_file')):
-        base = Path('/sys/fs/cgroup')
-        try: lim, used = (base / limit).read_text().strip(), int((base / usage).read_text())
-        except (OSError, ValueError): continue
-        if lim == 'max' or int(lim) >= 2 ** 60: return None
-        try: stat = dict(l.split() for l in (base / limit).with_name('memory.stat').read_text().splitlines())
-        except (OSError, ValueError): stat = {}
-        return max(0, int(lim) - used + int(stat.get(cache, 0)))
-    return None
-
-def available_memory(device='cpu') -> tuple[int, str]:
-    "(bytes a step can still allocate on `device`, where that number comes from)."
-    dev = pick_device(str(device))
-    if dev.type == 'cuda':
-        return torch.cuda.mem_get_info(dev)[0], f'{dev} ({torch.cuda.get_device_name(dev)}, free memory)'
-    import psutil
-    avail, where = psutil.virtual_memory().available, f'{dev.type} (system memory)'
-    room = _cgroup_room()
-    if room is not None and room < avail: avail, where = room, f"{dev.type} (room left under this container's memory limit)"
-    return avail, where
-
-def _max_batch(cfg: ModelConfig, block_size, device, avail: int) -> int:
-    "The largest batch size whose step fits in `avail` bytes (0: not even one sequence); the estimate is linear in it."
-    one, two = step_memory(cfg, 1, block_size, device).total, step_memory(cfg, 2, block_size, device).total
-    return max(0, (avail - (2 * one - two)) // (two - one))
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-def _positive_int(name: str, v, what: str):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ConfigError(f'{name}={v!r} is invalid: {what} must be a positive integer')
-
-def _memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, grad_accum: int, avail: int, where: str,
-                    fix: str | None = None, what: str = 'needs about') -> str:
-    "Why a step does not fit (the numbers) and what to change (`fix`, or smaller micro-batches with more accumulation)."
-    need, T = step_memory(cfg, batch_size, block_size, device), block_size or cfg.block_size
-    acts = need.blocks + need.logits + need.other
-    msg = (f'one training step at batch_size={batch_size} x block_size={T} ({cfg.n_layer} layers, n_embd={cfg.n_embd}, '
-           f'vocab_size={cfg.vocab_size}) {what} {_gib(need.total)} (weights, gradients and AdamW moments '
-           f'{_gib(need.weights + need.grads + need.adam)}; activations of one micro-batch {_gib(acts)}, '
-           f'{_gib(need.logits)} of it logits), but only {_gib(avail)} is available on {where}. ')
-    bmax = min(_max_batch(cfg, T, device, avail), batch_size - 1)
-    if bmax < 1:
-        return msg + (f'Even batch_size=1 needs about {_gib(step_memory(cfg, 1, T, device).total)}: shorten block_size, '
-                      'choose a smaller model, free memory, or run on a device with more of it')
-    if fix: return msg + fix.format(max_batch=bmax)
-    seqs = batch_size * grad_accum
-    b = max(d for d in _divisors(seqs) if d <= bmax)
-    return msg + (f'Lower batch_size and raise train.grad_accum to keep the {seqs} sequences (x {T} tokens) per step: e.g. '
-                  f'train.batch_size={b} with train.grad_accum={seqs // b} needs about '
-                  f'{_gib(step_memory(cfg, b, T, device).total)}')
-
-def check_step_memory(model_cfg: ModelConfig, # the model's shape
-                      batch_size: int, # sequences per micro-batch
-                      block_size: int | None = None, # tokens per sequence (None: model_cfg.block_size)
-                      device='cpu', # 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'
-                      grad_accum: int = 1, # micro-batches per optimizer step (for the suggested fix)
-                     ) -> int:
-    "Estimated bytes of one training step (`step_memory`); a `ConfigError` with the numbers and the fix when they exceed what is available."
-    _positive_int('batch_size', batch_size, 'the number of sequences per micro-batch')
-    if block_size is not None: _positive_int('block_size', block_size, 'the number of tokens per sequence')
-    _positive_int('grad_accum', grad_accum, 'the number of micro-batches per step')
-    need = step_memory(model_cfg, batch_size, block_size, device).total
-    avail, where = available_memory(device)
-    if need > avail: raise ConfigError(_memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
-    return need
 
 # %% ../nbs/09_bench.ipynb #5333ad5b
 @dataclass
@@ -442,54 +326,3 @@ def bench_table(rows: list[BenchRow]):
     df['flops_saved_vs_first'] = df.flops_per_step.iloc[0] - df.flops_per_step
     df['optimizer_bytes_saved_vs_first'] = df.optimizer_state_bytes.iloc[0] - df.optimizer_state_bytes
     return df
-
-# %% ../nbs/09_bench.ipynb #6fee80aa
-NUMERICS_DTYPES = ('float32', 'bfloat16')
-
-def numerics_table(out_dir) -> 'pd.DataFrame':
-    "Per variant: final val PPL of each seed in fp32 and bf16, the fp32 seed spread, the largest paired change, and the verdict."
-    import pandas as pd
-    from oelm_nb.report import load_runs
-    runs = {d: load_runs(Path(out_dir) / d) for d in NUMERICS_DTYPES}
-    rows = []
-    for v in sorted(set(runs['float32'].variant) & set(runs['bfloat16'].variant)):
-        ppl = {d: runs[d][(runs[d].variant == v) & (runs[d].status == 'completed')].set_index('seed')['final_val_ppl'] for d in NUMERICS_DTYPES}
-        seeds = sorted(set(ppl['float32'].index) & set(ppl['bfloat16'].index))
-        if not seeds: continue
-        f32, b16 = ppl['float32'][seeds], ppl['bfloat16'][seeds]
-        spread, change = float(f32.max() - f32.min()), float((b16 - f32).abs().max())
-        rows.append({'variant': v, 'seeds': len(seeds), **{f'fp32_ppl_s{s}': f32[s] for s in seeds}, **{f'bf16_ppl_s{s}': b16[s] for s in seeds},
-                     'fp32_mean': float(f32.mean()), 'bf16_mean': float(b16.mean()), 'fp32_seed_spread': spread,
-                     'max_paired_change': change, 'within_seed_spread': bool(len(seeds) >= 2 and change <= spread)})
-    return pd.DataFrame(rows).set_index('variant') if rows else pd.DataFrame(columns=['within_seed_spread'])
-
-def plot_numerics(out_dir, ax=None):
-    "Validation loss curves of every run, fp32 solid and bf16 dashed, one colour per variant."
-    import matplotlib.pyplot as plt
-    from oelm_nb.report import load_curves
-    ax = ax or plt.subplots(figsize=(7, 4))[1]
-    for d, style in zip(NUMERICS_DTYPES, ('-', '--')):
-        cur = load_curves(Path(out_dir) / d)
-        if 'val_loss' not in cur: continue
-        cur = cur.dropna(subset=['val_loss'])
-        for i, ((v, s), g) in enumerate(cur.groupby(['variant', 'seed'])):
-            c = f'C{sorted(cur.variant.unique()).index(v)}'
-            ax.plot(g.step, g.val_loss, style, color=c, alpha=0.8, label=f'{v} {d}' if s == cur.seed.min() else None)
-    ax.set(xlabel='step', ylabel='validation loss', title='fp32 (solid) vs bf16 autocast (dashed)'); ax.legend(fontsize=8)
-    return ax
-
-# %% ../nbs/09_bench.ipynb #49671c9f
-def numerics_check(out_dir, study: str = 'qk-freeze', preset: str = 'tiny', seeds: list[int] = (0, 1),
-                   variants: list[str] | None = None, steps: int | None = None, log=print) -> 'pd.DataFrame':
-    "Train the study in fp32 and in bf16 with the same seeds (into out_dir/float32, out_dir/bfloat16), then compare."
-    import matplotlib; matplotlib.use('Agg')
-    from oelm_nb.runner import run_study
-    if len(seeds) < 2: raise ConfigError(f"seeds={list(seeds)}: the seed spread needs at least 2 seeds")
-    out = Path(out_dir)
-    for d in NUMERICS_DTYPES:
-        run_study(study, preset, 'synthetic', variants, list(seeds), steps, out / d, overrides={'train.dtype': d},
-                  report=False, log=log)
-    table = numerics_table(out)
-    (out / 'numerics.json').write_text(json.dumps(table.reset_index().to_dict(orient='records'), indent=1))
-    plot_numerics(out).figure.savefig(out / 'numerics.png', dpi=110, bbox_inches='tight')
-    return table

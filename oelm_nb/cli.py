@@ -209,7 +209,8 @@ def cmd_export(args) -> int:
     return 0
 
 def cmd_bench(args) -> int:
-    from oelm_nb.bench import bench, bench_table, numerics_check
+    from oelm_nb.bench import bench, bench_table
+    from oelm_nb.numerics import numerics_check
     import pandas as pd
     overrides = {(k if '.' in k else f'model.{k}'): v for k, v in _overrides(args.set).items()}  # bare keys are model fields
     variants = args.variants.split(',') if args.variants else None

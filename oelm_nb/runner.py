@@ -17,6 +17,7 @@ from .rundir import write_json, read_json, run_name, parse_run_name
 from .studies import get_study
 from .data import prepare_data, read_meta
 from .checkpoint import list_checkpoints
+from .memory import check_step_memory, available_memory, GiB
 from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_with_parent, describe_holder,
                             recorded_config, config_diff, describe_diff, fingerprint, read_holder)
 
@@ -341,7 +342,6 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
 
 def check_memory(batch: Batch, variants: list[str], concurrent: int = 1):
     "Refuse, before anything runs, CPU runs whose training step cannot fit in memory (`bench.check_step_memory`), `concurrent` at a time."
-    from oelm_nb.bench import check_step_memory, available_memory, GiB
     for v in variants:
         spec = batch.spec(v)
         try: need = check_step_memory(spec.model, spec.train.batch_size, spec.model.block_size, 'cpu', spec.train.grad_accum)

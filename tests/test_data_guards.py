@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oelm_nb.bench import available_memory, check_step_memory, param_counts, step_memory
+from oelm_nb.memory import available_memory, check_step_memory, param_counts, step_memory
 from oelm_nb.cli import main
 from oelm_nb.core import ConfigError, DataConfig
 from oelm_nb.data import DataError, load_split, prepare_data, read_meta
@@ -184,7 +184,7 @@ def test_check_step_memory_on_tiny_preset():
 
 
 def test_check_step_memory_suggests_a_fitting_accumulation(monkeypatch):
-    monkeypatch.setattr('oelm_nb.bench.available_memory', lambda device='cpu': (2 ** 30, 'cpu (test)'))
+    monkeypatch.setattr('oelm_nb.memory.available_memory', lambda device='cpu': (2 ** 30, 'cpu (test)'))
     cfg = model_config('tiny')
     with pytest.raises(ConfigError) as e: check_step_memory(cfg, 512, None, 'cpu', grad_accum=2)
     msg = str(e.value)
