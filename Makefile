@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 PIPFILTER := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 RUN_OUT ?= runs/qk-freeze
 
-.PHONY: all setup run test test-fast sync-check readme-check nbtest nbdev-test pytest docs readme lab loggers clean
+.PHONY: all setup run test test-fast sync-check readme-check layers nbtest nbdev-test pytest docs readme lab loggers clean
 
 all: test
 
@@ -36,12 +36,17 @@ loggers: $(STAMP)
 run: $(STAMP)
 	$(BIN)/oelm run qk-freeze --preset tiny --variants gpt,oelm,oelm-freeze --seeds 0 1 --jobs 2 --out $(RUN_OUT)
 
-# Notebooks clean and exported in sync, then the notebooks' own checks, then pytest.
-test: $(STAMP) sync-check readme-check nbtest pytest
+# Notebooks clean and exported in sync, the layer contract, then the notebooks' own checks, then pytest.
+test: $(STAMP) sync-check readme-check layers nbtest pytest
 	@echo "[test] all checks passed"
 
 sync-check: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" bash tools/check_sync.sh
+
+# The layer contract (.importlinter): each module imports only the layers below it, the studies know no other study.
+layers: $(STAMP)
+	@echo "[test] layers: lint-imports (.importlinter)"
+	@$(BIN)/lint-imports --no-cache --no-logo
 
 # Every notebook nbdev_test tests, run by nbdev's own nbdev.test.test_nb (its rules: cells flagged slow/cuda or `eval: false`
 # skipped), each in a fresh process, 2 at a time, then processed for the docs into the docs build's cache (_mkdocs/proc):
@@ -62,7 +67,7 @@ pytest: $(STAMP)
 
 # The developer's inner loop (under 2 minutes): the notebook checks and the unit-level tests; tests marked `slow`
 # (batches, papermill, processes end to end) are left to `make test`.
-test-fast: $(STAMP) nbtest
+test-fast: $(STAMP) layers nbtest
 	@echo "[test-fast] pytest, tests marked slow left out"
 	@$(BIN)/python -m pytest -n 2 -q -m "not slow" --durations=5 tests
 	@echo "[test-fast] all checks passed (make test runs everything)"

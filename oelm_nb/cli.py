@@ -119,7 +119,7 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     if getattr(args, 'init_from', None):
         if not Path(args.init_from).exists(): raise ConfigError(f'--init-from {args.init_from}: no such file or directory')
         overrides['train.init_from'] = str(Path(args.init_from).resolve())
-        from oelm_nb.export import init_dropouts
+        from oelm_nb.weights import init_dropouts
         carried = {k: v for k, v in init_dropouts(args.init_from).items() if k not in overrides}  # --set wins
         if carried: print(f"[oelm run] --init-from {args.init_from}: dropouts from its configuration: " + ', '.join(f'{k}={v:g}' for k, v in carried.items()))
         overrides.update(carried)

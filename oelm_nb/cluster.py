@@ -13,6 +13,7 @@ from .experiment import run_identity, COMMAND_ENV
 from .rundir import write_json, read_json
 from .rundir import run_lock, RunLocked, read_holder, is_alive, describe_holder
 from .runner import Batch, Job, execute_run, run_status
+from .status import batch_status, format_status
 
 # %% auto #0
 __all__ = ['RESERVED_SBATCH', 'ACTIVE_STATES', 'DETACHED_ENV', 'time_minutes', 'ClusterConfig', 'slurm_parameters',
@@ -178,7 +179,6 @@ def follow(batch_dir, interval: float = 5.0, out=print) -> None:
     "Show the batch's status until its detached process has released it."
     h = detached_holder(batch_dir)
     if not h: return
-    from oelm_nb.status import batch_status, format_status
     out(f'[oelm run] {batch_dir} is being run in the background by {describe_holder(h)}; following it (Ctrl-C stops following, not the batch)')
     tty, shown = sys.stdout.isatty(), None
     while detached_holder(batch_dir):

@@ -16,6 +16,7 @@ from .core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
 from .model import GPT, PRESETS, model_config
 from .train import Trainer, init_distributed
 from .data import prepare_data, load_split, load_tokenizer, read_meta, data_codec, DataError, TokenData
+from .weights import load_init_weights
 from .rundir import run_lock, check_same_run, fingerprint, child_env, run_name, parse_run_name, read_json, write_json
 
 # %% auto #0
@@ -335,7 +336,6 @@ def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     model = GPT(spec.model, init_seed=spec.train.seed)
     if spec.train.init_from:  # pretrained weights instead of the random init (a resumed run then loads its checkpoint over them)
-        from oelm_nb.export import load_init_weights
         load_init_weights(model, spec.train.init_from)
     trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=run_name(spec.name, spec.train.seed))
     summary = trainer.fit()

@@ -13,11 +13,11 @@ from .model import GPT
 from .pca import TanhGELUMLP, lora_modules, merge_lora, _no_scale_layers
 from .sample import load_run_model, run_codec
 from .checkpoint import read_checkpoint_meta
+from .weights import activation, load_init_weights, init_dropouts
 
 # %% auto #0
-__all__ = ['EXPORT_FORMATS', 'linear_parts', 'norm_parts', 'activation', 'check_exportable', 'merged_copy', 'hf_config',
-           'full_embedding', 'to_hf_gpt2', 'to_nanogpt_state', 'export_run', 'load_named_tensors', 'load_init_weights',
-           'init_dropouts']
+__all__ = ['EXPORT_FORMATS', 'linear_parts', 'norm_parts', 'check_exportable', 'merged_copy', 'hf_config', 'full_embedding',
+           'to_hf_gpt2', 'to_nanogpt_state', 'export_run']
 
 # %% ../nbs/16_export.ipynb #9118eda1
 def linear_parts(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,12 +29,6 @@ def linear_parts(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 def norm_parts(ln: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
     "(weight, bias) of a LayerNorm; a zero bias where it has none."
     return ln.weight.detach().float().clone(), (ln.bias.detach().float().clone() if ln.bias is not None else torch.zeros_like(ln.weight))
-
-def activation(model: GPT) -> str:
-    "GPT-2's name for the model's MLP activation: 'gelu' (exact, ours) or 'gelu_new' (tanh approximation, imported GPT-2 weights)."
-    kinds = {isinstance(b.mlp, TanhGELUMLP) for b in model.transformer.h}
-    if len(kinds) > 1: raise ConfigError('export: the blocks mix exact and tanh GELU; no single GPT-2 activation describes them')
-    return 'gelu_new' if kinds.pop() else 'gelu'
 
 def check_exportable(model: GPT, target: str):
     "Refuse what `target` ('hf' or 'nanogpt') cannot express, with the reason."
@@ -155,92 +149,3 @@ def export_run(run_dir, # one run's directory
     (out / 'oelm_export.json').write_text(json.dumps({'run_dir': str(Path(run_dir).resolve()), 'checkpoint_step': step, 'format': to,
                                                       'study': spec.study, 'variant': spec.name, 'seed': spec.train.seed}, indent=1))
     return out
-
-# %% ../nbs/16_export.ipynb #b04776dc
-import warnings
-
-def _ours_from_nanogpt(sd: dict, n_layer: int, d: int) -> dict:
-    "nanoGPT's state dict renamed to ours (c_attn split into q/k/v); the inverse of `to_nanogpt_state`."
-    sd = {k.removeprefix('_orig_mod.'): v for k, v in sd.items()}
-    out = {'transformer.tok.wte.weight': sd['transformer.wte.weight'], 'transformer.wpe.weight': sd['transformer.wpe.weight']}
-    def move(src, dst):
-        for part in ('weight', 'bias'):
-            if f'{src}.{part}' in sd: out[f'{dst}.{part}'] = sd[f'{src}.{part}']
-    move('transformer.ln_f', 'transformer.ln_f')
-    for i in range(n_layer):
-        p = f'transformer.h.{i}'
-        for a, b in (('ln_1', 'ln_1'), ('ln_2', 'ln_2'), ('attn.c_proj', 'attn.c_proj'), ('mlp.c_fc', 'mlp.mlp_up'), ('mlp.c_proj', 'mlp.mlp_down')):
-            move(f'{p}.{a}', f'{p}.{b}')
-        for part in ('weight', 'bias'):
-            if f'{p}.attn.c_attn.{part}' in sd:
-                for name, t in zip(('q_proj', 'k_proj', 'v_proj'), sd[f'{p}.attn.c_attn.{part}'].split(d, dim=0)): out[f'{p}.attn.{name}.{part}'] = t
-    return out
-
-def _model_flags(**shape) -> str:
-    return ' '.join(f'--set model.{k}={v}' for k, v in shape.items())
-
-@torch.no_grad()
-def load_named_tensors(model: GPT, tensors: dict, source: str, hint: str = '') -> GPT:
-    "Copy `tensors` (our names) into every parameter and buffer of `model`: shapes must match (positions may be cropped), biases we lack must be zero; a tied checkpoint's table also starts an untied head."
-    own = {**dict(model.named_parameters(remove_duplicate=True)), **dict(model.named_buffers())}
-    tensors, wte = dict(tensors), tensors.get('transformer.tok.wte.weight')
-    head = tensors.get('lm_head.weight')
-    if 'lm_head.weight' not in own and head is not None and not (wte is not None and head.shape == wte.shape and torch.equal(head, wte)):
-        raise ConfigError(f'--init-from {source}: the checkpoint has an untied output head (lm_head.weight differs from the token table) and this '
-                          'model ties them; train an untied model with --set model.tie_embeddings=false')
-    if 'lm_head.weight' in own and head is None and wte is not None: tensors['lm_head.weight'] = wte  # tied checkpoint, untied model: the head starts as the table
-    missing = [n for n in own if n not in tensors and not n.endswith('.bias')]
-    wrong = [(n, tuple(t.shape), tuple(tensors[n].shape)) for n, t in own.items() if n in tensors and t.shape != tensors[n].shape
-             and not (n == 'transformer.wpe.weight' and tensors[n].shape[0] > t.shape[0] and tensors[n].shape[1:] == t.shape[1:])]
-    if missing or wrong:
-        what = '; '.join([f'{n}: ours {a}, checkpoint {b}' for n, a, b in wrong[:6]] + [f'{n} missing from the checkpoint' for n in missing[:4]])
-        raise ConfigError(f'--init-from {source}: the checkpoint does not fit this model ({what}). {hint}'.strip())
-    lost = [n for n, t in tensors.items() if n not in own and n.endswith('.bias') and t.abs().max() > 0]
-    if lost: raise ConfigError(f'--init-from {source}: the checkpoint has non-zero biases this model lacks ({lost[:3]}); set model.bias=true / model.attn_bias=true')
-    for n, t in own.items():
-        if n in tensors: t.copy_(tensors[n][:t.shape[0]] if n == 'transformer.wpe.weight' else tensors[n])
-        else: t.zero_()  # a bias the checkpoint does not have
-    return model
-
-def load_init_weights(model: GPT, path) -> GPT:
-    "Fill `model` from a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt (see above; an untied head needs an untied model, a tied one starts an untied head as a copy of the table); a `ConfigError` says what does not fit."
-    path = Path(path)
-    if path.is_dir() and (path / 'config.json').exists():
-        from oelm_nb.pca import from_hf_gpt2
-        src = from_hf_gpt2(path)
-        c = src.cfg
-        if activation(src) != activation(model):
-            warnings.warn(f'--init-from {path}: its MLP uses tanh-approximate GELU (GPT-2), this model exact GELU; outputs differ slightly at the start')
-        hint = 'Match it with ' + _model_flags(vocab_size=c.vocab_size, block_size=c.block_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
-                                               d_ff=c.ff_dim, bias='true', attn_bias='true', **({} if c.tie_embeddings else {'tie_embeddings': 'false'}))
-        return load_named_tensors(model, {**dict(src.named_parameters()), **dict(src.named_buffers())}, str(path), hint)
-    if not path.is_file():
-        raise ConfigError(f'--init-from {path}: neither a Hugging Face GPT-2 directory (with config.json) nor a nanoGPT ckpt.pt')
-    try: ck = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e: raise ConfigError(f'--init-from {path}: not a checkpoint torch can read with weights_only=True ({type(e).__name__}: {str(e)[:200]})') from None
-    if not (isinstance(ck, dict) and isinstance(ck.get('model'), dict) and isinstance(ck.get('model_args'), dict)):
-        raise ConfigError(f"--init-from {path}: not a nanoGPT checkpoint (a dict with 'model' and 'model_args')")
-    a = ck['model_args']
-    try: tensors = _ours_from_nanogpt(ck['model'], int(a['n_layer']), int(a['n_embd']))
-    except (KeyError, ValueError, TypeError) as e: raise ConfigError(f'--init-from {path}: its state dict is not in nanoGPT\'s layout ({e})') from None
-    hint = 'Match it with ' + _model_flags(**{k: a[k] for k in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd') if k in a}, d_ff=4 * int(a['n_embd']))
-    return load_named_tensors(model, tensors, str(path), hint)
-
-def init_dropouts(path) -> dict:
-    "model.* dropout overrides that `--init-from PATH` carries: GPT-2's resid/attn/embd_pdrop from its config.json, nanoGPT's model_args dropout."
-    p = Path(path).expanduser()
-    if p.is_dir() and (p / 'config.json').exists():
-        try: c = json.loads((p / 'config.json').read_text())
-        except json.JSONDecodeError as e: raise ConfigError(f'--init-from {p}: config.json is not valid JSON ({e.msg})') from None
-        resid = c.get('resid_pdrop')
-        if resid is None: return {}
-        out = {'model.dropout': float(resid)}
-        for ours, theirs in (('model.attn_dropout', 'attn_pdrop'), ('model.embd_dropout', 'embd_pdrop')):
-            if c.get(theirs) is not None and c[theirs] != resid: out[ours] = float(c[theirs])
-        return out
-    if p.is_file():
-        try: ck = torch.load(p, map_location='cpu', weights_only=True)
-        except Exception: return {}
-        d = (ck.get('model_args') or {}).get('dropout') if isinstance(ck, dict) else None
-        return {} if d is None else {'model.dropout': float(d)}
-    return {}

@@ -10,6 +10,9 @@ import numpy as np
 import pandas as pd
 from .experiment import Study, Variant, NoSettings, launch_run, resolve_spec, TRAIN_PRESETS, DATA_PRESETS
 from .model import model_config
+from .bench import bench
+from .freeze import param_report
+from .model import GPT
 from .report import (compare, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
                             interval_text)
 
@@ -89,7 +92,6 @@ def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: d
                        steps: int = 20, warmup: int = 3, log=print) -> pd.DataFrame | None:
     "Time `variants` interleaved in this process at the study's shape (`oelm bench`), `oelm` first; write batch_dir/timing.json."
     from dataclasses import asdict
-    from oelm_nb.bench import bench
     order = sorted(dict.fromkeys(variants), key=lambda v: v != 'oelm')  # ratios are relative to the first: oelm (H3)
     if len(order) < 2: return None
     spec = resolve_spec(QK_FREEZE, order[0], preset, 0, None, overrides=overrides)
@@ -164,8 +166,6 @@ def tokens_per_run(preset: str, steps: int | None = None) -> int:
 
 def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') -> str:
     "One Markdown paragraph: the runs' model size, steps and tokens against the Q/K freeze log's `reference` runs."
-    from oelm_nb.freeze import param_report
-    from oelm_nb.model import GPT
     ok = runs[runs.status == 'completed'] if len(runs) else runs
     if not len(ok) or 'steps' not in ok: return 'No completed runs.'
     m, r = model_config(preset), model_config(reference)

@@ -18,6 +18,7 @@ from .studies import get_study
 from .data import prepare_data, read_meta
 from .checkpoint import list_checkpoints
 from .memory import check_step_memory, available_memory, GiB
+from .metrics import read_metrics
 from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_with_parent, describe_holder,
                             recorded_config, config_diff, describe_diff, fingerprint, read_holder)
 
@@ -180,7 +181,6 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
 
 def run_digest(run_dir: Path) -> str:
     "One line on how a run went: train loss first -> last, best val PPL, recall accuracy."
-    from oelm_nb.metrics import read_metrics
     recs, s = read_metrics(run_dir), read_json(Path(run_dir) / 'summary.json') or {}
     parts = []
     if recs: parts.append(f"train loss {recs[0]['train_loss']:.3f} -> {recs[-1]['train_loss']:.3f}")

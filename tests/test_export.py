@@ -190,7 +190,7 @@ def test_a_run_starts_from_an_exported_nanogpt_checkpoint(run, tmp_path):
 
 
 def test_init_from_a_config_built_gpt2_directory_reproduces_its_logits(tmp_path):
-    from oelm_nb.export import load_init_weights
+    from oelm_nb.weights import load_init_weights
     from oelm_nb.model import GPT, model_config
     cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu')
     torch.manual_seed(0); hf = transformers.GPT2LMHeadModel(cfg).eval(); hf.save_pretrained(tmp_path / 'gpt2')
@@ -206,7 +206,7 @@ def test_init_from_a_config_built_gpt2_directory_reproduces_its_logits(tmp_path)
 def test_init_from_an_untied_gpt2_directory(tmp_path):
     "A config-built GPT-2 with tie_word_embeddings=False: an untied model reproduces its logits, a tied one is refused by name."
     from oelm_nb.core import ConfigError
-    from oelm_nb.export import load_init_weights
+    from oelm_nb.weights import load_init_weights
     from oelm_nb.model import GPT, model_config
     cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu',
                                   tie_word_embeddings=False)
@@ -259,7 +259,8 @@ def test_dropouts_are_read_from_the_source_and_written_on_export(tmp_path):
     transformers = pytest.importorskip('transformers')
     from oelm_nb.cli import build_parser, study_plan
     from oelm_nb.studies import get_study
-    from oelm_nb.export import init_dropouts, hf_config
+    from oelm_nb.export import hf_config
+from oelm_nb.weights import init_dropouts
     from oelm_nb.model import GPT, model_config
     from oelm_nb.pca import from_hf_gpt2
     src = tmp_path / 'gpt2'
