@@ -19,57 +19,79 @@ from .metrics import read_metrics
 from .rundir import flatten
 
 # %% auto #0
-__all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS',
-           'EXPLORER_COLUMNS', 'project_root', 'find_batch_dir', 'load_runs', 'load_curves', 'variant_table',
-           't_interval', 'interval_text', 'Comparison', 'paired', 'compare', 'threshold_verdict', 'difference_verdict',
-           'mean_sd', 'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
-           'convergence', 'convergence_note', 'convergence_caveat', 'safe_markdown', 'safe_table', 'provenance_table',
-           'hyperparameter_table', 'run_links', 'smooth_curves', 'explorer_table', 'RunExplorer']
+__all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root',
+           'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 't_interval', 'interval_text', 'Comparison',
+           'paired', 'compare', 'threshold_verdict', 'difference_verdict', 'mean_sd', 'people_number', 'people_table',
+           'axis_label', 'variant_colors', 'log_ticks', 'plot_curves', 'convergence', 'convergence_note',
+           'convergence_caveat', 'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links']
 
 # %% ../nbs/08_report.ipynb #c879ad34
 PROJECT_ENV = 'OELM_PROJECT'  # a project root to resolve report batch paths against
 
+# %% ../nbs/08_report.ipynb #5028c012
 def project_root(start=None) -> Path | None:
-    "The nearest folder at or above `start` (default: the working directory) whose settings.ini declares lib_name = oelm_nb."
+    """The nearest folder at or above `start` (default: the working directory) whose settings.ini declares lib_name =
+    oelm_nb."""
     here = Path(start or Path.cwd()).resolve()
     for d in (here, *here.parents):
         ini = d / 'settings.ini'
-        if ini.is_file() and any(l.replace(' ', '') == 'lib_name=oelm_nb' for l in ini.read_text(errors='replace').splitlines()): return d
+        if ini.is_file() and any(
+            l.replace(' ', '') == 'lib_name=oelm_nb' for l in ini.read_text(errors='replace').splitlines()
+        ):
+            return d
     return None
 
+# %% ../nbs/08_report.ipynb #23d640c3
 def find_batch_dir(run_dir, # the report's parameter: a batch directory, absolute or relative to the project
                    study: str, # the study whose batch it is, for the message
                    make_target: str | None = None, # a make target that writes this batch, if there is one
                   ) -> Path:
-    "The batch directory `run_dir` names: as given, under $OELM_PROJECT, or under the project root; a clear error when none exists."
+    """The batch directory `run_dir` names: as given, under $OELM_PROJECT, or under the project root; a clear error when
+    none exists."""
     given = Path(run_dir).expanduser()
     roots = [] if given.is_absolute() else [r for r in (os.environ.get(PROJECT_ENV), project_root()) if r]
     candidates = list(dict.fromkeys([given, *(Path(r) / given for r in roots)]))
     for c in candidates:
         if c.is_dir(): return c.resolve()
-    how = f"Run `make {make_target}` (or `oelm run {study}`)" if make_target else f"Run `oelm run {study} --out {run_dir}`"
-    raise FileNotFoundError(f"no batch directory {str(run_dir)!r}: looked in {', '.join(str(c.resolve()) for c in candidates)}. "
-                            f"{how} first, or set run_dir to a batch directory (or {PROJECT_ENV} to the project root).")
+    how = (
+        f"Run `make {make_target}` (or `oelm run {study}`)"
+        if make_target
+        else f"Run `oelm run {study} --out {run_dir}`"
+    )
+    raise FileNotFoundError(
+        f"no batch directory {str(run_dir)!r}: looked in {', '.join(str(c.resolve()) for c in candidates)}. "
+        f"{how} first, or set run_dir to a batch directory (or {PROJECT_ENV} to the project root)."
+    )
 
 # %% ../nbs/08_report.ipynb #6fcf8801
 def _expected(batch_dir: Path) -> list[tuple[str, int]]:
     b = read_json(batch_dir / 'batch.json') or {}
     return [(v, int(s)) for v in b.get('variants', []) for s in b.get('seeds', [])]
 
+# %% ../nbs/08_report.ipynb #07016f97
 def _run_row(d: Path, variant: str, seed: int) -> dict:
-    "One run's row: identity, status, error and the summary's scalars (text too; parameter counts as params_*, device and precision as runtime_*, commit, versions, command and times as provenance_*)."
+    """One run's row: identity, status, error and the summary's scalars (text too; parameter counts as params_*, device
+    and precision as runtime_*, commit, versions, command and times as provenance_*)."""
     s = read_json(d / 'summary.json') or {'status': 'partial' if any(d.iterdir()) else 'missing'}
     row = {'variant': variant, 'seed': seed, 'run_dir': str(d), 'status': s.get('status'), 'error': s.get('error')}
     for k, v in s.items():
-        if isinstance(v, (int, float, str)) and not isinstance(v, bool) and k not in row and k not in ('study', 'preset'): row[k] = v
+        if (
+            isinstance(v, (int, float, str))
+            and not isinstance(v, bool)
+            and k not in row
+            and k not in ('study', 'preset')
+        ):
+            row[k] = v
     for k, v in (s.get('params') or {}).items(): row[f'params_{k}'] = v
     for k, v in (s.get('runtime') or {}).items():  # where and how it computed: device, dtype, threads, ...
         if isinstance(v, (int, float, str, bool)): row[f'runtime_{k}'] = v
     prov = s.get('provenance')
-    for k, v in (prov.items() if isinstance(prov, dict) else ()):  # which code, where, when (None kept: "not a git checkout")
+    # which code, where, when (None kept: "not a git checkout")
+    for k, v in (prov.items() if isinstance(prov, dict) else ()):
         if v is None or isinstance(v, (int, float, str, bool)): row[f'provenance_{k}'] = v
     return row
 
+# %% ../nbs/08_report.ipynb #d88f9bd3
 def load_runs(batch_dir) -> pd.DataFrame:
     "One row per run of a batch directory: variant, seed, status and the summary's scalars."
     batch_dir = Path(batch_dir)
@@ -77,17 +99,26 @@ def load_runs(batch_dir) -> pd.DataFrame:
     for d in sorted(p for p in batch_dir.iterdir() if p.is_dir()):
         if (vs := parse_run_name(d.name)): rows[vs] = _run_row(d, *vs)
     for v, s in _expected(batch_dir):
-        if (v, s) not in rows: rows[(v, s)] = {'variant': v, 'seed': s, 'run_dir': str(batch_dir / run_name(v, s)), 'status': 'missing', 'error': 'never ran'}
+        if (v, s) not in rows:
+            rows[(v, s)] = {
+                'variant': v,
+                'seed': s,
+                'run_dir': str(batch_dir / run_name(v, s)),
+                'status': 'missing',
+                'error': 'never ran',
+            }
     plan = (read_json(batch_dir / 'batch.json') or {}).get('plan') or {}
     for row in rows.values():  # what each variant was planned to be (its dotted overrides), also for runs that failed
         for k, v in ((plan.get(row['variant']) or {}).get('overrides') or {}).items():
             if isinstance(v, (int, float, str, bool)): row.setdefault(k, v)
     order = [v for v, _ in _expected(batch_dir)]
     df = pd.DataFrame(list(rows.values()))
-    if df.empty: return pd.DataFrame(columns=['variant', 'seed', 'run_dir', 'status', 'error'])  # an empty batch has the columns too
+    # an empty batch has the columns too
+    if df.empty: return pd.DataFrame(columns=['variant', 'seed', 'run_dir', 'status', 'error'])
     df['_o'] = df.variant.map(lambda v: order.index(v) if v in order else len(order))
     return df.sort_values(['_o', 'variant', 'seed']).drop(columns='_o').reset_index(drop=True)
 
+# %% ../nbs/08_report.ipynb #a2a7f2b0
 def load_curves(batch_dir, runs: pd.DataFrame | None = None) -> pd.DataFrame:
     "The metrics records of every run, long format, with variant and seed columns."
     runs = load_runs(batch_dir) if runs is None else runs
@@ -117,7 +148,8 @@ def variant_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
 
 # %% ../nbs/08_report.ipynb #7c74ed3d
 def t_interval(values, confidence: float = 0.95) -> tuple[float, float | None, float | None]:
-    "Mean and t-interval of paired per-seed values (NaNs dropped): (mean, None, None) with one value, (nan, None, None) with none."
+    """Mean and t-interval of paired per-seed values (NaNs dropped): (mean, None, None) with one value, (nan, None,
+    None) with none."""
     v = np.asarray([x for x in values if pd.notna(x)], dtype=float)
     if not len(v): return math.nan, None, None
     m = float(v.mean())
@@ -127,20 +159,27 @@ def t_interval(values, confidence: float = 0.95) -> tuple[float, float | None, f
     return m, float(ci.low), float(ci.high)
 
 # %% ../nbs/08_report.ipynb #2304505e
-def interval_text(mean: float, low: float | None, high: float | None, n: int,
-                  fmt: str = '{:+.2%}', # how one number is written
-                  point: bool = True, # False: only the interval ('lo .. hi'), for a table with the point in its own column
-                 ) -> str:
+def interval_text(
+    mean: float,
+    low: float | None,
+    high: float | None,
+    n: int,
+    fmt: str = '{:+.2%}',  # how one number is written
+    point: bool = True,  # False: only the interval ('lo .. hi'), for a table with the point in its own column
+) -> str:
     "'+1.20% (95% CI -0.40% .. +2.80%, 3 seeds)'; one seed: '+1.20% (1 seed: needs >= 2 seeds)'; no value: 'n/a'."
-    if not n or mean is None or pd.isna(mean): return 'n/a'
+    if not n or mean is None or pd.isna(mean):
+        return 'n/a'
     lo_hi = None if low is None else f'{fmt.format(low)} .. {fmt.format(high)}'
-    if not point: return lo_hi or 'needs >= 2 seeds'
+    if not point:
+        return lo_hi or 'needs >= 2 seeds'
     return fmt.format(mean) + (f' (95% CI {lo_hi}, {n} seeds)' if lo_hi else f' ({n} seed: needs >= 2 seeds)')
 
 # %% ../nbs/08_report.ipynb #282d6880
 @dataclass
 class Comparison:
-    "A paired comparison of `metric` between `a` and `b` over common seeds: per-seed differences, their mean and 95% interval."
+    """A paired comparison of `metric` between `a` and `b` over common seeds: per-seed differences, their mean and 95%
+    interval."""
     metric: str
     a: str
     b: str
@@ -167,12 +206,17 @@ def paired(a: pd.Series, b: pd.Series, # per-seed values (index: seed) of the tw
     mean, low, high = t_interval(d)
     return Comparison(metric, a_name, b_name, {int(k): float(v) for k, v in d.items()}, mean, low, high, relative)
 
-def compare(runs: pd.DataFrame, a: str, b: str, metric: str = 'best_val_ppl', relative: bool = True) -> Comparison | None:
+# %% ../nbs/08_report.ipynb #e3dcfba8
+def compare(
+    runs: pd.DataFrame, a: str, b: str, metric: str = 'best_val_ppl', relative: bool = True
+) -> Comparison | None:
     "Paired comparison of `metric` between variants `a` and `b` over their common completed seeds."
     ok = runs[(runs.status == 'completed') & runs.variant.isin([a, b])]
-    if metric not in ok: return None
+    if metric not in ok:
+        return None
     piv = ok.pivot_table(index='seed', columns='variant', values=metric)
-    if a not in piv or b not in piv: return None
+    if a not in piv or b not in piv:
+        return None
     return paired(piv[a], piv[b], metric, a, b, relative)
 
 # %% ../nbs/08_report.ipynb #0f5d0677
@@ -186,6 +230,7 @@ def threshold_verdict(c: Comparison | None, # a paired comparison (None: no data
     if below: return 'supported' if c.high < limit else 'rejected' if c.low >= limit else 'inconclusive'
     return 'supported' if c.low >= limit else 'rejected' if c.high < limit else 'inconclusive'
 
+# %% ../nbs/08_report.ipynb #d8c3dc24
 def difference_verdict(c: Comparison | None, none: str = 'no resolvable difference') -> str:
     "Which side of a paired comparison is lower ('<a> lower' / '<b> lower'), or `none` when the interval holds zero."
     if c is None: return 'no data'
@@ -198,9 +243,11 @@ def mean_sd(m, s, fmt: str = '{:.3f}', scale: float = 1.0, unit: str = '', missi
     if m is None or pd.isna(m): return missing
     return fmt.format(m * scale) + unit + (f' ± {fmt.format(s * scale)}{unit}' if s is not None and pd.notna(s) else '')
 
+# %% ../nbs/08_report.ipynb #84578bee
 PEOPLE_FORMATS = {'best_val_ppl': '{:.3f}', 'val_ppl': '{:.3f}', 'recall_acc': '{:.1%}', 'tokens_per_s': '{:,.0f}',
                   'params_trainable': '{:,.0f}', 'params_total': '{:,.0f}'}
 
+# %% ../nbs/08_report.ipynb #c9f45650
 def people_number(v, column: str) -> str:
     "`v` written for people as column `column` is (`PEOPLE_FORMATS`; text as it is); '' without a value."
     if v is None or (isinstance(v, float) and math.isnan(v)): return ''
@@ -216,23 +263,36 @@ def people_table(vt: pd.DataFrame) -> pd.DataFrame:
     if 'recall_acc_mean' in vt:
         out['recall'] = [mean_sd(m, s, '{:.1f}', 100, '%') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
     if 'tokens_per_s_mean' in vt: out['tokens/s'] = [people_number(m, 'tokens_per_s') for m in vt.tokens_per_s_mean]
-    if 'params_trainable' in vt: out['trainable params'] = [people_number(p, 'params_trainable') for p in vt.params_trainable]
+    if 'params_trainable' in vt:
+        out['trainable params'] = [people_number(p, 'params_trainable') for p in vt.params_trainable]
     out.index.name = None
     return out
 
 # %% ../nbs/08_report.ipynb #1513d976
-METRIC_LABELS = {'val_ppl': 'validation perplexity', 'val_loss': 'validation loss (nats/token)',
-                 'train_loss': 'training loss (nats/token)', 'recall_acc': 'recall accuracy (fraction of recall positions)',
-                 'tokens_per_s': 'throughput (tokens/s)', 'lr': 'learning rate', 'grad_norm': 'gradient norm (before clipping)',
-                 'step': 'training step', 'tokens': 'tokens seen', 'elapsed_s': 'wall time (s)',
-                 'best_val_ppl': 'best validation perplexity', 'final_val_ppl': 'final validation perplexity'}
+METRIC_LABELS = {
+    'val_ppl': 'validation perplexity',
+    'val_loss': 'validation loss (nats/token)',
+    'train_loss': 'training loss (nats/token)',
+    'recall_acc': 'recall accuracy (fraction of recall positions)',
+    'tokens_per_s': 'throughput (tokens/s)',
+    'lr': 'learning rate',
+    'grad_norm': 'gradient norm (before clipping)',
+    'step': 'training step',
+    'tokens': 'tokens seen',
+    'elapsed_s': 'wall time (s)',
+    'best_val_ppl': 'best validation perplexity',
+    'final_val_ppl': 'final validation perplexity',
+}
 
+# %% ../nbs/08_report.ipynb #79c00d70
 def axis_label(name: str) -> str:
     "The words (and unit) for a metric or axis column; the column name itself when it has none."
     return METRIC_LABELS.get(name, name)
 
+# %% ../nbs/08_report.ipynb #981043b1
 def variant_colors(variants) -> dict[str, str]:
-    "A fixed colour (hex) per variant, by its position in `variants` (the batch's order): tab10 up to 10 variants, tab20 up to 20, spaced hues beyond."
+    """A fixed colour (hex) per variant, by its position in `variants` (the batch's order): tab10 up to 10 variants,
+    tab20 up to 20, spaced hues beyond."""
     names = [str(v) for v in dict.fromkeys(variants)]
     n = len(names)
     cols = (matplotlib.colormaps['tab10'].colors if n <= 10 else matplotlib.colormaps['tab20'].colors if n <= 20
@@ -247,12 +307,18 @@ def log_ticks(axis, lo: float, hi: float, n: int = 5):
     axis.set_major_locator(FixedLocator(ticks)); axis.set_major_formatter(FuncFormatter(lambda v, _: f'{v:g}'))
     axis.set_minor_formatter(NullFormatter())
 
+# %% ../nbs/08_report.ipynb #d065afc3
 def plot_curves(curves: pd.DataFrame, metric: str = 'val_ppl', x: str = 'step', ax=None, logy: bool | str | None = None,
                 variants: list[str] | None = None, seeds: list[int] | None = None, colors: dict | None = None):
-    "Mean and sd band over seeds of `metric` against `x` ('step', 'tokens'; 'elapsed_s': one line per seed), one fixed colour per variant; linear y unless `logy` (True, or 'auto': log beyond a 10x span)."
+    """Mean and sd band over seeds of `metric` against `x` ('step', 'tokens'; 'elapsed_s': one line per seed), one fixed
+    colour per variant; linear y unless `logy` (True, or 'auto': log beyond a 10x span)."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     ax.set_xlabel(axis_label(x)); ax.set_ylabel(axis_label(metric)); ax.grid(alpha=.3)
-    colors = dict(colors) if colors is not None else variant_colors(curves['variant'].unique() if 'variant' in curves else [])
+    colors = (
+        dict(colors)
+        if colors is not None
+        else variant_colors(curves['variant'].unique() if 'variant' in curves else [])
+    )
     df = curves.dropna(subset=[metric, x]) if metric in curves and x in curves else curves.iloc[:0]
     if variants is not None: df = df[df.variant.isin(variants)]
     if seeds is not None: df = df[df.seed.isin(seeds)]
@@ -277,7 +343,8 @@ def plot_curves(curves: pd.DataFrame, metric: str = 'val_ppl', x: str = 'step', 
 # %% ../nbs/08_report.ipynb #864df9d9
 def convergence(runs: pd.DataFrame, curves: pd.DataFrame | None = None, tail: float = 0.2, floor: float = 0.01,
                 min_evals: int = 3) -> pd.DataFrame:
-    "Per run (indexed by run name): val loss at the start and end of the last `tail` of its steps, their relative fall, the variant's seed spread and a flag: 'converged', 'still improving' or 'unknown'."
+    """Per run (indexed by run name): val loss at the start and end of the last `tail` of its steps, their relative
+    fall, the variant's seed spread and a flag: 'converged', 'still improving' or 'unknown'."""
     curves = load_curves(None, runs) if curves is None else curves
     ev = curves.dropna(subset=['val_loss']) if 'val_loss' in curves and len(curves) else None
     by_run = {} if ev is None else {k: g.sort_values('step').drop_duplicates('step', keep='last')
@@ -288,16 +355,24 @@ def convergence(runs: pd.DataFrame, curves: pd.DataFrame | None = None, tail: fl
         row = {'run': run_name(r.variant, r.seed), 'variant': r.variant, 'seed': r.seed, 'status': r.status,
                'evals': 0 if g is None else len(g), 'tail_from_step': None, 'tail_to_step': None,
                'val_loss_start': np.nan, 'val_loss_end': np.nan, 'improvement': np.nan, 'reason': None}
-        if r.status != 'completed': row['reason'] = f'run {r.status}: not judged'
-        elif row['evals'] < min_evals: row['reason'] = f"{row['evals']} evaluation(s): too few to judge (needs >= {min_evals})"
+        if r.status != 'completed':
+            row['reason'] = f'run {r.status}: not judged'
+        elif row['evals'] < min_evals:
+            row['reason'] = f"{row['evals']} evaluation(s): too few to judge (needs >= {min_evals})"
         else:
             steps, loss = g.step.to_numpy(), g.val_loss.to_numpy(float)
             before = np.flatnonzero(steps <= steps[-1] * (1 - tail))
-            if not len(before): row['reason'] = f'no evaluation at or before {1 - tail:.0%} of the steps'
+            if not len(before):
+                row['reason'] = f'no evaluation at or before {1 - tail:.0%} of the steps'
             else:
                 a = before[-1]
-                row.update(tail_from_step=int(steps[a]), tail_to_step=int(steps[-1]), val_loss_start=loss[a], val_loss_end=loss[-1],
-                           improvement=(loss[a] - loss[-1]) / loss[a])
+                row.update(
+                    tail_from_step=int(steps[a]),
+                    tail_to_step=int(steps[-1]),
+                    val_loss_start=loss[a],
+                    val_loss_end=loss[-1],
+                    improvement=(loss[a] - loss[-1]) / loss[a],
+                )
         rows.append(row)
     t = pd.DataFrame(rows, columns=['run', 'variant', 'seed', 'status', 'evals', 'tail_from_step', 'tail_to_step',
                                     'val_loss_start', 'val_loss_end', 'improvement', 'reason']).set_index('run')
@@ -309,40 +384,65 @@ def convergence(runs: pd.DataFrame, curves: pd.DataFrame | None = None, tail: fl
     improving = t.improvement > t.threshold
     t['flag'] = np.where(t.improvement.isna(), 'unknown', np.where(improving, 'still improving', 'converged'))
     for run, r in t[t.improvement.notna()].iterrows():
-        src = (f'{r.seeds}-seed spread' if r.seed_spread > floor else
-               f'{floor:.0%} floor' + ('; one seed: no spread' if r.seeds < 2 else f'; {r.seeds}-seed spread {r.seed_spread:.2%}'))
-        t.loc[run, 'reason'] = (f"val loss {'fell' if r.improvement >= 0 else 'rose'} {abs(r.improvement):.2%} over steps "
-                                f"{int(r.tail_from_step)}-{int(r.tail_to_step)}; threshold {r.threshold:.2%} ({src})")
+        src = (
+            f'{r.seeds}-seed spread'
+            if r.seed_spread > floor
+            else f'{floor:.0%} floor'
+            + ('; one seed: no spread' if r.seeds < 2 else f'; {r.seeds}-seed spread {r.seed_spread:.2%}')
+        )
+        t.loc[run, 'reason'] = (
+            f"val loss {'fell' if r.improvement >= 0 else 'rose'} {abs(r.improvement):.2%} over steps "
+            f"{int(r.tail_from_step)}-{int(r.tail_to_step)}; threshold {r.threshold:.2%} ({src})"
+        )
     t.attrs.update(tail=tail, floor=floor)
     return t
 
+# %% ../nbs/08_report.ipynb #6ae1310b
 def _names(names, limit: int = 8) -> str:
     names = list(names)
     return ', '.join(names[:limit]) + (f' and {len(names) - limit} more' if len(names) > limit else '')
 
+# %% ../nbs/08_report.ipynb #ec3c2143
 def convergence_note(conv: pd.DataFrame) -> str:
-    "One Markdown paragraph for a report: how many completed runs converged, which were still improving (their verdicts describe early training)."
+    """One Markdown paragraph for a report: how many completed runs converged, which were still improving (their
+    verdicts describe early training)."""
     tail, floor = conv.attrs.get('tail', 0.2), conv.attrs.get('floor', 0.01)
-    rule = (f"a run counts as still improving when its validation loss fell by more than max({floor:.0%}, its variant's "
-            f"seed-to-seed spread) over the last {tail:.0%} of its steps")
+    rule = (
+        f"a run counts as still improving when its validation loss fell by more than max({floor:.0%}, its variant's "
+        f"seed-to-seed spread) over the last {tail:.0%} of its steps"
+    )
     done = conv[conv.status == 'completed']
     n, imp, unk = len(done), done.index[done.flag == 'still improving'], done.index[done.flag == 'unknown']
-    if n == 0: return 'No completed runs: convergence not judged.'
-    if not len(imp) and not len(unk): out = f'**Convergence:** all {n} completed runs converged ({rule}).'
+    if n == 0:
+        return 'No completed runs: convergence not judged.'
+    if not len(imp) and not len(unk):
+        out = f'**Convergence:** all {n} completed runs converged ({rule}).'
     else:
         out = '**Convergence:** '
-        if len(imp): out += (f'{len(imp)} of {n} runs were still improving at their last step ({_names(imp)}): verdicts that rest on '
-                             'them describe early training, not trained models. ')
-        if len(unk): out += f'{len(unk)} of {n} could not be judged ({_names(f"{k}: {r}" for k, r in done.loc[unk, "reason"].items())}). '
+        if len(imp):
+            out += (
+                f'{len(imp)} of {n} runs were still improving at their last step ({_names(imp)}): verdicts that rest on'
+                ' them describe early training, not trained models. '
+            )
+        if len(unk):
+            out += (
+                f'{len(unk)} of {n} could not be judged'
+                f' ({_names(f"{k}: {r}" for k, r in done.loc[unk, "reason"].items())}). '
+            )
         out += f'{int((done.flag == "converged").sum())} of {n} converged; {rule}.'
-    if (done.seeds[done.flag != 'unknown'] == 1).any(): out += f' With one seed a variant has no seed-to-seed spread: its threshold is the {floor:.0%} floor.'
+    if (done.seeds[done.flag != 'unknown'] == 1).any():
+        out += f' With one seed a variant has no seed-to-seed spread: its threshold is the {floor:.0%} floor.'
     return out
 
+# %% ../nbs/08_report.ipynb #22663401
 def convergence_caveat(conv: pd.DataFrame, variants) -> str:
-    "A clause to append to a verdict on `variants`: '' when all their completed runs converged, else which runs were still improving or unjudged."
+    """A clause to append to a verdict on `variants`: '' when all their completed runs converged, else which runs were
+    still improving or unjudged."""
     c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
     imp, unk = c.index[c.flag == 'still improving'], c.index[c.flag == 'unknown']
-    bits = ([f'still improving at the last step: {_names(imp)}'] if len(imp) else []) + ([f'convergence unknown: {_names(unk)}'] if len(unk) else [])
+    bits = ([f'still improving at the last step: {_names(imp)}'] if len(imp) else []) + (
+        [f'convergence unknown: {_names(unk)}'] if len(unk) else []
+    )
     return f" (early training: {'; '.join(bits)})" if bits else ''
 
 # %% ../nbs/08_report.ipynb #b8e2f4a6
@@ -351,45 +451,78 @@ import mistune
 from IPython.display import HTML
 from pandas.io.formats.style import Styler
 
+# %% ../nbs/08_report.ipynb #c8e257ff
 def safe_markdown(text: str) -> HTML:
-    "Markdown `text` as HTML (mistune, escape=True): raw HTML in it shows as text, javascript: and data: links are dropped."
+    """Markdown `text` as HTML (mistune, escape=True): raw HTML in it shows as text, javascript: and data: links are
+    dropped."""
     return HTML(mistune.create_markdown(escape=True)(text))
 
+# %% ../nbs/08_report.ipynb #62eec739
 def _is_text(v) -> bool: return not (v is None or isinstance(v, (int, float, np.number, np.bool_)))
+
+# %% ../nbs/08_report.ipynb #a1e2e7b7
 def _as_text(v) -> str: return html.escape(str(v))
 
+# %% ../nbs/08_report.ipynb #ac24eba6
 def safe_table(t: pd.DataFrame | Styler) -> pd.DataFrame | Styler:
-    "`t` for display with its text HTML-escaped: a DataFrame's HTML escapes already; a Styler's text cells and labels are escaped here."
+    """`t` for display with its text HTML-escaped: a DataFrame's HTML escapes already; a Styler's text cells and labels
+    are escaped here."""
     if isinstance(t, pd.DataFrame): return t
-    text = [c for j, c in enumerate(t.data.columns) if t.data.iloc[:, j].map(_is_text).any()]  # columns of numbers keep their formats
+    # columns of numbers keep their formats
+    text = [c for j, c in enumerate(t.data.columns) if t.data.iloc[:, j].map(_is_text).any()]
     if text: t = t.format(_as_text, subset=text, na_rep='')
     return t.format_index(escape='html', axis=0).format_index(escape='html', axis=1)
 
 # %% ../nbs/08_report.ipynb #4e5a6353
 NOT_RECORDED = 'not recorded'
-PROVENANCE_KEYS = ('commit', 'dirty', 'oelm_nb', 'torch', 'cuda', 'python', 'numpy', 'device', 'dtype', 'world_size', 'command')
+PROVENANCE_KEYS = (
+    'commit',
+    'dirty',
+    'oelm_nb',
+    'torch',
+    'cuda',
+    'python',
+    'numpy',
+    'device',
+    'dtype',
+    'world_size',
+    'command',
+)
 
+# %% ../nbs/08_report.ipynb #e96cd7c7
 def _get(r: dict, col: str):
     v = r.get(col)
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
+# %% ../nbs/08_report.ipynb #540f839f
 def _provenance_row(r: dict) -> dict:
     "The text of one run's provenance: what it ran (key fields), where and when."
     has = any(_get(r, c) is not None for c in r if c.startswith('provenance_'))
     txt = lambda col, none: (NOT_RECORDED if not has else none) if _get(r, col) is None else str(_get(r, col))
     ws = _get(r, 'world_size')
-    return {'commit': txt('provenance_commit', 'not a git checkout'),
-            'dirty': NOT_RECORDED if not has else {True: 'yes: uncommitted changes', False: 'no'}.get(_get(r, 'provenance_dirty'), 'unknown'),
-            **{k: txt(f'provenance_{k}', 'unknown') for k in ('oelm_nb', 'torch')}, 'cuda': txt('provenance_cuda', 'none (CPU build)'),
-            **{k: txt(f'provenance_{k}', 'unknown') for k in ('python', 'numpy')},
-            'device': str(_get(r, 'runtime_device_name') or _get(r, 'runtime_device') or NOT_RECORDED),
-            'dtype': str(_get(r, 'runtime_dtype') or NOT_RECORDED),
-            'world_size': NOT_RECORDED if ws is None else str(int(ws)) if float(ws).is_integer() else str(ws),
-            'command': txt('provenance_command', 'unknown'), 'host': txt('provenance_host', 'unknown'),
-            'started': _get(r, 'provenance_started'), 'finished': _get(r, 'provenance_finished')}
+    return {
+        'commit': txt('provenance_commit', 'not a git checkout'),
+        'dirty': (
+            NOT_RECORDED
+            if not has
+            else {True: 'yes: uncommitted changes', False: 'no'}.get(_get(r, 'provenance_dirty'), 'unknown')
+        ),
+        **{k: txt(f'provenance_{k}', 'unknown') for k in ('oelm_nb', 'torch')},
+        'cuda': txt('provenance_cuda', 'none (CPU build)'),
+        **{k: txt(f'provenance_{k}', 'unknown') for k in ('python', 'numpy')},
+        'device': str(_get(r, 'runtime_device_name') or _get(r, 'runtime_device') or NOT_RECORDED),
+        'dtype': str(_get(r, 'runtime_dtype') or NOT_RECORDED),
+        'world_size': NOT_RECORDED if ws is None else str(int(ws)) if float(ws).is_integer() else str(ws),
+        'command': txt('provenance_command', 'unknown'),
+        'host': txt('provenance_host', 'unknown'),
+        'started': _get(r, 'provenance_started'),
+        'finished': _get(r, 'provenance_finished'),
+    }
 
+# %% ../nbs/08_report.ipynb #6cf627c0
 def provenance_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "One row per distinct (commit, dirty, versions, device, dtype, world size, command): its runs, hosts and the span from first start to last end; all text."
+    """One row per distinct (commit, dirty, versions, device, dtype, world size, command): its runs, hosts and the span
+    from first start to last end; all text."""
     rows = [{'run': run_name(r['variant'], r['seed']), **_provenance_row(r)} for r in runs.to_dict('records')]
     cols = ['runs', 'n_runs', *PROVENANCE_KEYS, 'host', 'started', 'finished']
     if not rows: return pd.DataFrame(columns=cols)
@@ -402,10 +535,12 @@ def provenance_table(runs: pd.DataFrame) -> pd.DataFrame:
 # %% ../nbs/08_report.ipynb #f43f64ef
 PER_RUN_FIELDS = ('train.seed',)  # differs between the seeds of one variant, not between variants
 
+# %% ../nbs/08_report.ipynb #39c4e4bf
 def _config_text(v) -> str:
     "A configuration value as text: strings as they are, lists and dicts as JSON, the rest as Python writes it."
     return v if isinstance(v, str) else json.dumps(v) if isinstance(v, (list, dict)) else str(v)
 
+# %% ../nbs/08_report.ipynb #9579fcaa
 def _variant_config(run_dirs) -> dict | None:
     "The flattened model/train/data/settings fields of the first of `run_dirs` that has a config.json."
     for d in run_dirs:
@@ -415,8 +550,10 @@ def _variant_config(run_dirs) -> dict | None:
             return {k: _config_text(v) for k, v in flat.items() if '.' in k and k not in PER_RUN_FIELDS}
     return None
 
+# %% ../nbs/08_report.ipynb #8cc0b708
 def hyperparameter_table(batch_dir, runs: pd.DataFrame | None = None, style: bool = True):
-    "Every config.json field (rows) per variant (columns), as text; fields that differ between variants first, marked in 'differs' and highlighted (a safe Styler)."
+    """Every config.json field (rows) per variant (columns), as text; fields that differ between variants first, marked
+    in 'differs' and highlighted (a safe Styler)."""
     runs = load_runs(batch_dir) if runs is None else runs
     cfgs = {v: _variant_config(g.run_dir) for v, g in runs.groupby('variant', sort=False)}
     fields = list(dict.fromkeys(k for c in cfgs.values() if c for k in c))
@@ -437,8 +574,10 @@ def _link(batch_dir: Path, path: Path, text: str, folder: bool = False) -> str:
     rel = Path(os.path.relpath(path, batch_dir)).as_posix() + ('/' if folder else '')
     return f'<a href="{html.escape(urllib.parse.quote(rel), quote=True)}">{html.escape(text)}</a>'
 
+# %% ../nbs/08_report.ipynb #c4751e00
 def run_links(batch_dir, runs: pd.DataFrame | None = None) -> HTML:
-    "A table linking each run's folder, executed notebook(s) and metrics.jsonl, relative to `batch_dir`; only existing files are linked."
+    """A table linking each run's folder, executed notebook(s) and metrics.jsonl, relative to `batch_dir`; only existing
+    files are linked."""
     batch_dir = Path(batch_dir)
     runs = load_runs(batch_dir) if runs is None else runs
     rows = []
@@ -446,83 +585,11 @@ def run_links(batch_dir, runs: pd.DataFrame | None = None) -> HTML:
         d, name = Path(r.run_dir), run_name(r.variant, r.seed)
         exists = d.is_dir()
         folder = _link(batch_dir, d, name + '/', folder=True) if exists else 'missing'
-        notebooks = ', '.join(_link(batch_dir, p, p.name) for p in sorted(d.glob('*.ipynb')) if p.is_file()) if exists else ''
+        notebooks = (
+            ', '.join(_link(batch_dir, p, p.name) for p in sorted(d.glob('*.ipynb')) if p.is_file()) if exists else ''
+        )
         metrics = _link(batch_dir, d / 'metrics.jsonl', 'metrics.jsonl') if (d / 'metrics.jsonl').is_file() else ''
         cells = [html.escape(name), html.escape(str(r.status)), folder, notebooks or 'none', metrics or 'none']
         rows.append('<tr>' + ''.join(f'<td>{c}</td>' for c in cells) + '</tr>')
     head = ''.join(f'<th>{h}</th>' for h in ('run', 'status', 'folder', 'executed notebook', 'metrics'))
     return HTML(f'<table class="run-links"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
-
-# %% ../nbs/08_report.ipynb #bd6164c5
-def smooth_curves(curves: pd.DataFrame, metric: str, weight: float = 0.0) -> pd.DataFrame:
-    "`curves` with `metric` smoothed per run by an exponential moving average (TensorBoard's: each point keeps `weight` of the previous one)."
-    if not weight or metric not in curves or curves.empty: return curves
-    out = curves.sort_values(['variant', 'seed', 'step']).copy()
-    ok = out[metric].notna()
-    out.loc[ok, metric] = out[ok].groupby(['variant', 'seed'])[metric].transform(lambda s: s.ewm(alpha=1 - weight, adjust=False).mean())
-    return out
-
-EXPLORER_COLUMNS = {'variant': 'variant', 'seed': 'seed', 'status': 'status', 'best_val_ppl': 'best val PPL',
-                    'recall_acc': 'recall', 'tokens_per_s': 'tokens/s', 'error': 'error'}
-
-def explorer_table(runs: pd.DataFrame, variants=None, seeds=None) -> str:
-    "HTML table of the selected runs with numbers for people: PPL to 3 decimals, recall in %, tokens/s with separators, empty cells where a run has no value (escaped)."
-    sel = runs if variants is None else runs[runs.variant.isin(list(variants))]
-    sel = sel if seeds is None else sel[sel.seed.isin(list(seeds))]
-    if not len(sel): return '<i>no runs selected</i>'
-    cols = [c for c in EXPLORER_COLUMNS if c in sel]
-    shown = pd.DataFrame({EXPLORER_COLUMNS[c]: [people_number(v, c) for v in sel[c]] for c in cols})
-    return shown.to_html(index=False, escape=True)
-
-class RunExplorer:
-    "Interactive view of a batch directory: pick variants, seeds, a metric and the x axis; the plot redraws, each variant in its fixed colour."
-    METRICS = ('val_ppl', 'val_loss', 'train_loss', 'recall_acc', 'tokens_per_s', 'lr', 'grad_norm')
-
-    def __init__(self, batch_dir):
-        import ipywidgets as widgets
-        self.batch_dir = Path(batch_dir)
-        self.variants = widgets.SelectMultiple(description='variants', rows=6)
-        self.seeds = widgets.SelectMultiple(description='seeds', rows=6)
-        self.metric = widgets.Dropdown(description='metric', options=[(axis_label(m), m) for m in self.METRICS], value='val_ppl')
-        self.xaxis = widgets.Dropdown(options=[(axis_label(x), x) for x in ('step', 'tokens', 'elapsed_s')], value='step', description='x axis')
-        self.logy = widgets.Checkbox(description='log y (ticks at the values)', value=False)
-        self.smooth = widgets.FloatSlider(description='smoothing', min=0.0, max=0.95, step=0.05, value=0.0, readout_format='.2f')
-        self.reload_button = widgets.Button(description='reload runs', icon='refresh')
-        self.table = widgets.HTML(); self.out = widgets.Output(); self.fig = None
-        self.reload_button.on_click(lambda _: self.reload())
-        for w in (self.variants, self.seeds, self.metric, self.xaxis, self.logy, self.smooth): w.observe(lambda _: self.redraw(), names='value')
-        self.widget = widgets.VBox([widgets.HBox([self.variants, self.seeds, widgets.VBox([self.metric, self.xaxis, self.logy, self.smooth, self.reload_button])]),
-                                    self.out, self.table])
-        self.reload()
-
-    def reload(self):
-        "Re-read the batch directory."
-        self.runs = load_runs(self.batch_dir)
-        self.curves = load_curves(self.batch_dir, self.runs)
-        vs = list(dict.fromkeys(self.runs.variant)) if len(self.runs) else []
-        ss = sorted(set(self.runs.seed)) if len(self.runs) else []
-        self._quiet = True
-        self.variants.options, self.variants.value = vs, tuple(vs)
-        self.seeds.options, self.seeds.value = ss, tuple(ss)
-        self._quiet = False
-        self.redraw()
-
-    def redraw(self):
-        "Redraw the plot for the current selection."
-        if getattr(self, '_quiet', False): return
-        self.table.value = explorer_table(self.runs, self.variants.value, self.seeds.value) if len(self.runs) else '<i>no runs</i>'
-        self.out.clear_output(wait=True)
-        with self.out:
-            if self.fig is not None: plt.close(self.fig)
-            self.fig, ax = plt.subplots(figsize=(7, 3.5))
-            plot_curves(smooth_curves(self.curves, self.metric.value, self.smooth.value), self.metric.value, x=self.xaxis.value, ax=ax, variants=list(self.variants.value), seeds=list(self.seeds.value),
-                        logy=self.logy.value, colors=variant_colors(self.variants.options))  # colours fixed while the selection changes
-            plt.show()
-
-    def plotted_variants(self) -> list[str]:
-        "Legend entries of the current plot (what a reader sees)."
-        leg = self.fig.axes[0].get_legend() if self.fig else None
-        return [t.get_text() for t in leg.get_texts()] if leg else []
-
-    def _ipython_display_(self):
-        from IPython.display import display; display(self.widget)

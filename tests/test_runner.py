@@ -285,7 +285,7 @@ def test_run_explorer_follows_its_widgets(batch, tmp_path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    from oelm_nb.report import RunExplorer
+    from oelm_nb.explorer import RunExplorer
     out, rc, stdout, stderr = batch
     assert rc == 0, stderr
     d = copy_batch(out, tmp_path / 'copy')
