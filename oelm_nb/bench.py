@@ -33,6 +33,7 @@ def _step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
     y = torch.randint(0, model.cfg.vocab_size, (batch_size, model.cfg.block_size), generator=g)
     return x.to(device), y.to(device)
 
+# %% ../nbs/09_bench.ipynb #fd10ff8f
 def train_step_flops(model: GPT, batch_size: int, device=None) -> int:
     "FLOPs of one forward + backward pass at (batch_size, block_size), counted by FlopCounterMode."
     device = device or next(model.parameters()).device
@@ -42,6 +43,7 @@ def train_step_flops(model: GPT, batch_size: int, device=None) -> int:
     model.zero_grad(set_to_none=True)
     return int(fc.get_total_flops())
 
+# %% ../nbs/09_bench.ipynb #b5ecf2bf
 def optimizer_state_bytes(model: GPT, device=None) -> int:
     "Bytes of AdamW's per-weight moment buffers (exp_avg, exp_avg_sq) after one step."
     device = device or next(model.parameters()).device
@@ -66,6 +68,7 @@ class RefAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
+# %% ../nbs/09_bench.ipynb #a742e2aa
 class RefBlock(nn.Module):
     "Pre-LayerNorm transformer block: attention, then a GELU MLP, each added to the residual stream."
     def __init__(self, cfg: ModelConfig):
@@ -73,12 +76,15 @@ class RefBlock(nn.Module):
         hidden = cfg.d_ff or 4 * cfg.n_embd
         self.ln_1, self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias), nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = RefAttention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, hidden, bias=cfg.bias), nn.GELU(), nn.Linear(hidden, cfg.n_embd, bias=cfg.bias))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, hidden, bias=cfg.bias), nn.GELU(), nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+# %% ../nbs/09_bench.ipynb #bc778412
 class ReferenceGPT(nn.Module):
     "A plain GPT structured as nanoGPT's model.py, at the shape of a `ModelConfig`; the bench's speed yardstick."
     def __init__(self, cfg: ModelConfig):
@@ -107,6 +113,7 @@ GPU_PEAK_BF16_TFLOPS = {  # dense, no sparsity
     'A10G': 70.0, 'A10': 125.0, 'RTX 4090': 165.2, 'RTX 3090': 71.0, 'RTX A6000': 154.8, 'V100': 125.0, 'T4': 65.0,
 }
 
+# %% ../nbs/09_bench.ipynb #c9c6be45
 def device_peak_flops(name: str) -> float | None:
     "Peak dense bf16 FLOP/s of a GPU from its CUDA device name (longest matching key), or None."
     hits = [k for k in GPU_PEAK_BF16_TFLOPS if k.lower() in name.lower()]
@@ -125,6 +132,7 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, # 
         t0 = time.perf_counter(); a @ b; sync(); best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
 
+# %% ../nbs/09_bench.ipynb #801e347d
 def peak_flops(device: torch.device, dtype: torch.dtype | None) -> tuple[float, str]:
     "The FLOP/s ceiling for `dtype` on `device`, and where it comes from."
     if device.type == 'cuda' and dtype == torch.bfloat16:
@@ -132,14 +140,17 @@ def peak_flops(device: torch.device, dtype: torch.dtype | None) -> tuple[float, 
         if sheet: return sheet, 'data sheet'
     return matmul_peak_flops(device, dtype), 'measured 2048x2048 matmul'
 
+# %% ../nbs/09_bench.ipynb #fd01ce50
 def reset_peak_rss() -> bool:
     "Start the peak-RSS count afresh (Linux: /proc/self/clear_refs), so start-up spikes such as imports do not count."
     try: Path('/proc/self/clear_refs').write_text('5'); return True
     except OSError: return False
 
+# %% ../nbs/09_bench.ipynb #a13794d6
 def peak_rss_bytes() -> int | None:
     "Peak resident set size of this process so far (None where the OS does not report it)."
-    status = Path('/proc/self/status')  # Linux: VmHWM starts afresh at exec, unlike ru_maxrss, which a spawned child inherits
+    # Linux: VmHWM starts afresh at exec, unlike ru_maxrss, which a spawned child inherits
+    status = Path('/proc/self/status')
     if status.exists():
         for line in status.read_text().splitlines():
             if line.startswith('VmHWM:'): return int(line.split()[1]) * 1024
@@ -174,18 +185,22 @@ class BenchRow:
     ratio_to_first_q3: float | None = None
     rounds: int | None = None # timed rounds (after warm-up)
 
+# %% ../nbs/09_bench.ipynb #b0e1672f
 REFERENCE = 'reference'
 
+# %% ../nbs/09_bench.ipynb #d1cd41ee
 def _bench_config(study: str, preset: str, variant: str, block_size: int | None, overrides: dict | None) -> ModelConfig:
     "The model config a bench entry runs at: the study's variant (or the gpt shape for the reference), without dropout."
     spec = resolve_spec(study, 'gpt' if variant == REFERENCE else variant, preset, 0, 1000, overrides=overrides)
     mcfg = spec.model if block_size is None else spec.model.replace(block_size=block_size)
     return mcfg.replace(dropout=0.0)
 
+# %% ../nbs/09_bench.ipynb #1bff5915
 def _build(variant: str, mcfg: ModelConfig, device) -> nn.Module:
     set_seed(0)
     return (ReferenceGPT(mcfg) if variant == REFERENCE else GPT(mcfg, init_seed=0)).to(device)
 
+# %% ../nbs/09_bench.ipynb #ce1470a1
 def _timed_step(model, opt, x, y, device, amp) -> float:
     "Seconds for one forward, backward and optimizer step."
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
@@ -204,6 +219,7 @@ def _rss_probe(variant: str, cfg: ModelConfig, batch_size: int, dtype: str) -> i
     for i in range(2): _timed_step(m, opt, *_step_inputs(m, batch_size, dev, seed=i), dev, amp)
     return peak_rss_bytes()
 
+# %% ../nbs/09_bench.ipynb #9f4bceb5
 def cpu_peak_memory(variant: str, cfg: ModelConfig, batch_size: int, dtype: str) -> int | None:
     "Peak RSS of a fresh process that trains only this entry (spawned, so other entries' memory does not count)."
     from concurrent.futures import ProcessPoolExecutor
@@ -220,6 +236,7 @@ def _dtype_label(device, pref: str) -> str:
     amp = autocast_dtype(device, pref)
     return 'float32' if amp is None else str(amp).removeprefix('torch.')
 
+# %% ../nbs/09_bench.ipynb #fcebb0f5
 def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), steps: int = 12, warmup: int = 2,
           batch_size: int = 1, block_size: int | None = None, device: str = 'auto', study: str = 'qk-freeze',
           dtypes: list[str] = ('auto',), # each variant is timed in each of these (duplicates after 'auto' is resolved are dropped)
@@ -255,9 +272,11 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
                           'estimate can be 15% off). Lower --batch-size or --block-size, or time fewer models at once '
                           '(--variants, --dtypes, --no-reference)') from None
 
+# %% ../nbs/09_bench.ipynb #2ba7696e
 _BENCH_FIX = ('Lower --batch-size (at most {max_batch} fits) or --block-size, or time fewer models at once '
               '(--variants, --dtypes, --no-reference); tokens/s and the ratios between variants stay comparable')
 
+# %% ../nbs/09_bench.ipynb #47cf5664
 def _check_block_size(study, preset, names, block_size, overrides):
     "Refuse a sequence longer than the learned position table of the preset's model (see the message)."
     table = min(_bench_config(study, preset, v, None, overrides).block_size for v in names)
@@ -270,28 +289,36 @@ def _check_block_size(study, preset, names, block_size, overrides):
             f"context on purpose, grow the table with it: --set block_size={block_size} (in Python: "
             f"overrides={{'model.block_size': {block_size}}}); the memory check then says whether a step fits")
 
+# %% ../nbs/09_bench.ipynb #0f8d7583
 def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tuple[int, str, int]:
-    "Check each shape's step, then all the models the bench holds at once; (bytes available, where from, bytes estimated)."
+    """Check each shape's step, then all the models the bench holds at once; (bytes available, where from, bytes
+    estimated)."""
     avail, where = available_memory(dev)
     need = {v: step_memory(c, batch_size, None, dev) for v, c in cfgs.items()}
     for v, c in cfgs.items():
         if need[v].total > avail:
-            raise ConfigError(f'variant {v!r}: ' + _memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX))
+            raise ConfigError(
+                f'variant {v!r}: ' + _memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX)
+            )
     # every (entry, dtype) keeps its weights and AdamW state; gradients and activations exist for one step at a time
     total = (sum(need[v].weights + need[v].adam for v, _ in entries) +
              max(n.grads + n.blocks + n.logits + n.other for n in need.values()))
     if total > avail:
-        raise ConfigError(f'the bench holds {len(entries)} models with their optimizers at once '
-                          f'({", ".join(f"{v}/{d}" for v, d in entries)}), which with one step at batch_size={batch_size} '
-                          f'need about {_gib(total)}, but only {_gib(avail)} is available on {where}. Time fewer at once (--variants, '
-                          '--dtypes, --no-reference) or lower --batch-size')
+        raise ConfigError(
+            f'the bench holds {len(entries)} models with their optimizers at once'
+            f' ({", ".join(f"{v}/{d}" for v, d in entries)}), which with one step at batch_size={batch_size} need about'
+            f' {_gib(total)}, but only {_gib(avail)} is available on {where}. Time fewer at once (--variants, --dtypes,'
+            ' --no-reference) or lower --batch-size'
+        )
     return avail, where, total
 
+# %% ../nbs/09_bench.ipynb #e70346a0
 def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides, memory, reference, log):
     models, opts, counts = {}, {}, {}
     for v, d in entries:
         m = models[v, d] = _build(v, cfgs[v], dev)
-        if v not in counts: counts[v] = (train_step_flops(m, batch_size), optimizer_state_bytes(m), param_report(m).trainable)
+        if v not in counts:
+            counts[v] = (train_step_flops(m, batch_size), optimizer_state_bytes(m), param_report(m).trainable)
         opts[v, d] = build_optimizer(m, TrainConfig(lr=1e-4))
     peaks = {d: peak_flops(dev, None if d == 'float32' else getattr(torch, d)) for d in labels}
     times, mem = {e: [] for e in entries}, {e: 0 for e in entries}
@@ -308,6 +335,7 @@ def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size
     return [_row(e, entries[0], times, counts[e[0]], batch_size * cfgs[e[0]].block_size, peaks[e[1]],
                  mem[e] if (dev.type == 'cuda' or memory) else None, reference) for e in entries]
 
+# %% ../nbs/09_bench.ipynb #abf42111
 def _row(e, first, times, counts, tokens, peak, memory, reference) -> BenchRow:
     t = np.array(times[e])
     q1, med, q3 = np.percentile(t, [25, 50, 75])
@@ -319,7 +347,8 @@ def _row(e, first, times, counts, tokens, peak, memory, reference) -> BenchRow:
 
 # %% ../nbs/09_bench.ipynb #ba6a328b
 def bench_table(rows: list[BenchRow]):
-    "The benchmark rows as a DataFrame indexed by (variant, dtype), with FLOP and optimizer-state differences to the first row."
+    """The benchmark rows as a DataFrame indexed by (variant, dtype), with FLOP and optimizer-state differences to the
+    first row."""
     import pandas as pd
     df = pd.DataFrame([asdict(r) for r in rows]).set_index(['variant', 'dtype'])
     df['flops_ratio_to_first'] = df.flops_per_step / df.flops_per_step.iloc[0]

@@ -55,7 +55,8 @@ def _set_rng_state(st: dict, rank: int = 0):
     if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
 # %% ../nbs/05b_checkpoint.ipynb #23612124
-_TMP_DIR = re.compile(r'\.tmp-(?:old-)?(?P<name>step_\d+)-(?P<pid>\d+)')  # a checkpoint being written (or an old copy moved aside)
+# a checkpoint being written (or an old copy moved aside)
+_TMP_DIR = re.compile(r'\.tmp-(?:old-)?(?P<name>step_\d+)-(?P<pid>\d+)')
 _TMP_FILE = re.compile(r'\.(?P<name>.+)\.tmp(?P<pid>\d+)')                # a file or link being replaced
 
 # %% ../nbs/05b_checkpoint.ipynb #42c18169
@@ -99,17 +100,21 @@ def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], o
         if not isinstance(e, OSError): raise
         space = getattr(e, 'errno', None) in (errno.ENOSPC, getattr(errno, 'EDQUOT', -1))
         fix = f"free disk space in {ckpt_root}" if space else f"check that {ckpt_root} is writable"
-        raise CheckpointError(f"writing the checkpoint of step {step} failed: {e}. Its partial files ({tmp.name}) were removed "
-                              f"and {_latest_note(ckpt_root)}. Fix: {fix} (or set another out_dir) and run again; "
-                              "fit() resumes from that checkpoint") from e
+        raise CheckpointError(
+            f"writing the checkpoint of step {step} failed: {e}. Its partial files ({tmp.name}) were removed "
+            f"and {_latest_note(ckpt_root)}. Fix: {fix} (or set another out_dir) and run again; "
+            "fit() resumes from that checkpoint"
+        ) from e
     if old is not None: shutil.rmtree(old, ignore_errors=True)
     return final
 
 # %% ../nbs/05b_checkpoint.ipynb #fb73d49e
 _STEP_DIR = re.compile(r'step_(\d+)')
 
+# %% ../nbs/05b_checkpoint.ipynb #d151acc2
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    "Complete checkpoint directories `step_N` (those with a meta.json), oldest first; temporary and set-aside (`corrupt-*`) directories are ignored."
+    """Complete checkpoint directories `step_N` (those with a meta.json), oldest first; temporary and set-aside
+    (`corrupt-*`) directories are ignored."""
     if not ckpt_root.exists(): return []
     cks = [p for p in ckpt_root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
     return sorted(cks, key=lambda p: int(p.name[5:]))
@@ -117,6 +122,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
 # %% ../nbs/05b_checkpoint.ipynb #a428173d
 def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
 
+# %% ../nbs/05b_checkpoint.ipynb #573aed22
 def read_checkpoint_meta(ckpt: Path) -> dict:
     "A checkpoint's meta.json: a JSON object with an integer `step` (else a `CheckpointError` naming the file)."
     ckpt = Path(ckpt); path = ckpt / 'meta.json'
@@ -131,13 +137,17 @@ def read_checkpoint_meta(ckpt: Path) -> dict:
 
 # %% ../nbs/05b_checkpoint.ipynb #442e4329
 def _is_num(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+# %% ../nbs/05b_checkpoint.ipynb #b7ec2e5c
 def _finite(v) -> bool: return _is_num(v) and math.isfinite(v)
 
+# %% ../nbs/05b_checkpoint.ipynb #2e5e877a
 def _optimizer_meta_ok(o) -> bool:
     return (isinstance(o, dict) and isinstance(o.get('scalars'), dict) and all(re.fullmatch(r'\d+\..+', k) for k in o['scalars'])
             and isinstance(o.get('param_groups'), list)
             and all(isinstance(g, dict) and isinstance(g.get('params'), list) and all(map(_is_int, g['params'])) for g in o['param_groups']))
 
+# %% ../nbs/05b_checkpoint.ipynb #82c6f6e2
 def _divergence_meta_ok(d) -> bool:
     return (isinstance(d, dict) and isinstance(d.get('recent_losses'), list) and all(map(_finite, d['recent_losses']))
             and (d.get('ref_rms') is None or (_finite(d['ref_rms']) and d['ref_rms'] >= 0)))
@@ -163,27 +173,33 @@ def check_trainer_meta(meta: dict, # a checkpoint's meta.json, as read by `read_
                                          "the checkpoint is damaged or was not written by a Trainer")
     m = _STEP_DIR.fullmatch(Path(path).parent.name)
     if m and int(m[1]) != meta['step']:
-        raise CheckpointError(f"{path}: 'step' is {meta['step']} but the directory is {Path(path).parent.name}; the checkpoint is damaged")
+        raise CheckpointError(
+            f"{path}: 'step' is {meta['step']} but the directory is {Path(path).parent.name}; the checkpoint is damaged"
+        )
     return meta
 
 # %% ../nbs/05b_checkpoint.ipynb #c9e2aac5
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    "Every tensor of a safetensors file, read completely; a `CheckpointError` names the file if it is missing or cut off."
+    """Every tensor of a safetensors file, read completely; a `CheckpointError` names the file if it is missing or cut
+    off."""
     if not path.exists(): raise CheckpointError(f"{path} does not exist")
     try: return load_file(str(path))
     except Exception as e: raise CheckpointError(f"{path} is unreadable ({e}): it is truncated or damaged") from None
 
 # %% ../nbs/05b_checkpoint.ipynb #d7f4c0b5
 def _match_module(module: nn.Module, tensors: dict, path: Path):
-    "Check that `tensors` (read from `path`) fit `module`: the same names (tied tensors stored once), the same shapes, finite parameters."
+    """Check that `tensors` (read from `path`) fit `module`: the same names (tied tensors stored once), the same shapes,
+    finite parameters."""
     sd = module.state_dict()
     stored = {sd[k].data_ptr() for k in tensors if k in sd and sd[k].numel()}
     missing = sorted(k for k in sd if k not in tensors and not (sd[k].numel() and sd[k].data_ptr() in stored))
     unexpected = sorted(k for k in tensors if k not in sd)
     shapes = sorted(f'{k} {tuple(tensors[k].shape)} vs {tuple(sd[k].shape)}' for k in tensors if k in sd and tensors[k].shape != sd[k].shape)
     if missing or unexpected or shapes:
-        raise CheckpointError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes "
-                              f"(file vs model) {shapes[:3]}; was it saved from another variant or preset?")
+        raise CheckpointError(
+            f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes "
+            f"(file vs model) {shapes[:3]}; was it saved from another variant or preset?"
+        )
     names = {n for n, _ in module.named_parameters()}
     bad = [k for k, v in tensors.items() if k in names and v.is_floating_point() and not torch.isfinite(v).all()]
     if bad: raise CheckpointError(f"{path} holds non-finite weights ({bad[:5]}): a diverged run wrote it; resume from an earlier checkpoint")
@@ -198,18 +214,22 @@ def load_weights(module: nn.Module, ckpt: Path, key: str = 'model'):
 
 # %% ../nbs/05b_checkpoint.ipynb #be160615
 def prune_checkpoints(ckpt_root: Path, keep_last: int):
-    "Delete periodic checkpoints beyond the newest `keep_last`, sparing those `best`/`final`/`latest` point to, and this process's temporary directories."
+    """Delete periodic checkpoints beyond the newest `keep_last`, sparing those `best`/`final`/`latest` point to, and
+    this process's temporary directories."""
     keep = {os.path.realpath(ckpt_root / n) for n in ('best', 'final', 'latest') if (ckpt_root / n).is_symlink()}
     ckpts = list_checkpoints(ckpt_root)
     for p in ckpts[:max(0, len(ckpts) - keep_last)]:
         if os.path.realpath(p) not in keep: shutil.rmtree(p)
-    for p in ckpt_root.glob('.tmp-*'):  # another process's may be a write in progress: `clean_leftovers` decides about those
+    # another process's may be a write in progress: `clean_leftovers` decides about those
+    for p in ckpt_root.glob('.tmp-*'):
         m = _TMP_DIR.fullmatch(p.name)
-        if m and int(m['pid']) == os.getpid() and p.is_dir() and not p.is_symlink(): shutil.rmtree(p, ignore_errors=True)
+        if m and int(m['pid']) == os.getpid() and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
 
 # %% ../nbs/05b_checkpoint.ipynb #d801fb4d
 def clean_leftovers(run_dir: Path | str) -> list[str]:
-    "Remove the temporary files of interrupted writes in `run_dir` and its checkpoints folder whose process is gone (or is this one); returns what was done."
+    """Remove the temporary files of interrupted writes in `run_dir` and its checkpoints folder whose process is gone
+    (or is this one); returns what was done."""
     run_dir, me, done = Path(run_dir), os.getpid(), []
     stale = lambda pid: pid == me or not pid_alive(pid)
     root = run_dir / 'checkpoints'
@@ -232,8 +252,10 @@ def _check_rng(rng: dict, path: Path):
     "The states of rng.safetensors must be usable: a CPU generator state (one per rank under DDP) and CUDA byte states."
     if 'torch_cpu' not in rng: raise CheckpointError(f"{path} has no 'torch_cpu' state; it is damaged")
     for k in [k for k in rng if k == 'torch_cpu' or k.startswith('torch_cpu_rank')]:
-        try: torch.Generator().set_state(rng[k])  # a throwaway generator: the global RNG is not touched
-        except (RuntimeError, TypeError) as e: raise CheckpointError(f"{path}: {k!r} is not a CPU generator state ({e}); it is damaged") from None
+        try:
+            torch.Generator().set_state(rng[k])  # a throwaway generator: the global RNG is not touched
+        except (RuntimeError, TypeError) as e:
+            raise CheckpointError(f"{path}: {k!r} is not a CPU generator state ({e}); it is damaged") from None
     bad = [k for k, v in rng.items() if k.startswith('cuda_') and v.dtype != torch.uint8]
     if bad: raise CheckpointError(f"{path}: {bad} are not CUDA generator states (byte tensors); it is damaged")
 
@@ -251,9 +273,11 @@ def read_checkpoint(ckpt: Path, modules: dict[str, nn.Module]) -> dict:
         tensors = _read_tensors(path)
         known = {i for g in meta['optimizer']['param_groups'] for i in g['params']}
         bad = [k for k in tensors if not (re.fullmatch(r'\d+\..+', k) and int(k.split('.')[0]) in known)]
-        if bad: raise CheckpointError(f"{path} holds state {bad[:3]} of no parameter listed in meta.json; it is damaged")
+        if bad:
+            raise CheckpointError(f"{path} holds state {bad[:3]} of no parameter listed in meta.json; it is damaged")
         opt = (tensors, meta['optimizer'])
-    elif path.exists(): raise CheckpointError(f"{ckpt / 'meta.json'} has no 'optimizer' entry for {path}; the checkpoint is damaged")
+    elif path.exists():
+        raise CheckpointError(f"{ckpt / 'meta.json'} has no 'optimizer' entry for {path}; the checkpoint is damaged")
     rng = _read_tensors(ckpt / 'rng.safetensors'); _check_rng(rng, ckpt / 'rng.safetensors')
     return {'path': ckpt, 'meta': meta, 'weights': weights, 'opt': opt, 'rng': rng}
 
@@ -266,7 +290,8 @@ def _free_name(path: Path) -> Path:
 
 # %% ../nbs/05b_checkpoint.ipynb #0f27b769
 def _repair_links(root: Path, resumed: str, best_step: int | None):
-    "After resuming from `resumed`: `latest` points at it; a `best`/`final` link whose target is gone moves to the best step on disk, or goes."
+    """After resuming from `resumed`: `latest` points at it; a `best`/`final` link whose target is gone moves to the
+    best step on disk, or goes."""
     _point(root / 'latest', resumed)
     for tag in ('best', 'final'):
         link = root / tag

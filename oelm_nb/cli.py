@@ -29,6 +29,7 @@ def _parse_value(text: str, annotation: str):
     if annotation.startswith('tuple'): return tuple(int(t) for t in text.split(',') if t.strip())
     return text
 
+# %% ../nbs/10_cli.ipynb #5b5a1272
 def add_config_options(p: argparse.ArgumentParser, cls, skip=()):
     "Add `--field-name` options for every field of dataclass `cls` (default: unset)."
     g = p.add_argument_group(f'{cls.__name__} fields')
@@ -38,16 +39,20 @@ def add_config_options(p: argparse.ArgumentParser, cls, skip=()):
         g.add_argument('--' + f.name.replace('_', '-'), dest=f'cfg_{f.name}', default=None, metavar=ann.split(' ')[0].upper(),
                        type=lambda t, a=ann: _parse_value(t, a), help=f'override {cls.__name__}.{f.name}')
 
+# %% ../nbs/10_cli.ipynb #9f153d12
 def config_overrides(args, cls) -> dict:
     "The `--field` options that were given, as a dict."
-    return {f.name: getattr(args, f'cfg_{f.name}') for f in fields(cls) if getattr(args, f'cfg_{f.name}', None) is not None}
+    return {
+        f.name: getattr(args, f'cfg_{f.name}') for f in fields(cls) if getattr(args, f'cfg_{f.name}', None) is not None
+    }
 
 # %% ../nbs/10_cli.ipynb #88a3342b
 def cmd_params(args) -> int:
     from oelm_nb.model import GPT, model_config
     from oelm_nb.freeze import param_report
     from oelm_nb.studies import get_study
-    planned = get_study('qk-freeze').variant(args.variant, args.preset).overrides  # the study's own model settings of this variant
+    # the study's own model settings of this variant
+    planned = get_study('qk-freeze').variant(args.variant, args.preset).overrides
     model = {k.split('.', 1)[1]: v for k, v in planned.items() if k.startswith('model.')}
     cfg = model_config(args.preset, **{**model, **config_overrides(args, ModelConfig)})
     rep = param_report(GPT(cfg, init_seed=0))
@@ -58,6 +63,7 @@ def cmd_params(args) -> int:
         print(f'\nfrozen share {rep.frozen_fraction:.2%}, trainable share {rep.trainable_fraction:.2%}')
     return 0
 
+# %% ../nbs/10_cli.ipynb #00672be0
 def cmd_data_prepare(args) -> int:
     from oelm_nb.data import prepare_data
     cfg = DataConfig.from_dict({'source': args.source, **config_overrides(args, DataConfig)})
@@ -69,6 +75,7 @@ def cmd_data_prepare(args) -> int:
     print(json.dumps(json.loads((Path(out) / 'meta.json').read_text()), indent=1, default=str) if args.verbose else f'prepared {out}')
     return 0
 
+# %% ../nbs/10_cli.ipynb #9431c9f6
 def cmd_train(args) -> int:
     from oelm_nb.experiment import RunSpec, train_run
     spec = RunSpec.load_json(args.config)
@@ -77,6 +84,7 @@ def cmd_train(args) -> int:
     if init_distributed().is_main: print(json.dumps({k: v for k, v in summary.items() if k != 'samples'}, indent=1))
     return 0
 
+# %% ../nbs/10_cli.ipynb #5148bc25
 def _overrides(pairs) -> dict:
     out = {}
     for kv in pairs or []:
@@ -86,6 +94,7 @@ def _overrides(pairs) -> dict:
         except json.JSONDecodeError: out[k] = v
     return out
 
+# %% ../nbs/10_cli.ipynb #4698fdfd
 def print_batch_summary(batch_dir):
     "Per-variant results of a batch (and the study's verdict table, where it has one), as plain text."
     import pandas as pd
@@ -101,12 +110,14 @@ def print_batch_summary(batch_dir):
         for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
     print('\n' + textwrap.fill(convergence_text(batch_dir, runs), 120) + '\n')
 
+# %% ../nbs/10_cli.ipynb #7903bfc6
 def convergence_text(batch_dir, runs) -> str:
     "The report's convergence note as plain text, for the console: which runs were still improving when they stopped."
     from oelm_nb.report import convergence, convergence_note, load_curves
     done = runs[runs.status == 'completed']
     return convergence_note(convergence(runs, load_curves(batch_dir, done))).replace('**', '')
 
+# %% ../nbs/10_cli.ipynb #f1139743
 def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
     options = {k: getattr(args, f'opt_{k}') for k in study.options if getattr(args, f'opt_{k}', None) is not None}
@@ -114,10 +125,12 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     if getattr(args, 'loggers', None):
         from oelm_nb.core import LOGGERS
         names = [l.strip() for l in args.loggers.split(',') if l.strip()]
-        if bad := [l for l in names if l not in LOGGERS]: raise ConfigError(f"--loggers {args.loggers}: unknown {bad}; choose from {', '.join(LOGGERS)}")
+        if bad := [l for l in names if l not in LOGGERS]:
+            raise ConfigError(f"--loggers {args.loggers}: unknown {bad}; choose from {', '.join(LOGGERS)}")
         overrides['train.loggers'] = names
     if getattr(args, 'init_from', None):
-        if not Path(args.init_from).exists(): raise ConfigError(f'--init-from {args.init_from}: no such file or directory')
+        if not Path(args.init_from).exists():
+            raise ConfigError(f'--init-from {args.init_from}: no such file or directory')
         overrides['train.init_from'] = str(Path(args.init_from).resolve())
         from oelm_nb.weights import init_dropouts
         carried = {k: v for k, v in init_dropouts(args.init_from).items() if k not in overrides}  # --set wins
@@ -125,8 +138,10 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
         overrides.update(carried)
     return (args.variants.split(',') if args.variants else None), overrides, options
 
+# %% ../nbs/10_cli.ipynb #caa30209
 def cluster_config(args):
-    "The ClusterConfig of `--backend slurm` (or submitit-local) from the flags; None for a local batch (then the cluster flags must be absent)."
+    """The ClusterConfig of `--backend slurm` (or submitit-local) from the flags; None for a local batch (then the
+    cluster flags must be absent)."""
     given = [f for f, v in (('--partition', args.partition), ('--gpus-per-run', args.gpus_per_run), ('--cpus-per-run', args.cpus_per_run),
                             ('--time', args.time), ('--slurm-option', args.slurm_option)) if v is not None]
     if args.backend == 'local':
@@ -136,10 +151,13 @@ def cluster_config(args):
     from oelm_nb.cluster import ClusterConfig
     opts = dict(kv.partition('=')[::2] for kv in args.slurm_option or [])
     if bad := [kv for kv in args.slurm_option or [] if '=' not in kv or not kv.partition('=')[0]]:
-        raise ConfigError(f"--slurm-option {bad[0]!r}: write KEY=VALUE as sbatch spells the option, e.g. --slurm-option account=lab")
+        raise ConfigError(
+            f"--slurm-option {bad[0]!r}: write KEY=VALUE as sbatch spells the option, e.g. --slurm-option account=lab"
+        )
     kw = {k: v for k, v in dict(partition=args.partition, gpus_per_run=args.gpus_per_run, cpus_per_run=args.cpus_per_run, time=args.time).items() if v is not None}
     return ClusterConfig(cluster='slurm' if args.backend == 'slurm' else 'local', options=opts, **kw)
 
+# %% ../nbs/10_cli.ipynb #d7021947
 def cmd_run(args) -> int:
     from oelm_nb.runner import run_study, Batch, plan_batch, check_batch_flags
     from oelm_nb.studies import get_study
@@ -150,7 +168,10 @@ def cmd_run(args) -> int:
     cluster = cluster_config(args)
     jobs = args.jobs or (1 if cluster is None else 64)
     check_batch_flags(seeds, args.steps, overrides, variants)
-    plan_batch(Batch(args.study, out, args.preset, args.data, args.steps, options, overrides), variants, log=lambda s: None)  # bad flags fail here, not in the background
+    # bad flags fail here, not in the background
+    plan_batch(
+        Batch(args.study, out, args.preset, args.data, args.steps, options, overrides), variants, log=lambda s: None
+    )
     backend = ClusterBackend(cluster, shlex.join(['oelm', *args.argv])) if cluster else None
     if backend: backend.check()
     if args.detach:
@@ -159,11 +180,14 @@ def cmd_run(args) -> int:
         time.sleep(1.0)
         if p.poll() not in (None, 0):
             print((out / 'batch.log').read_text()[-3000:], file=sys.stderr); return p.returncode
-        print(f"[oelm run] the batch goes on in the background (pid {p.pid}, its own session: closing this terminal does not stop it)\n"
-              f"  its output:  {out / 'batch.log'}\n  its state:   oelm status {out} --watch\n"
-              f"  attach:      run this command again without --detach (it waits for the batch, then prints the summary)")
+        print(
+            f"[oelm run] the batch goes on in the background (pid {p.pid}, its own session: closing this terminal does"
+            f" not stop it)\n  its output:  {out / 'batch.log'}\n  its state:   oelm status {out} --watch\n  attach:   "
+            "   run this command again without --detach (it waits for the batch, then prints the summary)"
+        )
         return 0
-    follow(out)  # a batch started with --detach on this directory: show its progress until it is done, then go on as usual
+    # a batch started with --detach on this directory: show its progress until it is done, then go on as usual
+    follow(out)
     res = run_study(args.study, args.preset, args.data, variants, seeds, args.steps, out, args.gpus, args.concurrent, jobs, overrides,
                     report=not args.no_report, options=options, restart=args.restart,
                     execute=backend)
@@ -175,23 +199,29 @@ def cmd_run(args) -> int:
         return 1
     return 0
 
+# %% ../nbs/10_cli.ipynb #2a0cc1ba
 def cmd_status(args) -> int:
     from oelm_nb.status import show_status
     show_status(args.dir, watch=args.watch)
     return 0
 
+# %% ../nbs/10_cli.ipynb #18d2b636
 def cmd_report(args) -> int:
     from oelm_nb.runner import render_report
-    if not (Path(args.dir) / 'batch.json').exists(): raise ConfigError(f"{args.dir} is not a batch directory (no batch.json); pass the --out of `oelm run`")
+    if not (Path(args.dir) / 'batch.json').exists():
+        raise ConfigError(f"{args.dir} is not a batch directory (no batch.json); pass the --out of `oelm run`")
     render_report(args.dir)
     return 0
 
+# %% ../nbs/10_cli.ipynb #83edf7b3
 def cmd_sample(args) -> int:
     from oelm_nb.sample import sample
     prompt = args.prompt
     if args.prompt_file:
-        try: prompt = Path(args.prompt_file).read_text(encoding='utf-8')
-        except (OSError, UnicodeDecodeError) as e: raise ConfigError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({e})") from None
+        try:
+            prompt = Path(args.prompt_file).read_text(encoding='utf-8')
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({e})") from None
     out = sample(args.run_dir, [prompt] if prompt else None, args.num_samples, args.max_new_tokens, args.temperature,
                  args.top_k, args.seed, args.checkpoint, args.device)
     if args.json: print(json.dumps(out, indent=1)); return 0
@@ -200,6 +230,7 @@ def cmd_sample(args) -> int:
     for s in out: print(s['text'] + '\n---------------')
     return 0
 
+# %% ../nbs/10_cli.ipynb #fde2e907
 def cmd_export(args) -> int:
     from oelm_nb.export import export_run
     out = export_run(args.run_dir, args.out_dir, args.to, args.checkpoint)
@@ -208,11 +239,13 @@ def cmd_export(args) -> int:
     print(f"[oelm export] {args.run_dir} -> {out} ({args.to}); load it with {how}")
     return 0
 
+# %% ../nbs/10_cli.ipynb #e5676d3a
 def cmd_bench(args) -> int:
     from oelm_nb.bench import bench, bench_table
     from oelm_nb.numerics import numerics_check
     import pandas as pd
-    overrides = {(k if '.' in k else f'model.{k}'): v for k, v in _overrides(args.set).items()}  # bare keys are model fields
+    # bare keys are model fields
+    overrides = {(k if '.' in k else f'model.{k}'): v for k, v in _overrides(args.set).items()}
     variants = args.variants.split(',') if args.variants else None
     if args.numerics:
         t = numerics_check(args.numerics, seeds=args.seeds, variants=variants, steps=args.train_steps)
@@ -234,29 +267,38 @@ RETIRED_FLAGS = {  # one meaning per flag across every `oelm run STUDY`: old spe
                   "or, for `oelm run cvfp`, --phase1 parallel for Phase 1's parallel version",
     '--sequential': "--sequential is now --phase1 sequential (`oelm run cvfp`: Phase 1's sequential version)"}
 
+# %% ../nbs/10_cli.ipynb #7dc2dcd0
 class _Retired(argparse.Action):
     "A flag that no longer exists: refused with a message that names its replacement."
-    def __init__(self, option_strings, dest, **kw): super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS)
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS)
+
     def __call__(self, parser, namespace, values, option_string=None): parser.error(RETIRED_FLAGS[option_string])
 
+# %% ../nbs/10_cli.ipynb #d9758ff9
 def _positive(text: str) -> int:
     n = int(text)
     if n < 1: raise argparse.ArgumentTypeError(f'{text} is not a positive integer')
     return n
 
+# %% ../nbs/10_cli.ipynb #b4880a21
 def _non_negative(text: str) -> int:
     n = int(text)
     if n < 0: raise argparse.ArgumentTypeError(f'{text} is negative')
     return n
 
+# %% ../nbs/10_cli.ipynb #5f1861bc
 def study_variants_text(study, preset: str = 'tiny') -> str:
     "The variants `oelm run <study>` runs by default and the others it knows (for --help), planned with no flags."
-    try: planned = list(study.variants(preset, 1000, {}))
+    try:planned = list(study.variants(preset, 1000, {}))
     except ConfigError: return ''
     default = list(study.default_variants or planned)
     extra = [v for v in planned if v not in default]
-    return f"variants run by default: {', '.join(default)}" + (f"; also available (--variants): {', '.join(extra)}" if extra else '')
+    return f"variants run by default: {', '.join(default)}" + (
+        f"; also available (--variants): {', '.join(extra)}" if extra else ''
+    )
 
+# %% ../nbs/10_cli.ipynb #3cfa90b6
 def add_study_parser(sub, study, presets):
     "`oelm run <study>`: the flags every study shares, then the study's own."
     r = sub.add_parser(study.name, help=study.description or study.name, description=study.description,
@@ -267,9 +309,13 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--variants', default=None, help='comma-separated, among those the flags below plan (default: '
                    + (','.join(study.default_variants) if study.default_variants else 'all of them') + ')')
     r.add_argument('--seeds', type=_non_negative, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
-    r.add_argument('--steps', type=_positive, default=None, help="optimizer steps per run (default: the study's for the preset)")
+    r.add_argument(
+        '--steps', type=_positive, default=None, help="optimizer steps per run (default: the study's for the preset)"
+    )
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun; default: none, on the CPU or the one visible device)")
-    r.add_argument('--concurrent', action='store_true', help='run GPU sets concurrently (default: one set after another)')
+    r.add_argument(
+        '--concurrent', action='store_true', help='run GPU sets concurrently (default: one set after another)'
+    )
     r.add_argument('--jobs', type=_positive, default=None, help='concurrent CPU runs when no GPUs are given (default: 1); '
                    'with --backend slurm, jobs kept in the queue at once (default: 64)')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
@@ -290,7 +336,9 @@ def add_study_parser(sub, study, presets):
     c.add_argument('--partition', default=None, help="SLURM partition (default: the cluster's default)")
     c.add_argument('--gpus-per-run', type=_non_negative, default=None, help='GPUs per job; 2 or more train through torchrun inside the job (default: 0)')
     c.add_argument('--cpus-per-run', type=_positive, default=None, help='CPU cores per job (default: 8)')
-    c.add_argument('--time', default=None, metavar='HH:MM:SS', help='wall-time limit per job, [D-]HH:MM:SS (default: 24:00:00)')
+    c.add_argument(
+        '--time', default=None, metavar='HH:MM:SS', help='wall-time limit per job, [D-]HH:MM:SS (default: 24:00:00)'
+    )
     c.add_argument('--slurm-option', action='append', default=None, metavar='KEY=VALUE', help='any other sbatch option, e.g. --slurm-option account=lab (repeatable)')
     if study.options:
         g = r.add_argument_group(f'{study.name} options')
@@ -303,12 +351,15 @@ def add_study_parser(sub, study, presets):
     r.set_defaults(fn=cmd_run)
     return r
 
+# %% ../nbs/10_cli.ipynb #4e4aa9d2
 def build_parser() -> argparse.ArgumentParser:
     from oelm_nb.model import PRESETS
     from oelm_nb.core import VARIANTS
     from oelm_nb.studies import STUDIES
     from oelm_nb import __version__
-    p = argparse.ArgumentParser(prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.')
+    p = argparse.ArgumentParser(
+        prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.'
+    )
     p.add_argument('--version', action='version', version=f'oelm_nb {__version__}')
     sub = p.add_subparsers(dest='command', required=True)
 
@@ -323,11 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     dp = d.add_parser('prepare', help='write train.bin, val.bin, tokenizer.json and meta.json')
     dp.add_argument('--source', default='synthetic', help="synthetic | tinystories | path to .txt/.jsonl")
     dp.add_argument('--out', required=True, help='output directory')
-    dp.add_argument('--quiet', action='store_true'); dp.add_argument('--verbose', action='store_true', help='print meta.json')
+    dp.add_argument('--quiet', action='store_true')
+    dp.add_argument('--verbose', action='store_true', help='print meta.json')
     add_config_options(dp, DataConfig, skip=('source',)); dp.set_defaults(fn=cmd_data_prepare)
 
     t = sub.add_parser('train', help='train one run from a config.json (the entry point torchrun launches)')
-    t.add_argument('--config', required=True); t.add_argument('--no-progress', action='store_true'); t.set_defaults(fn=cmd_train)
+    t.add_argument('--config', required=True)
+    t.add_argument('--no-progress', action='store_true')
+    t.set_defaults(fn=cmd_train)
 
     r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
                        description='Run a study: one papermill execution of its experiment notebook per (variant, seed), then its report.')
@@ -349,11 +403,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument('--prompt-file', default=None, metavar='FILE', help='continue the UTF-8 text of FILE')
     sm.add_argument('--num-samples', type=_positive, default=3, help='samples per prompt (default: 3)')
     sm.add_argument('--max-new-tokens', type=_positive, default=200, help='default: 200')
-    sm.add_argument('--temperature', type=float, default=0.8, help='0 always picks the most likely token (default: 0.8)')
+    sm.add_argument(
+        '--temperature', type=float, default=0.8, help='0 always picks the most likely token (default: 0.8)'
+    )
     sm.add_argument('--top-k', type=_positive, default=200, help='sample among the k most likely tokens (default: 200)')
     sm.add_argument('--seed', type=int, default=1337, help='default: 1337')
     sm.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N | mps (default: auto)')
-    sm.add_argument('--json', action='store_true', help='machine-readable output: prompt, text, ids, step, checkpoint per sample')
+    sm.add_argument(
+        '--json', action='store_true', help='machine-readable output: prompt, text, ids, step, checkpoint per sample'
+    )
     sm.set_defaults(fn=cmd_sample)
 
     ex = sub.add_parser('export', help='write a run as a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt',
@@ -373,13 +431,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument('--dtypes', default='auto', help="comma-separated precisions to time, e.g. auto,float32 (speed-up of one over the other in one run)")
     b.add_argument('--set', action='append', metavar='KEY=VALUE', help='shape overrides, e.g. --set n_embd=256 --set n_layer=4 (bare keys are model.*)')
     b.add_argument('--no-reference', action='store_true', help='do not time the nanoGPT-structured reference')
-    b.add_argument('--no-memory', action='store_true', help='CPU: skip the peak-RSS measurement (a fresh process per entry)')
+    b.add_argument(
+        '--no-memory', action='store_true', help='CPU: skip the peak-RSS measurement (a fresh process per entry)'
+    )
     b.add_argument('--numerics', metavar='DIR', default=None, help='instead of timing: train the study in fp32 and bf16 into DIR and compare')
     b.add_argument('--seeds', type=int, nargs='+', default=[0, 1], help='--numerics: seeds (at least 2)')
     b.add_argument('--train-steps', type=int, default=None, help="--numerics: steps per run (default: the preset's)")
     b.set_defaults(fn=cmd_bench)
     return p
 
+# %% ../nbs/10_cli.ipynb #71c699be
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `oelm` console script."
     args = build_parser().parse_args(argv)

@@ -22,16 +22,21 @@ __all__ = ['RESERVED_SBATCH', 'ACTIVE_STATES', 'DETACHED_ENV', 'time_minutes', '
 # %% ../nbs/07c_cluster.ipynb #62a8776f
 _re_time = re.compile(r'^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$')
 
+# %% ../nbs/07c_cluster.ipynb #d9d36e9d
 def time_minutes(text: str) -> int:
     "A SLURM wall-time limit, [D-]HH:MM:SS, in whole minutes (rounded up: the job never gets less than asked)."
     m = _re_time.match(str(text).strip())
     if not m or int(m[3]) > 59 or int(m[4]) > 59:
-        raise ConfigError(f"--time {text!r}: write the wall-time limit as HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00 or 1-12:00:00")
+        raise ConfigError(
+            f"--time {text!r}: write the wall-time limit as HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00 or 1-12:00:00"
+        )
     d, h, mi, s = (int(x or 0) for x in m.groups())
     return max(1, math.ceil(((d * 24 + h) * 60 + mi) + s / 60))
 
+# %% ../nbs/07c_cluster.ipynb #27a3654c
 RESERVED_SBATCH = {'partition', 'time', 'gpus-per-node', 'gres', 'cpus-per-task', 'ntasks-per-node', 'nodes', 'job-name', 'output', 'error'}
 
+# %% ../nbs/07c_cluster.ipynb #54f07526
 @dataclass
 class ClusterConfig:
     "Where each run of a batch runs as a job (`oelm run --backend slurm`)."
@@ -43,7 +48,8 @@ class ClusterConfig:
     options: dict = field(default_factory=dict) # further sbatch options, e.g. {'account': 'lab', 'qos': 'high'}
 
     def __post_init__(self):
-        if self.cluster not in ('slurm', 'local'): raise ConfigError(f"cluster {self.cluster!r}: choose 'slurm' or 'local'")
+        if self.cluster not in ('slurm', 'local'):
+            raise ConfigError(f"cluster {self.cluster!r}: choose 'slurm' or 'local'")
         if self.gpus_per_run < 0 or self.cpus_per_run < 1: raise ConfigError(f"--gpus-per-run {self.gpus_per_run} / --cpus-per-run {self.cpus_per_run}: give >= 0 GPUs and >= 1 CPU")
         self.minutes = time_minutes(self.time)
         clash = sorted(k for k in self.options if k.replace('_', '-') in RESERVED_SBATCH)
@@ -58,6 +64,7 @@ def slurm_parameters(cfg: ClusterConfig, name: str, command: str = '') -> dict:
     if cfg.gpus_per_run: p['gpus_per_node'] = cfg.gpus_per_run
     return p
 
+# %% ../nbs/07c_cluster.ipynb #43e74f57
 def _script_executor(folder):
     from submitit import SlurmExecutor
     class ScriptOnly(SlurmExecutor):  # builds the sbatch file; never submits
@@ -65,11 +72,13 @@ def _script_executor(folder):
         def affinity(cls) -> int: return 1
     return ScriptOnly(folder)
 
+# %% ../nbs/07c_cluster.ipynb #a1de8d52
 def sbatch_script(cfg: ClusterConfig, folder, name: str, command: str = '') -> str:
     "The sbatch file submitit writes for a job of `cfg` named `name` (built without a cluster)."
     ex = _script_executor(folder)
     ex.update_parameters(**slurm_parameters(cfg, name, command))
-    return ex._make_submission_file_text(ex._submitit_command_str, 'uid')  # the srun line submitit writes: its runner on the job's pickle
+    # the srun line submitit writes: its runner on the job's pickle
+    return ex._make_submission_file_text(ex._submitit_command_str, 'uid')
 
 # %% ../nbs/07c_cluster.ipynb #5e711e82
 def run_on_node(job: Job, batch: Batch) -> str:
@@ -79,6 +88,7 @@ def run_on_node(job: Job, batch: Batch) -> str:
     try: return execute_run(job, batch, gpus or None, threads)
     except RunLocked as e: print(f'[oelm job] {job.name}: not run: {e}', flush=True); return 'locked'
 
+# %% ../nbs/07c_cluster.ipynb #2cef3a1d
 def record_job(job: Job, batch: Batch, job_id: str, cluster: str, paths: dict, guard: threading.Lock):
     "Write the job's id into the run directory (job.json) and into batch.json's 'jobs'."
     job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,8 +99,10 @@ def record_job(job: Job, batch: Batch, job_id: str, cluster: str, paths: dict, g
         write_json(batch.out / 'batch.json', b)
 
 # %% ../nbs/07c_cluster.ipynb #2b184769
-ACTIVE_STATES = ('PENDING', 'RUNNING', 'REQUEUED', 'CONFIGURING', 'COMPLETING', 'SUSPENDED', 'RESIZING')  # SLURM job states that may still write
+# SLURM job states that may still write
+ACTIVE_STATES = ('PENDING', 'RUNNING', 'REQUEUED', 'CONFIGURING', 'COMPLETING', 'SUSPENDED', 'RESIZING')
 
+# %% ../nbs/07c_cluster.ipynb #1b1e1ee6
 class ClusterBackend:
     "Run each job of a batch as a submitit job (SLURM, or local processes); a drop-in for `execute_run`."
     def __init__(self, cfg: ClusterConfig, command: str = '', poll_s: float = 5.0):
@@ -115,14 +127,17 @@ class ClusterBackend:
         "Fail now, before any run, where submitit is missing or there is no SLURM."
         try: import submitit  # noqa: F401
         except ImportError: raise ConfigError('--backend slurm needs submitit: pip install "oelm_nb[slurm]"') from None
-        if self.cfg.cluster == 'slurm': self.executor(Path(tempfile.gettempdir()) / 'oelm-slurm-check', 'check')  # submitit writes nothing until a submission
+        # submitit writes nothing until a submission
+        if self.cfg.cluster == 'slurm': self.executor(Path(tempfile.gettempdir()) / 'oelm-slurm-check', 'check')
 
     def earlier_job(self, job: Job) -> str | None:
-        "The id of a job from an earlier `oelm run` of this batch that still trains `job`'s run (a live process holds its lock), else None."
+        """The id of a job from an earlier `oelm run` of this batch that still trains `job`'s run (a live process holds
+        its lock), else None."""
         h = read_holder(job.run_dir)
         if not h or not is_alive(h): return None
         rec = read_json(job.run_dir / 'job.json') or {}
-        if h.get('host') != socket.gethostname() and self.cfg.cluster == 'slurm' and rec.get('job_id'):  # a holder on another host: ask SLURM
+        # a holder on another host: ask SLURM
+        if h.get('host') != socket.gethostname() and self.cfg.cluster == 'slurm' and rec.get('job_id'):
             import submitit
             try: state = submitit.SlurmJob(folder=Path(str(rec.get('stdout', '.'))).parent, job_id=str(rec['job_id'])).state
             except Exception: state = 'UNKNOWN'
@@ -130,7 +145,8 @@ class ClusterBackend:
         return str(rec.get('job_id') or f"pid {h.get('pid')} on {h.get('host')}")
 
     def __call__(self, job: Job, batch: Batch, gpu_set=None, threads=None, log=print) -> str:
-        if earlier := self.earlier_job(job):  # re-attach: the run's own lock tells that a job of a previous `oelm run` is on it
+        # re-attach: the run's own lock tells that a job of a previous `oelm run` is on it
+        if earlier := self.earlier_job(job):
             log(f'[oelm run] {job.name}: job {earlier} from an earlier `oelm run` still trains it; waiting for it instead of submitting another')
             while self.earlier_job(job): time.sleep(self.poll_s)
             if run_status(job.run_dir) == 'completed': log(f'[oelm run] {job.name}: job {earlier} completed it'); return 'completed'
@@ -162,6 +178,7 @@ class ClusterBackend:
 # %% ../nbs/07c_cluster.ipynb #6bdd4fb8
 DETACHED_ENV = 'OELM_DETACHED' # set in a detached batch's process; its batch lock says so
 
+# %% ../nbs/07c_cluster.ipynb #40fd17a8
 def detach(argv: list[str], batch_dir, command: str = '') -> subprocess.Popen:
     "Start `oelm ARGV` in a new session, output appended to BATCH_DIR/batch.log; returns at once."
     batch_dir = Path(batch_dir); batch_dir.mkdir(parents=True, exist_ok=True)
@@ -170,11 +187,13 @@ def detach(argv: list[str], batch_dir, command: str = '') -> subprocess.Popen:
         return subprocess.Popen([sys.executable, '-m', 'oelm_nb.cli', *argv], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
+# %% ../nbs/07c_cluster.ipynb #f50701a5
 def detached_holder(batch_dir) -> dict | None:
     "The live detached process that holds the batch's lock, if any."
     h = read_holder(batch_dir)
     return h if h and h.get('detached') and is_alive(h) else None
 
+# %% ../nbs/07c_cluster.ipynb #ac3ac37a
 def follow(batch_dir, interval: float = 5.0, out=print) -> None:
     "Show the batch's status until its detached process has released it."
     h = detached_holder(batch_dir)
@@ -185,5 +204,6 @@ def follow(batch_dir, interval: float = 5.0, out=print) -> None:
         rows = batch_status(batch_dir)
         states = [(r['run'], r['state']) for r in rows]
         if tty: out('\033[H\033[2J' + format_status(rows, batch_dir))  # redrawn in place
-        elif states != shown: out(format_status(rows, batch_dir)); shown = states  # a log gets a table when a run changes state
+        # a log gets a table when a run changes state
+        elif states != shown: out(format_status(rows, batch_dir)); shown = states
         time.sleep(interval)

@@ -19,6 +19,7 @@ __all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'c
 class ConfigError(ValueError):
     "A configuration value is wrong: the message names the field, the value and the fix."
 
+# %% ../nbs/00_core.ipynb #7c262cd6
 def check(ok: bool, # the condition that must hold
           cls: str, # name of the configuration class
           name: str, # field name
@@ -38,7 +39,8 @@ class ConfigBase:
     def to_dict(self) -> dict: return asdict(self)
 
     def check_types(self):
-        "Check each field against its annotation (int, float, bool, str, tuple, optionally `| None`), before range checks."
+        """Check each field against its annotation (int, float, bool, str, tuple, optionally `| None`), before range
+        checks."""
         for f in fields(self):
             v, ann = getattr(self, f.name), str(f.type)
             if v is None and 'None' in ann: continue
@@ -66,7 +68,8 @@ class ConfigBase:
                     kind: str = '', # word for error messages, e.g. 'CVFP'
                     **overrides):
         "Build from the preset `name` of `presets` with some fields overridden; unknown names list the choices."
-        if name not in presets: raise ConfigError(f"unknown {kind + ' ' if kind else ''}preset {name!r}; choose from {list(presets)}")
+        if name not in presets:
+            raise ConfigError(f"unknown {kind + ' ' if kind else ''}preset {name!r}; choose from {list(presets)}")
         return cls.from_dict({**presets[name], **overrides})
 
     def replace(self, **kw):
@@ -79,8 +82,8 @@ class ConfigBase:
     @classmethod
     def load_json(cls, path):
         path = Path(path)
-        try: d = json.loads(path.read_text())
-        except FileNotFoundError: raise ConfigError(f"config file {path} does not exist") from None
+        try:d = json.loads(path.read_text())
+        except FileNotFoundError:raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as e: raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
@@ -88,6 +91,7 @@ class ConfigBase:
 VARIANTS = ('gpt', 'oelm', 'oelm-freeze', 'oelm-learnable', 'gauss', 'gauss-freeze')
 FREEZE_VARIANTS = ('oelm-freeze', 'gauss-freeze') # variants whose Q/K start frozen
 
+# %% ../nbs/00_core.ipynb #80b22fb4
 @dataclass
 class ModelConfig(ConfigBase):
     "Architecture of a GPT of this package, including how attention Q/K are initialized and trained."
@@ -98,7 +102,8 @@ class ModelConfig(ConfigBase):
     n_embd: int = 128 # residual width d_model
     d_ff: int | None = None # MLP hidden width (None: 4 * n_embd)
     n_embd_wte: int | None = None # factorized token-embedding width k < n_embd (None: no factorization)
-    tie_embeddings: bool = True # the output head shares the token table (GPT-2, nanoGPT); False: lm_head has a weight of its own
+    # the output head shares the token table (GPT-2, nanoGPT); False: lm_head has a weight of its own
+    tie_embeddings: bool = True
     dropout: float = 0.1 # dropout on the residual branches (attention output, MLP); also the default of the two below
     bias: bool = True # biases in MLP and LayerNorm
     attn_bias: bool = False # biases in the attention projections (GPT-2 has them)
@@ -154,7 +159,8 @@ class ModelConfig(ConfigBase):
     def factorized(self) -> bool: return self.wte_dim < self.n_embd
     @property
     def qk_init(self) -> str:
-        "How Q/K start: 'normal' N(0, init_std) (gpt), 'orthogonal' (oelm*), or 'gauss' N(0, 1/n_embd): the orthogonal scale without orthogonality."
+        """How Q/K start: 'normal' N(0, init_std) (gpt), 'orthogonal' (oelm*), or 'gauss' N(0, 1/n_embd): the orthogonal
+        scale without orthogonality."""
         return 'normal' if self.variant == 'gpt' else 'gauss' if self.variant.startswith('gauss') else 'orthogonal'
     @property
     def orthogonal_qk(self) -> bool: return self.qk_init == 'orthogonal'
@@ -169,6 +175,7 @@ DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 LOGGERS = ('tensorboard', 'wandb')
 _F32_MAX = float(np.finfo(np.float32).max)  # a larger lr is inf in float32
 
+# %% ../nbs/00_core.ipynb #fd390860
 @dataclass
 class TrainConfig(ConfigBase):
     "Optimizer, schedule, evaluation, checkpointing and runtime choices of one training run."
@@ -205,7 +212,8 @@ class TrainConfig(ConfigBase):
         for name in ('warmup_steps', 'eval_every', 'ckpt_every', 'keep_last', 'seed'):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 0, c, name, v, 'must be a non-negative integer')
-        for name in ('lr', 'min_lr', 'weight_decay', 'beta1', 'beta2', 'eps', 'grad_clip'):  # NaN and inf pass `>` checks
+        # NaN and inf pass `>` checks
+        for name in ('lr', 'min_lr', 'weight_decay', 'beta1', 'beta2', 'eps', 'grad_clip'):
             v = getattr(self, name)
             check(bool(np.isfinite(v)), c, name, v, 'must be a finite number, not NaN or inf')
         check(0 < self.lr <= _F32_MAX, c, 'lr', self.lr,

@@ -18,7 +18,8 @@ __all__ = ['set_seed', 'pick_device', 'bf16_matmul_speedup', 'cpu_has_native_bf1
 def set_seed(seed: int):
     "Seed `random`, NumPy and torch (CPU and every CUDA device); deterministic cuDNN kernels (harmless on CPU)."
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
-    torch.backends.cudnn.deterministic = True; torch.backends.cudnn.benchmark = False  # the New-LLM guidelines' reproducibility rule
+    # the New-LLM guidelines' reproducibility rule
+    torch.backends.cudnn.deterministic = True; torch.backends.cudnn.benchmark = False
 
 # %% ../nbs/00a_device.ipynb #89f14d75
 def pick_device(pref: str = 'auto', # auto | cpu | cuda | cuda:N | mps
@@ -26,13 +27,18 @@ def pick_device(pref: str = 'auto', # auto | cpu | cuda | cuda:N | mps
     "The torch device to run on: CUDA, then MPS, then CPU for 'auto'; an error if a requested one is missing."
     if pref == 'auto':
         if torch.cuda.is_available(): return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
-        if getattr(torch.backends, 'mps', None) is not None and torch.backends.mps.is_available(): return torch.device('mps')
+        if getattr(torch.backends, 'mps', None) is not None and torch.backends.mps.is_available():
+            return torch.device('mps')
         return torch.device('cpu')
     dev = torch.device(pref)
     if dev.type == 'cuda' and not torch.cuda.is_available():
-        raise ConfigError(f"TrainConfig.device={pref!r} is invalid: CUDA is not available here; use device='auto' or 'cpu'")
+        raise ConfigError(
+            f"TrainConfig.device={pref!r} is invalid: CUDA is not available here; use device='auto' or 'cpu'"
+        )
     if dev.type == 'mps' and not (getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available()):
-        raise ConfigError(f"TrainConfig.device={pref!r} is invalid: MPS is not available here; use device='auto' or 'cpu'")
+        raise ConfigError(
+            f"TrainConfig.device={pref!r} is invalid: MPS is not available here; use device='auto' or 'cpu'"
+        )
     return dev
 
 # %% ../nbs/00a_device.ipynb #8222f6b6
@@ -49,9 +55,11 @@ def bf16_matmul_speedup(n: int = 512, # matrix size of the probe
         return min(ts)
     return best(a, b) / best(a.bfloat16(), b.bfloat16())
 
+# %% ../nbs/00a_device.ipynb #23a3fed8
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    "Whether this CPU computes bf16 natively: from torch's CPU report on x86, else from `bf16_matmul_speedup` (once per process)."
+    """Whether this CPU computes bf16 natively: from torch's CPU report on x86, else from `bf16_matmul_speedup` (once
+    per process)."""
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()): return False
     try: caps = torch._C._cpu._get_cpu_capability()
     except (AttributeError, RuntimeError): caps = {}
@@ -67,6 +75,7 @@ def autocast_dtype(device: torch.device, pref: str = 'auto') -> torch.dtype | No
         return torch.bfloat16 if device.type == 'cuda' and torch.cuda.is_bf16_supported() else None
     return getattr(torch, pref)
 
+# %% ../nbs/00a_device.ipynb #c48400de
 def precision_note(device: torch.device, pref: str = 'auto') -> str:
     "One line saying which precision `pref` gives on `device`, and why."
     amp = autocast_dtype(device, pref)
@@ -79,6 +88,7 @@ def precision_note(device: torch.device, pref: str = 'auto') -> str:
     else: why = f'no autocast on {device.type}'
     return f"{chosen} (dtype='auto': {why})"
 
+# %% ../nbs/00a_device.ipynb #52fd44bb
 def autocast(device: torch.device, dtype: torch.dtype | None):
     "An autocast context for `device` and `dtype`, or a no-op when `dtype` is None."
     if dtype is None: return contextlib.nullcontext()
@@ -87,7 +97,10 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 # %% ../nbs/00a_device.ipynb #32763294
 _OOM_TYPES = (getattr(torch, 'OutOfMemoryError', torch.cuda.OutOfMemoryError), MemoryError)
 
+# %% ../nbs/00a_device.ipynb #d459317c
 def is_oom(e: BaseException) -> bool:
     "Whether `e` is an allocation failure (CUDA out of memory, or the CPU allocator's)."
     msg = str(e).lower()
-    return isinstance(e, _OOM_TYPES) or (isinstance(e, RuntimeError) and ('out of memory' in msg or "can't allocate memory" in msg))
+    return isinstance(e, _OOM_TYPES) or (
+        isinstance(e, RuntimeError) and ('out of memory' in msg or "can't allocate memory" in msg)
+    )

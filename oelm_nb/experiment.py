@@ -47,7 +47,8 @@ class RunSpec(ConfigBase):
     study: str = 'qk-freeze'
     name: str = 'run' # the variant's label, e.g. 'oelm-freeze-half'
     preset: str = 'tiny'
-    settings: ConfigBase = field(default_factory=NoSettings) # the study's own settings, an instance of its `Study.settings`
+    # the study's own settings, an instance of its `Study.settings`
+    settings: ConfigBase = field(default_factory=NoSettings)
 
     def to_dict(self) -> dict:
         return {'model': self.model.to_dict(), 'train': self.train.to_dict(), 'data': self.data.to_dict(),
@@ -69,11 +70,13 @@ class RunSpec(ConfigBase):
 # %% ../nbs/06_experiment.ipynb #3b4fb9b8
 from fastcore.basics import patch
 
+# %% ../nbs/06_experiment.ipynb #45cde335
 @patch(as_prop=True)
 def identity(self: RunSpec) -> dict:
     "study, variant, preset and seed of this run (the head of its summary.json)."
     return run_identity(self.study, self.name, self.preset, self.train.seed)
 
+# %% ../nbs/06_experiment.ipynb #d3afc2d0
 @patch(as_prop=True)
 def resolved_data_dir(self: RunSpec) -> Path:
     "Where the prepared data is: the source itself when it is a prepared directory, else data_dir."
@@ -81,6 +84,7 @@ def resolved_data_dir(self: RunSpec) -> Path:
     if src.is_dir() and (src / 'meta.json').exists(): return src
     return Path(self.data_dir) if self.data_dir else Path(self.out_dir) / 'data'
 
+# %% ../nbs/06_experiment.ipynb #ca14aeb7
 @patch
 def upstream_dir(self: RunSpec, variant: str) -> Path:
     "The run directory of `variant` with this run's seed in the same batch (for runs that start from another run)."
@@ -89,19 +93,23 @@ def upstream_dir(self: RunSpec, variant: str) -> Path:
 # %% ../nbs/06_experiment.ipynb #3aa38e70
 Overrides = dict  # dotted key ('model.variant', 'train.lr', 'settings.method') -> value
 
+# %% ../nbs/06_experiment.ipynb #9a17ea10
 @dataclass
 class Variant:
     "One arm of a study: dotted overrides (the numbers live here; the name is a label) and the variants it starts from."
     overrides: Overrides = field(default_factory=dict)
     upstream: tuple = () # variants whose run with the same seed must complete first
 
+# %% ../nbs/06_experiment.ipynb #6e0df742
 @dataclass
 class Study:
-    "A question answered by runs: settings class, variants, one run's function, per-preset schedules, flags and notebooks."
+    """A question answered by runs: settings class, variants, one run's function, per-preset schedules, flags and
+    notebooks."""
     name: str
     description: str
     settings: type # a ConfigBase dataclass: the study's own settings
-    variants: Callable[[str, int, dict], dict[str, Variant]] # (preset, steps, flags given) -> every variant they ask for, in run order
+    # (preset, steps, flags given) -> every variant they ask for, in run order
+    variants: Callable[[str, int, dict], dict[str, Variant]]
     run: Callable[..., dict] # (spec, progress=None) -> summary: one run into spec.out_dir
     train: dict[str, dict] # preset -> TrainConfig fields
     data: dict[str, dict] # preset -> DataConfig fields
@@ -111,17 +119,22 @@ class Study:
     notebook: str = 'experiments/train_lm.ipynb' # experiment notebook, relative to nbs/
     report: str | None = None # report notebook, relative to nbs/
     verdicts: Callable | None = None # runs table (`report.load_runs`) -> verdict table for the console summary
-    after_batch: Callable | None = None # (batch_dir, preset, completed variants, overrides, log) -> None: a measurement when a batch ends
-    load_model: Callable | None = None # (spec, find_checkpoint) -> (model, checkpoint dir), or None for a plain GPT: how sample/export rebuild a run's model
+    # (batch_dir, preset, completed variants, overrides, log) -> None: a measurement when a batch ends
+    after_batch: Callable | None = None
+    # (spec, find_checkpoint) -> (model, checkpoint dir), or None for a plain GPT: how sample/export rebuild a run's
+    # model
+    load_model: Callable | None = None
 
 # %% ../nbs/06_experiment.ipynb #a04ec12a
 STUDIES: dict[str, Study] = {}  # the studies this process knows, by name (`register_study`)
 
+# %% ../nbs/06_experiment.ipynb #79e3a8b8
 def register_study(study: Study) -> Study:
     "Make `study` known by its name (to `get_study`, `resolve_spec` and `RunSpec.from_dict`); returns it."
     STUDIES[study.name] = study
     return study
 
+# %% ../nbs/06_experiment.ipynb #c7ac2d5f
 def get_study(name: str) -> Study:
     "The registered study called `name`; an unknown name lists the known ones."
     if name not in STUDIES:
@@ -139,6 +152,7 @@ def make_settings(self: Study, d: dict | None = None) -> ConfigBase:
         return s
     except ConfigError as e: raise ConfigError(f"study {self.name!r}, settings: {e}") from None
 
+# %% ../nbs/06_experiment.ipynb #ef8d0bd4
 @patch
 def variant(self: Study, name: str, preset: str = 'tiny', steps: int = 1000, options: dict | None = None) -> Variant:
     "The variant labelled `name` among those `variants(preset, steps, options)` plans."
@@ -147,6 +161,7 @@ def variant(self: Study, name: str, preset: str = 'tiny', steps: int = 1000, opt
         raise ConfigError(f"study {self.name!r} has no variant {name!r}" + (f' with flags {options}' if options else '') + f"; choose from {list(planned)}")
     return planned[name]
 
+# %% ../nbs/06_experiment.ipynb #be91803f
 @patch
 def planned(self: Study, preset: str = 'tiny', steps: int = 1000, options: dict | None = None) -> list[str]:
     "The variants a batch runs when none are named: `default_variants`, or all that the flags plan."
@@ -164,7 +179,8 @@ TRAIN_PRESETS = {
     'gpt2-124m': dict(max_steps=10_000, batch_size=4, grad_accum=4, lr=1e-4, min_lr=5e-6, warmup_steps=500,
                       eval_every=500, eval_batches=100, log_every=50, ckpt_every=2000),
 }
-TRAIN_PRESETS['gpt2-124m-1024'] = TRAIN_PRESETS['gpt2-124m']  # the same model with GPT-2's 1,024 positions (for its weights)
+# the same model with GPT-2's 1,024 positions (for its weights)
+TRAIN_PRESETS['gpt2-124m-1024'] = TRAIN_PRESETS['gpt2-124m']
 DATA_PRESETS = {'tiny': dict(vocab_size=2048, n_train_stories=20_000, n_val_stories=1000),
                 'medium512': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000),
                 'gpt2-124m': dict(vocab_size=10_000, n_train_stories=200_000, n_val_stories=5000)}
@@ -173,6 +189,7 @@ DATA_PRESETS['gpt2-124m-1024'] = DATA_PRESETS['gpt2-124m']
 # %% ../nbs/06_experiment.ipynb #c879c8a5
 SECTIONS = ('model', 'train', 'data', 'settings')
 
+# %% ../nbs/06_experiment.ipynb #8bc237b6
 def apply_overrides(spec: dict, overrides: dict) -> dict:
     "Apply dotted-key overrides ('train.lr') to the nested spec dict, rejecting unknown sections."
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in spec.items()}
@@ -198,6 +215,7 @@ def train_settings(study: Study, preset: str, seed: int, steps: int | None = Non
         train['log_every'] = min(train.get('log_every', 10), max(1, steps // 30))
     return train
 
+# %% ../nbs/06_experiment.ipynb #b18424f3
 def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze', preset: str = 'tiny', seed: int = 0,
                  steps: int | None = None, out_dir: str = 'runs/demo', data: str = 'synthetic',
                  data_dir: str | None = None, overrides: dict | None = None, data_vocab: int | None = None,
@@ -208,9 +226,11 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
     train = train_settings(st, preset, seed, steps)
     var = st.variant(variant, preset, train.get('max_steps', TrainConfig().max_steps), options)
     mdict = model_config(preset).to_dict()
-    if data_vocab is None and data_dir and any((Path(data_dir) / f).exists() for f in ('meta.json', 'meta.pkl')):  # prepared data
+    # prepared data
+    if data_vocab is None and data_dir and any((Path(data_dir) / f).exists() for f in ('meta.json', 'meta.pkl')):
         data_vocab = int(read_meta(data_dir)['vocab_size'])
-    if data_vocab: mdict['vocab_size'] = data_vocab  # prepared data: the model's vocabulary is the data's (unless --set says otherwise)
+    # prepared data: the model's vocabulary is the data's (unless --set says otherwise)
+    if data_vocab: mdict['vocab_size'] = data_vocab
     d = {'model': mdict, 'train': train, 'data': {**st.data.get(preset, {}), 'source': data},
          'out_dir': str(out_dir), 'data_dir': data_dir, 'study': st.name, 'name': variant, 'preset': preset, 'settings': {}}
     d = apply_overrides(d, {**var.overrides, **(overrides or {})})
@@ -219,18 +239,22 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
 # %% ../nbs/06_experiment.ipynb #29b79c5c
 COMMAND_ENV = 'OELM_COMMAND' # the batch runner's command line, for the runs it starts
 
+# %% ../nbs/06_experiment.ipynb #66d422be
 def _git(args: list[str], cwd: Path, timeout: float) -> str | None:
     "stdout of `git -C cwd *args`, or None when git is missing, slow or fails."
     try: r = subprocess.run(['git', '-C', str(cwd), *args], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError): return None
     return r.stdout.strip() if r.returncode == 0 else None
 
+# %% ../nbs/06_experiment.ipynb #f51e79cf
 def utc_now() -> str:
     "The current time, UTC, ISO 8601 to the second."
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
 
+# %% ../nbs/06_experiment.ipynb #8aca89c3
 def provenance(timeout: float = 5.0) -> dict:
-    "Which code runs and where: git commit and dirtiness of the package's checkout (None outside one), versions, host, command line, start time."
+    """Which code runs and where: git commit and dirtiness of the package's checkout (None outside one), versions, host,
+    command line, start time."""
     import oelm_nb
     pkg = Path(oelm_nb.__file__).resolve().parent
     tracked = _git(['ls-files', '--error-unmatch', '--', '__init__.py'], pkg, timeout) is not None
@@ -242,8 +266,10 @@ def provenance(timeout: float = 5.0) -> dict:
             'python': platform.python_version(), 'numpy': np.__version__, 'host': socket.gethostname(),
             'command': os.environ.get(COMMAND_ENV) or ' '.join(sys.argv), 'started': utc_now()}
 
+# %% ../nbs/06_experiment.ipynb #f7ab6e98
 def record_provenance(run_dir) -> dict:
-    "Write `provenance()` to <run_dir>/provenance.json at a run's start; a resumed run keeps its earlier starts (the last 10) under 'earlier'."
+    """Write `provenance()` to <run_dir>/provenance.json at a run's start; a resumed run keeps its earlier starts (the
+    last 10) under 'earlier'."""
     path = Path(run_dir) / 'provenance.json'
     prov, old = provenance(), read_json(path)
     if isinstance(old, dict):
@@ -253,7 +279,8 @@ def record_provenance(run_dir) -> dict:
 
 # %% ../nbs/06_experiment.ipynb #444dd171
 def write_summary(spec: RunSpec, summary: dict) -> dict:
-    "Write `summary` with the run's identity block, configuration fingerprint and provenance (start and end) to <run dir>/summary.json; return what was written."
+    """Write `summary` with the run's identity block, configuration fingerprint and provenance (start and end) to <run
+    dir>/summary.json; return what was written."""
     run_dir = Path(spec.out_dir)
     prov = read_json(run_dir / 'provenance.json')
     if not isinstance(prov, dict): prov = {**provenance(), 'started': None}  # this run recorded no start
@@ -275,11 +302,13 @@ def generate_samples(model: GPT, tokenizer, prompts: list[str], max_new_tokens: 
         out.append(tokenizer.decode(ids))
     return out
 
+# %% ../nbs/06_experiment.ipynb #1770885c
 SAMPLE_PROMPTS = ['Once upon a time, there was a', 'One day,']
 
 # %% ../nbs/06_experiment.ipynb #144b8208
 def sample_prompts(val_data: TokenData, tokenizer, n: int = 2, n_tokens: int = 8, fallback: list[str] = SAMPLE_PROMPTS) -> list[str]:
-    "The first `n_tokens` tokens of `n` evenly spaced documents of `val_data` (separated by the end-of-text id), decoded; without document boundaries (nanoGPT data) `n` evenly spaced windows; `fallback` for a split too short."
+    """The first `n_tokens` tokens of `n` evenly spaced documents of `val_data` (separated by the end-of-text id),
+    decoded; without document boundaries (nanoGPT data) `n` evenly spaced windows; `fallback` for a split too short."""
     eot = getattr(tokenizer, 'eot_id', None)
     toks = np.asarray(val_data.tokens)
     ends = np.flatnonzero(toks == eot) if eot is not None else np.zeros(0, dtype=np.int64)
@@ -293,7 +322,8 @@ def sample_prompts(val_data: TokenData, tokenizer, n: int = 2, n_tokens: int = 8
 
 # %% ../nbs/06_experiment.ipynb #92592c78
 def run_samples(model: GPT, spec: RunSpec, val_d: TokenData) -> dict:
-    "The summary's `sample_prompts` and `samples` (decoded with `data_codec`), or empty samples and a `samples_note` saying why none were made."
+    """The summary's `sample_prompts` and `samples` (decoded with `data_codec`), or empty samples and a `samples_note`
+    saying why none were made."""
     try:
         codec = data_codec(spec.resolved_data_dir)
         prompts = sample_prompts(val_d, codec)
@@ -303,7 +333,8 @@ def run_samples(model: GPT, spec: RunSpec, val_d: TokenData) -> dict:
 
 # %% ../nbs/06_experiment.ipynb #32a49585
 def start_run(spec: RunSpec, before_config: Callable | None = None) -> Path:
-    "Open a run directory: create it, refuse one trained with another configuration, record provenance.json, (call `before_config`,) write config.json."
+    """Open a run directory: create it, refuse one trained with another configuration, record provenance.json, (call
+    `before_config`,) write config.json."""
     run_dir = Path(spec.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_same_run(run_dir, spec.to_dict())  # resume only into the same configuration
@@ -312,16 +343,20 @@ def start_run(spec: RunSpec, before_config: Callable | None = None) -> Path:
     spec.save_json(run_dir / 'config.json')
     return run_dir
 
+# %% ../nbs/06_experiment.ipynb #719f365e
 def prepare_run(spec: RunSpec, info=None) -> tuple[Path, TokenData, TokenData]:
-    "Create the run directory (refusing one trained with another configuration), prepare (or reuse) the data, record config.json and provenance.json; return (run dir, train, val) splits."
+    """Create the run directory (refusing one trained with another configuration), prepare (or reuse) the data, record
+    config.json and provenance.json; return (run dir, train, val) splits."""
     run_dir, data_dir = Path(spec.out_dir), spec.resolved_data_dir
     if info is None or info.is_main:  # under torchrun only rank 0 writes
         start_run(spec, lambda: prepare_data(spec.data, data_dir, progress=False))
     if info is not None and info.enabled: torch.distributed.barrier()
     train_d, val_d = load_split(data_dir, 'train'), load_split(data_dir, 'val')
     if spec.model.vocab_size < train_d.vocab_size:
-        raise ConfigError(f"ModelConfig.vocab_size={spec.model.vocab_size} is smaller than the data's vocabulary ({train_d.vocab_size} in {data_dir}); "
-                          f"set model.vocab_size >= {train_d.vocab_size}")
+        raise ConfigError(
+            f"ModelConfig.vocab_size={spec.model.vocab_size} is smaller than the data's vocabulary"
+            f" ({train_d.vocab_size} in {data_dir}); set model.vocab_size >= {train_d.vocab_size}"
+        )
     return run_dir, train_d, val_d
 
 # %% ../nbs/06_experiment.ipynb #5357c4c8
@@ -331,11 +366,13 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
     with run_lock(spec.out_dir) if info.is_main else nullcontext():  # one writer per run directory
         return _train_locked(spec, info, progress)
 
+# %% ../nbs/06_experiment.ipynb #e3e70989
 def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
     run_dir, train_d, val_d = prepare_run(spec, info)
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     model = GPT(spec.model, init_seed=spec.train.seed)
-    if spec.train.init_from:  # pretrained weights instead of the random init (a resumed run then loads its checkpoint over them)
+    # pretrained weights instead of the random init (a resumed run then loads its checkpoint over them)
+    if spec.train.init_from:
         load_init_weights(model, spec.train.init_from)
     trainer = Trainer(model, tcfg, train_d, val_d, out_dir=run_dir, run_config=spec.to_dict(), run_name=run_name(spec.name, spec.train.seed))
     summary = trainer.fit()
@@ -358,5 +395,7 @@ def launch_run(spec: RunSpec, nproc: int = 1, progress: bool | None = None) -> d
         res = subprocess.run(cmd, cwd=run_dir, capture_output=True, text=True, env=child_env())
         (run_dir / 'torchrun.log').write_text(res.stdout + res.stderr)
     if res.returncode != 0:
-        raise RuntimeError(f"torchrun exited with {res.returncode}; see {run_dir / 'torchrun.log'}:\n{res.stderr[-2000:]}")
+        raise RuntimeError(
+            f"torchrun exited with {res.returncode}; see {run_dir / 'torchrun.log'}:\n{res.stderr[-2000:]}"
+        )
     return read_json(run_dir / 'summary.json')

@@ -26,10 +26,14 @@ def linear_parts(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     b = getattr(lin, 'bias', None)
     return w, (b.detach().float().clone() if b is not None else torch.zeros(w.shape[0]))
 
+# %% ../nbs/16_export.ipynb #545da808
 def norm_parts(ln: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
     "(weight, bias) of a LayerNorm; a zero bias where it has none."
-    return ln.weight.detach().float().clone(), (ln.bias.detach().float().clone() if ln.bias is not None else torch.zeros_like(ln.weight))
+    return ln.weight.detach().float().clone(), (
+        ln.bias.detach().float().clone() if ln.bias is not None else torch.zeros_like(ln.weight)
+    )
 
+# %% ../nbs/16_export.ipynb #a1ae5885
 def check_exportable(model: GPT, target: str):
     "Refuse what `target` ('hf' or 'nanogpt') cannot express, with the reason."
     cfg = model.cfg
@@ -43,6 +47,7 @@ def check_exportable(model: GPT, target: str):
         if cfg.ff_dim != 4 * cfg.n_embd: raise ConfigError(f'export to nanogpt: its MLP is 4 x n_embd = {4 * cfg.n_embd} wide; this model has {cfg.ff_dim}')
         if activation(model) != 'gelu': raise ConfigError("export to nanogpt: nanoGPT's MLP uses exact GELU; this model uses the tanh approximation")
 
+# %% ../nbs/16_export.ipynb #ee328855
 def merged_copy(model: GPT) -> GPT:
     "`model` itself when it has no unmerged LoRA adapter, else a copy with every adapter merged into its weight."
     if not any(not m.merged for m in lora_modules(model)): return model
@@ -50,7 +55,8 @@ def merged_copy(model: GPT) -> GPT:
 
 # %% ../nbs/16_export.ipynb #d0bcee5f
 def hf_config(model: GPT):
-    "The `GPT2Config` of the model's shape (dropouts from its configuration, exact or tanh GELU as it uses, tied or untied head)."
+    """The `GPT2Config` of the model's shape (dropouts from its configuration, exact or tanh GELU as it uses, tied or
+    untied head)."""
     from transformers import GPT2Config
     c = model.cfg
     tied = c.tie_embeddings and _no_scale_layers(model)  # a factorized table materializes into an untied head
@@ -58,9 +64,11 @@ def hf_config(model: GPT):
                       n_inner=c.ff_dim, activation_function=activation(model), resid_pdrop=c.dropout, embd_pdrop=c.embd_p,
                       attn_pdrop=c.attn_p, layer_norm_epsilon=1e-5, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
 
+# %% ../nbs/16_export.ipynb #6d34d0ae
 @torch.no_grad()
 def full_embedding(model: GPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "(input table [V, d], head [V, d], final-LN bias shift [d]) of a model as one full table: factorized ones materialized (see above)."
+    """(input table [V, d], head [V, d], final-LN bias shift [d]) of a model as one full table: factorized ones
+    materialized (see above)."""
     tok, head = model.transformer.tok, model.lm_head.weight.detach().float()
     E = tok.wte.weight.detach().float()
     if _no_scale_layers(model): return E, head, torch.zeros(model.cfg.n_embd)
@@ -69,14 +77,18 @@ def full_embedding(model: GPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     delta = torch.linalg.pinv(Wd) @ bd  # least-norm solution of S_d delta = b_d
     err = (W_h @ (Wd @ delta - bd)).abs().max().item() if bd.abs().max() > 0 else 0.0
     if err > 1e-6:
-        raise ConfigError(f"export to hf: the factorized head's per-token bias (scale_down.bias through the head) cannot be folded into "
-                          f"GPT-2's bias-free head: scale_down's weight has rank {torch.linalg.matrix_rank(Wd).item()} < k={Wd.shape[0]} and its "
-                          f"bias lies outside its range (max logit error {err:.2e})")
+        raise ConfigError(
+            "export to hf: the factorized head's per-token bias (scale_down.bias through the head) cannot be folded"
+            f" into GPT-2's bias-free head: scale_down's weight has rank {torch.linalg.matrix_rank(Wd).item()} <"
+            f" k={Wd.shape[0]} and its bias lies outside its range (max logit error {err:.2e})"
+        )
     return E @ Wu.T + bu, (W_h @ Wd).float(), delta.float()
 
+# %% ../nbs/16_export.ipynb #a58b563c
 @torch.no_grad()
 def to_hf_gpt2(model: GPT):
-    "A `transformers.GPT2LMHeadModel` computing the same logits as `model` (eval mode; LoRA merged on a copy, a factorized table materialized)."
+    """A `transformers.GPT2LMHeadModel` computing the same logits as `model` (eval mode; LoRA merged on a copy, a
+    factorized table materialized)."""
     from transformers import GPT2LMHeadModel
     model = merged_copy(model)
     check_exportable(model, 'hf')
@@ -106,13 +118,17 @@ def to_nanogpt_state(model: GPT) -> tuple[dict, dict]:
     c, t, sd = model.cfg, model.transformer, {}
     def lin(name, m): w, b = linear_parts(m); sd[f'{name}.weight'] = w; sd[f'{name}.bias'] = b
     def ln(name, m): w, b = norm_parts(m); sd[f'{name}.weight'] = w; sd[f'{name}.bias'] = b
-    sd['transformer.wte.weight'] = t.tok.wte.weight.detach().float().clone(); sd['transformer.wpe.weight'] = t.wpe.weight.detach().float().clone()
+    sd['transformer.wte.weight'] = t.tok.wte.weight.detach().float().clone()
+    sd['transformer.wpe.weight'] = t.wpe.weight.detach().float().clone()
     for i, blk in enumerate(t.h):
         p = f'transformer.h.{i}'
         ln(f'{p}.ln_1', blk.ln_1); ln(f'{p}.ln_2', blk.ln_2)
         qkv = [linear_parts(getattr(blk.attn, n)) for n in ('q_proj', 'k_proj', 'v_proj')]
-        sd[f'{p}.attn.c_attn.weight'] = torch.cat([w for w, _ in qkv], 0); sd[f'{p}.attn.c_attn.bias'] = torch.cat([b for _, b in qkv])
-        lin(f'{p}.attn.c_proj', blk.attn.c_proj); lin(f'{p}.mlp.c_fc', blk.mlp.mlp_up); lin(f'{p}.mlp.c_proj', blk.mlp.mlp_down)
+        sd[f'{p}.attn.c_attn.weight'] = torch.cat([w for w, _ in qkv], 0)
+        sd[f'{p}.attn.c_attn.bias'] = torch.cat([b for _, b in qkv])
+        lin(f'{p}.attn.c_proj', blk.attn.c_proj)
+        lin(f'{p}.mlp.c_fc', blk.mlp.mlp_up)
+        lin(f'{p}.mlp.c_proj', blk.mlp.mlp_down)
     ln('transformer.ln_f', t.ln_f)
     sd['lm_head.weight'] = sd['transformer.wte.weight']  # tied, as nanoGPT ties them
     args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.block_size, bias=True, vocab_size=c.vocab_size, dropout=c.dropout)
@@ -121,6 +137,7 @@ def to_nanogpt_state(model: GPT) -> tuple[dict, dict]:
 # %% ../nbs/16_export.ipynb #0140d33b
 EXPORT_FORMATS = ('hf', 'nanogpt')
 
+# %% ../nbs/16_export.ipynb #5df79478
 def export_run(run_dir, # one run's directory
                out_dir, # where the export goes (created; must be empty or absent)
                to: str = 'hf', # hf | nanogpt
@@ -129,7 +146,8 @@ def export_run(run_dir, # one run's directory
     "Write the run's model at `checkpoint` to `out_dir` in the `to` format; returns `out_dir`."
     if to not in EXPORT_FORMATS: raise ConfigError(f'--to {to!r}: choose one of {list(EXPORT_FORMATS)}')
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()): raise ConfigError(f'{out} is not empty: export into a new or empty directory')
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f'{out} is not empty: export into a new or empty directory')
     model, spec, ckpt = load_run_model(run_dir, checkpoint, device='cpu')
     model = merged_copy(model)  # one plain model: the adapters' updates added into (a copy of) their weights
     step = read_checkpoint_meta(ckpt)['step']

@@ -20,8 +20,10 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     "The modules that own a `q_proj` and a `k_proj`, in order from input to output."
     return [m for m in model.modules() if isinstance(getattr(m, 'q_proj', None), nn.Module) and isinstance(getattr(m, 'k_proj', None), nn.Module)]
 
+# %% ../nbs/02_freeze.ipynb #84825691
 def _qk(attn): return (attn.q_proj, attn.k_proj)
 
+# %% ../nbs/02_freeze.ipynb #c78f8102
 def _select(model, layers):
     attns = attention_layers(model)
     idx = range(len(attns)) if layers is None else layers
@@ -29,15 +31,18 @@ def _select(model, layers):
     if bad: raise ConfigError(f"layer indices {bad} do not exist: the model has {len(attns)} attention layers (0..{len(attns)-1})")
     return [(i, attns[i]) for i in idx]
 
+# %% ../nbs/02_freeze.ipynb #2901b094
 def freeze_qk_(model: nn.Module, layers: list[int] | None = None # layer indices (None: all)
               ) -> nn.Module:
     "Freeze the Q and K weights of the given attention layers (they become buffers)."
     for _, attn in _select(model, layers):
         for lin in _qk(attn):
-            if not isinstance(lin, OrthogonalLinear): raise TypeError(f"can only freeze OrthogonalLinear Q/K, got {type(lin).__name__}")
+            if not isinstance(lin, OrthogonalLinear):
+                raise TypeError(f"can only freeze OrthogonalLinear Q/K, got {type(lin).__name__}")
             lin.freeze_()
     return model
 
+# %% ../nbs/02_freeze.ipynb #518bf45c
 def unfreeze_qk_(model: nn.Module, layers: list[int] | None = None) -> list[nn.Parameter]:
     "Make the Q and K weights of the given layers trainable again; returns the parameters that were frozen."
     new = []
@@ -47,6 +52,7 @@ def unfreeze_qk_(model: nn.Module, layers: list[int] | None = None) -> list[nn.P
                 lin.unfreeze_(); new.append(lin.weight)
     return new
 
+# %% ../nbs/02_freeze.ipynb #157397e9
 def frozen_qk_layers(model: nn.Module) -> list[int]:
     "Indices of the attention layers whose Q and K are both frozen."
     return [i for i, a in enumerate(attention_layers(model)) if all(getattr(l, 'frozen', False) for l in _qk(a))]
@@ -77,13 +83,16 @@ class UnfreezeSchedule:
         for layer in self.due(step):
             params = unfreeze_qk_(model, [layer])
             if optimizer is not None and params:
-                optimizer.add_param_group({'params': params, 'weight_decay': weight_decay, 'name': f'unfrozen_qk_{layer}'})
+                optimizer.add_param_group(
+                    {'params': params, 'weight_decay': weight_decay, 'name': f'unfrozen_qk_{layer}'}
+                )
             self.done.append(layer); released.append(layer)
         return released
 
 # %% ../nbs/02_freeze.ipynb #aefda2de
 COMPONENTS = ('embedding', 'attention.qk', 'attention.vo', 'mlp', 'norm', 'lora', 'other')
 
+# %% ../nbs/02_freeze.ipynb #d81f89a2
 def component_of(name: str) -> str:
     "The component a parameter belongs to, from its qualified name."
     parts = name.split('.')
@@ -95,13 +104,16 @@ def component_of(name: str) -> str:
     if any(p.startswith('ln') or p.endswith('norm') for p in parts): return 'norm'
     return 'other'
 
+# %% ../nbs/02_freeze.ipynb #d121df0f
 def _frozen_buffers(model):
     for mname, m in model.named_modules():
-        if 'parametrizations' in mname.split('.'): continue  # a parametrization's cache (e.g. the orthogonal base), not a weight
+        # a parametrization's cache (e.g. the orthogonal base), not a weight
+        if 'parametrizations' in mname.split('.'): continue
         for bname, b in m._buffers.items():
             if b is not None and bname not in m._non_persistent_buffers_set and b.is_floating_point():
                 yield (f'{mname}.{bname}' if mname else bname), b
 
+# %% ../nbs/02_freeze.ipynb #2f6f843a
 def named_tensors(model: nn.Module):
     "(name, tensor, trainable) for every parameter and persistent float buffer, shared tensors once."
     seen = set()
@@ -112,6 +124,7 @@ def named_tensors(model: nn.Module):
         if b.data_ptr() in seen: continue
         seen.add(b.data_ptr()); yield name, b, False
 
+# %% ../nbs/02_freeze.ipynb #5c991a59
 @dataclass
 class ParamReport:
     "Total / trainable / frozen parameter counts with a per-component breakdown."
@@ -136,9 +149,12 @@ class ParamReport:
         t.loc['total'] = [self.total, self.trainable, self.frozen]
         return t
 
-    def __str__(self): return self.table().to_string(formatters={c: '{:,}'.format for c in ('total', 'trainable', 'frozen')})
+    def __str__(self):
+        return self.table().to_string(formatters={c: '{:,}'.format for c in ('total', 'trainable', 'frozen')})
+
     def _repr_html_(self): return self.table().style.format('{:,}').to_html()
 
+# %% ../nbs/02_freeze.ipynb #9d22e501
 def param_report(model: nn.Module) -> ParamReport:
     "Count total / trainable / frozen parameters of `model` (buffers included, shared tensors once)."
     rows = {c: [0, 0, 0] for c in COMPONENTS}

@@ -16,10 +16,14 @@ __all__ = ['GiB', 'param_counts', 'StepMemory', 'step_memory', 'available_memory
 
 # %% ../nbs/09a_memory.ipynb #0dece4b8
 GiB = 2 ** 30
+
+# %% ../nbs/09a_memory.ipynb #53b0d658
 def _gib(n: float) -> str: return f'{n / GiB:.2f} GiB'
 
+# %% ../nbs/09a_memory.ipynb #87e9d37d
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    "(total, trainable) weights of a `GPT` built from `cfg`, counted from its shape (frozen Q/K are buffers: in total only)."
+    """(total, trainable) weights of a `GPT` built from `cfg`, counted from its shape (frozen Q/K are buffers: in total
+    only)."""
     C, F, k, V = cfg.n_embd, cfg.ff_dim, cfg.wte_dim, cfg.vocab_size
     lin = lambda i, o, bias: i * o + (o if bias else 0)  # a Linear's weight and bias
     ln = C * (2 if cfg.bias else 1)  # a LayerNorm's weight and bias
@@ -28,6 +32,7 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     if cfg.factorized: total += lin(k, C, cfg.bias) + lin(C, k, cfg.bias)  # scale_up, scale_down
     return total, total - 2 * C * C * len(cfg.frozen_layers)
 
+# %% ../nbs/09a_memory.ipynb #1222c619
 @dataclass
 class StepMemory:
     "Estimated bytes of one training step, by part (see the formula above); `total` is their sum."
@@ -40,9 +45,11 @@ class StepMemory:
     @property
     def total(self) -> int: return self.weights + self.grads + self.adam + self.blocks + self.logits + self.other
 
+# %% ../nbs/09a_memory.ipynb #a486feca
 def _device_type(device) -> str:
     return pick_device('auto').type if isinstance(device, str) and device == 'auto' else torch.device(device).type
 
+# %% ../nbs/09a_memory.ipynb #22b3c18b
 def step_memory(model_cfg: ModelConfig, # the model's shape
                 batch_size: int, # B, sequences per micro-batch
                 block_size: int | None = None, # T, tokens per sequence (None: model_cfg.block_size)
@@ -53,7 +60,8 @@ def step_memory(model_cfg: ModelConfig, # the model's shape
     total, trainable = param_counts(c)
     layer = 4 * B * T * (9 * c.n_embd + 2 * c.ff_dim)
     if c.dropout > 0 and _device_type(device) != 'cuda': layer += 16 * B * c.n_head * T * T
-    base = 2 * c.n_embd ** 2 * c.n_layer if c.variant == 'oelm-learnable' else 0  # the orthogonal parametrization's base
+    # the orthogonal parametrization's base
+    base = 2 * c.n_embd ** 2 * c.n_layer if c.variant == 'oelm-learnable' else 0
     return StepMemory(4 * (total + base), 4 * trainable, 8 * trainable, c.n_layer * layer, 16 * B * T * c.vocab_size,
                       4 * B * T * (4 * c.n_embd + 2 * c.wte_dim))
 
@@ -71,6 +79,7 @@ def _cgroup_room() -> int | None:
         return max(0, int(lim) - used + int(stat.get(cache, 0)))
     return None
 
+# %% ../nbs/09a_memory.ipynb #5fc75832
 def available_memory(device='cpu') -> tuple[int, str]:
     "(bytes a step can still allocate on `device`, where that number comes from)."
     dev = pick_device(str(device))
@@ -79,21 +88,27 @@ def available_memory(device='cpu') -> tuple[int, str]:
     import psutil
     avail, where = psutil.virtual_memory().available, f'{dev.type} (system memory)'
     room = _cgroup_room()
-    if room is not None and room < avail: avail, where = room, f"{dev.type} (room left under this container's memory limit)"
+    if room is not None and room < avail:
+        avail, where = room, f"{dev.type} (room left under this container's memory limit)"
     return avail, where
 
+# %% ../nbs/09a_memory.ipynb #6c522d74
 def _max_batch(cfg: ModelConfig, block_size, device, avail: int) -> int:
     "The largest batch size whose step fits in `avail` bytes (0: not even one sequence); the estimate is linear in it."
     one, two = step_memory(cfg, 1, block_size, device).total, step_memory(cfg, 2, block_size, device).total
     return max(0, (avail - (2 * one - two)) // (two - one))
 
+# %% ../nbs/09a_memory.ipynb #eb108793
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
+# %% ../nbs/09a_memory.ipynb #b69c6457
 def _positive_int(name: str, v, what: str):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ConfigError(f'{name}={v!r} is invalid: {what} must be a positive integer')
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f'{name}={v!r} is invalid: {what} must be a positive integer')
 
+# %% ../nbs/09a_memory.ipynb #e08ae0a0
 def _memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, grad_accum: int, avail: int, where: str,
                     fix: str | None = None, what: str = 'needs about') -> str:
     "Why a step does not fit (the numbers) and what to change (`fix`, or smaller micro-batches with more accumulation)."
@@ -114,17 +129,20 @@ def _memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, 
                   f'train.batch_size={b} with train.grad_accum={seqs // b} needs about '
                   f'{_gib(step_memory(cfg, b, T, device).total)}')
 
+# %% ../nbs/09a_memory.ipynb #e1d4ae7c
 def check_step_memory(model_cfg: ModelConfig, # the model's shape
                       batch_size: int, # sequences per micro-batch
                       block_size: int | None = None, # tokens per sequence (None: model_cfg.block_size)
                       device='cpu', # 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'
                       grad_accum: int = 1, # micro-batches per optimizer step (for the suggested fix)
                      ) -> int:
-    "Estimated bytes of one training step (`step_memory`); a `ConfigError` with the numbers and the fix when they exceed what is available."
+    """Estimated bytes of one training step (`step_memory`); a `ConfigError` with the numbers and the fix when they
+    exceed what is available."""
     _positive_int('batch_size', batch_size, 'the number of sequences per micro-batch')
     if block_size is not None: _positive_int('block_size', block_size, 'the number of tokens per sequence')
     _positive_int('grad_accum', grad_accum, 'the number of micro-batches per step')
     need = step_memory(model_cfg, batch_size, block_size, device).total
     avail, where = available_memory(device)
-    if need > avail: raise ConfigError(_memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
+    if need > avail:
+        raise ConfigError(_memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
     return need

@@ -24,14 +24,16 @@ class MetricsLog:
         self.tb = self.wandb = None
         if out_dir is None: return
         if 'tensorboard' in loggers:
-            try: from torch.utils.tensorboard import SummaryWriter
+            try:from torch.utils.tensorboard import SummaryWriter
             except ImportError: raise ConfigError("TrainConfig.loggers includes 'tensorboard' but the tensorboard package is missing: pip install 'oelm_nb[log]'") from None
             self.tb = SummaryWriter(log_dir=str(out_dir / 'tensorboard'))
         if 'wandb' in loggers:
-            try: import wandb
+            try:import wandb
             except ImportError: raise ConfigError("TrainConfig.loggers includes 'wandb' but the wandb package is missing: pip install 'oelm_nb[log]'") from None
             os.environ.setdefault('WANDB_MODE', 'offline')
-            self.wandb = wandb.init(project='oelm_nb', name=run_name, dir=str(out_dir), config=config or {}, reinit=True)
+            self.wandb = wandb.init(
+                project='oelm_nb', name=run_name, dir=str(out_dir), config=config or {}, reinit=True
+            )
 
 # %% ../nbs/05c_metrics.ipynb #64d60fef
 class MetricsError(DataError):
@@ -40,8 +42,10 @@ class MetricsError(DataError):
 # %% ../nbs/05c_metrics.ipynb #1e1d8841
 def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
 
+# %% ../nbs/05c_metrics.ipynb #1cc90022
 def _read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, dict]]:
-    "(text, record) of each non-blank line of `path`; a cut-off last line is dropped with a warning, any other bad line raises `MetricsError`."
+    """(text, record) of each non-blank line of `path`; a cut-off last line is dropped with a warning, any other bad
+    line raises `MetricsError`."""
     lines = [(no, l) for no, l in enumerate(path.read_bytes().decode('utf-8', errors='replace').split('\n'), 1) if l.strip()]
     out = []
     for j, (no, line) in enumerate(lines):
@@ -62,7 +66,8 @@ def _read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, dict
 # %% ../nbs/05c_metrics.ipynb #8b5684b9
 @patch
 def truncate_after(self: MetricsLog, step: int):
-    "Drop records beyond `step` (a resumed run re-logs them) and a cut-off last line; the file is rewritten whole lines only."
+    """Drop records beyond `step` (a resumed run re-logs them) and a cut-off last line; the file is rewritten whole
+    lines only."""
     if not (self.path and self.path.exists()): return
     keep = [(l, r) for l, r in _read_jsonl(self.path, 'step') if r['step'] <= step]
     write_atomic(self.path, ''.join(l + '\n' for l, _ in keep))
@@ -87,6 +92,7 @@ def close(self: MetricsLog):
 
 # %% ../nbs/05c_metrics.ipynb #cafd0c53
 def read_metrics(run_dir, file: str = 'metrics.jsonl') -> list[dict]:
-    "The records of a run's metrics.jsonl (or of another JSON-lines file of the run, e.g. phase1.jsonl); a cut-off last line is dropped with a warning."
+    """The records of a run's metrics.jsonl (or of another JSON-lines file of the run, e.g. phase1.jsonl); a cut-off
+    last line is dropped with a warning."""
     p = Path(run_dir) / file
     return [r for _, r in _read_jsonl(p, 'step' if file == 'metrics.jsonl' else None)] if p.exists() else []

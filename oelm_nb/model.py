@@ -24,6 +24,7 @@ PRESETS = {
     'gpt2-124m-1024': dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, attn_bias=True),
 }
 
+# %% ../nbs/03_model.ipynb #70aedf4a
 def model_config(preset: str = 'tiny', # a key of PRESETS
                  **overrides) -> ModelConfig:
     "The `ModelConfig` of a preset with some fields overridden."
@@ -35,7 +36,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, b = cfg.n_embd, cfg.attn_bias
-        QK = nn.Linear if cfg.qk_init == 'normal' else OrthogonalLinear  # OrthogonalLinear: a Linear whose weight can be frozen
+        # OrthogonalLinear: a Linear whose weight can be frozen
+        QK = nn.Linear if cfg.qk_init == 'normal' else OrthogonalLinear
         self.q_proj, self.k_proj = QK(d, d, bias=b), QK(d, d, bias=b)
         self.v_proj, self.c_proj = nn.Linear(d, d, bias=b), nn.Linear(d, d, bias=b)
         self.n_head, self.dropout = cfg.n_head, cfg.attn_p  # dropout of the attention weights
@@ -63,6 +65,7 @@ class MLP(nn.Module):
 
     def forward(self, x): return self.drop(self.mlp_down(F.gelu(self.mlp_up(x))))
 
+# %% ../nbs/03_model.ipynb #189e853b
 class Block(nn.Module):
     "Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."
     def __init__(self, cfg: ModelConfig):
@@ -114,7 +117,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int):
-        "N(0, init_std) everywhere (an untied head last), residual projections scaled by 1/sqrt(2 n_layer), then orthogonal (OELM) or N(0, 1/d) (gauss) Q/K."
+        """N(0, init_std) everywhere (an untied head last), residual projections scaled by 1/sqrt(2 n_layer), then
+        orthogonal (OELM) or N(0, 1/d) (gauss) Q/K."""
         g = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
         for name, m in self.named_modules():
@@ -131,7 +135,8 @@ class GPT(nn.Module):
             for attn in attention_layers(self):
                 for w in (attn.q_proj.weight, attn.k_proj.weight):
                     if self.cfg.orthogonal_qk: init_orthogonal_(w, generator=g_qk)
-                    else: w.copy_(torch.randn(w.shape, generator=g_qk) / math.sqrt(w.shape[1]))  # gauss: N(0, 1/d), the orthogonal scale
+                    # gauss: N(0, 1/d), the orthogonal scale
+                    else: w.copy_(torch.randn(w.shape, generator=g_qk) / math.sqrt(w.shape[1]))
 
     def apply_variant(self):
         "Freeze Q/K (oelm-freeze, gauss-freeze) or make them learnable-orthogonal (oelm-learnable)."

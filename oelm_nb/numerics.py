@@ -20,8 +20,10 @@ __all__ = ['NUMERICS_DTYPES', 'numerics_table', 'plot_numerics', 'numerics_check
 # %% ../nbs/09b_numerics.ipynb #6fee80aa
 NUMERICS_DTYPES = ('float32', 'bfloat16')
 
+# %% ../nbs/09b_numerics.ipynb #aaf75216
 def numerics_table(out_dir) -> pd.DataFrame:
-    "Per variant: final val PPL of each seed in fp32 and bf16, the fp32 seed spread, the largest paired change, and the verdict."
+    """Per variant: final val PPL of each seed in fp32 and bf16, the fp32 seed spread, the largest paired change, and
+    the verdict."""
     runs = {d: load_runs(Path(out_dir) / d) for d in NUMERICS_DTYPES}
     rows = []
     for v in sorted(set(runs['float32'].variant) & set(runs['bfloat16'].variant)):
@@ -35,6 +37,7 @@ def numerics_table(out_dir) -> pd.DataFrame:
                      'max_paired_change': change, 'within_seed_spread': bool(len(seeds) >= 2 and change <= spread)})
     return pd.DataFrame(rows).set_index('variant') if rows else pd.DataFrame(columns=['within_seed_spread'])
 
+# %% ../nbs/09b_numerics.ipynb #0b115923
 def plot_numerics(out_dir, ax=None):
     "Validation loss curves of every run, fp32 solid and bf16 dashed, one colour per variant."
     ax = ax or plt.subplots(figsize=(7, 4))[1]
@@ -45,7 +48,8 @@ def plot_numerics(out_dir, ax=None):
         for i, ((v, s), g) in enumerate(cur.groupby(['variant', 'seed'])):
             c = f'C{sorted(cur.variant.unique()).index(v)}'
             ax.plot(g.step, g.val_loss, style, color=c, alpha=0.8, label=f'{v} {d}' if s == cur.seed.min() else None)
-    ax.set(xlabel='step', ylabel='validation loss', title='fp32 (solid) vs bf16 autocast (dashed)'); ax.legend(fontsize=8)
+    ax.set(xlabel='step', ylabel='validation loss', title='fp32 (solid) vs bf16 autocast (dashed)')
+    ax.legend(fontsize=8)
     return ax
 
 # %% ../nbs/09b_numerics.ipynb #49671c9f

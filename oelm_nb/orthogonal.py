@@ -78,6 +78,7 @@ def make_learnable_orthogonal_(linear: nn.Module) -> nn.Module:
     with torch.no_grad(): linear.weight = w0  # the parametrization finds the parameter that yields w0
     return linear
 
+# %% ../nbs/01_orthogonal.ipynb #a78463cc
 def is_learnable_orthogonal(linear: nn.Module) -> bool:
     "True when `linear.weight` is kept orthogonal by a parametrization."
     return parametrize.is_parametrized(linear, 'weight')

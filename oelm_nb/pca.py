@@ -41,6 +41,7 @@ class EmbeddingPCA:
         "`codes @ V_k^T + mean`: E projected onto the top-k directions, shape `[V, d]`."
         return self.codes(E, k) @ self.V[:, :k].T + self.mean
 
+# %% ../nbs/11_pca.ipynb #e6c58cf5
 def embedding_pca(E: torch.Tensor, # token table [V, d]
                  ) -> EmbeddingPCA:
     "Centred PCA of `E` by `torch.linalg.svd`, in float64."
@@ -52,13 +53,16 @@ def embedding_pca(E: torch.Tensor, # token table [V, d]
 # %% ../nbs/11_pca.ipynb #1d99adf0
 def _no_scale_layers(m: GPT) -> bool: return not hasattr(m.transformer.tok, 'scale_up')
 
+# %% ../nbs/11_pca.ipynb #1bcff1d9
 def attach_scale_layers_(model: GPT) -> GPT:
-    "Give a model with `n_embd_wte = n_embd` (not factorized by config) the `scale_up` / `scale_down` layers of a factorized one, in place."
+    """Give a model with `n_embd_wte = n_embd` (not factorized by config) the `scale_up` / `scale_down` layers of a
+    factorized one, in place."""
     cfg, w = model.cfg, model.transformer.tok.wte.weight
     model.transformer.tok.scale_up = nn.Linear(cfg.wte_dim, cfg.n_embd, bias=cfg.bias).to(w.device, w.dtype)
     model.transformer.tok.scale_down = nn.Linear(cfg.n_embd, cfg.wte_dim, bias=cfg.bias).to(w.device, w.dtype)
     return model
 
+# %% ../nbs/11_pca.ipynb #ef0da034
 @torch.no_grad()
 def pca_factorize(model: GPT, # a trained, unfactorized model of this package
                   k: int, # kept principal directions, 1..n_embd
@@ -68,7 +72,8 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
     cfg = model.cfg
     if cfg.factorized: raise ConfigError(f'pca_factorize: model already has n_embd_wte={cfg.n_embd_wte} < n_embd={cfg.n_embd}; '
                                          'pass the unfactorized baseline')
-    if not (isinstance(k, int) and 0 < k <= cfg.n_embd): raise ConfigError(f'pca_factorize: k={k!r} must be an integer in 1..n_embd={cfg.n_embd}')
+    if not (isinstance(k, int) and 0 < k <= cfg.n_embd):
+        raise ConfigError(f'pca_factorize: k={k!r} must be an integer in 1..n_embd={cfg.n_embd}')
     E = model.transformer.tok.wte.weight
     pca = pca or embedding_pca(E)
     new = GPT(cfg.replace(n_embd_wte=k), init_seed=0).to(E.device, E.dtype)
@@ -81,10 +86,11 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
     tok.wte.weight.copy_(pca.codes(E, k))
     tok.scale_up.weight.copy_(Vk)
     tok.scale_down.weight.copy_(Vk.T)
-    if tok.scale_up.bias is not None: tok.scale_up.bias.copy_(mu)
+    if tok.scale_up.bias is not None:tok.scale_up.bias.copy_(mu)
     else: new.transformer.wpe.weight.add_(mu.to(E.dtype))  # no bias: fold the mean into the position table
     if tok.scale_down.bias is not None: tok.scale_down.bias.zero_()
-    if not cfg.tie_embeddings: new.lm_head.weight.copy_((model.lm_head.weight.double() @ Vk).to(E.dtype))  # untied head H: H V_k on scale_down(x) = x V_k
+    # untied head H: H V_k on scale_down(x) = x V_k
+    if not cfg.tie_embeddings: new.lm_head.weight.copy_((model.lm_head.weight.double() @ Vk).to(E.dtype))
     new.train(model.training)
     return new
 
@@ -93,24 +99,28 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
 def reconstruction_curve(E: torch.Tensor, # token table [V, d]
                          pca: EmbeddingPCA | None = None, # its PCA (None: computed here)
                         ) -> dict[str, np.ndarray]:
-    "For k = 1..rank at once: cumulative explained variance, relative Frobenius error of `E_k`, mean row cosine of `E` and `E_k`."
+    """For k = 1..rank at once: cumulative explained variance, relative Frobenius error of `E_k`, mean row cosine of `E`
+    and `E_k`."""
     E = E.detach().double(); pca = pca or embedding_pca(E)
     C = (E - pca.mean) @ pca.V  # [V, r]: codes in every direction
     m = pca.mean @ pca.V        # [r]: the mean in the same basis
     S2 = pca.S**2
     tail = S2.flip(0).cumsum(0).flip(0)  # tail[j] = S2[j:].sum()
-    err2 = torch.cat([tail[1:], tail.new_zeros(1)])  # discarded variance at k = S2[k:].sum(), summed small to large (no cancellation)
+    # discarded variance at k = S2[k:].sum(), summed small to large (no cancellation)
+    err2 = torch.cat([tail[1:], tail.new_zeros(1)])
     dot = (E @ pca.mean)[:, None] + (C * (C + m)).cumsum(1)        # E_i . E_{k,i}
     norm2 = (pca.mean @ pca.mean) + (C * (C + 2 * m)).cumsum(1)    # ||E_{k,i}||^2
     cos = dot / (E.norm(dim=1, keepdim=True) * norm2.clamp(min=0).sqrt()).clamp(min=1e-300)
     return {'k': np.arange(1, len(S2) + 1), 'explained_variance': (S2.cumsum(0) / S2.sum()).numpy(),
             'relative_error': (err2.sqrt() / E.norm()).numpy(), 'mean_cosine': cos.mean(0).numpy()}
 
+# %% ../nbs/11_pca.ipynb #63c0d38b
 def reconstruction_metrics(E: torch.Tensor, # token table [V, d]
                            ks, # the ks to report
                            pca: EmbeddingPCA | None = None,
                           ) -> pd.DataFrame:
-    "Per k: cumulative explained variance, relative reconstruction error and mean cosine similarity of the reconstructed rows."
+    """Per k: cumulative explained variance, relative reconstruction error and mean cosine similarity of the
+    reconstructed rows."""
     c = reconstruction_curve(E, pca)
     bad = [k for k in ks if not 0 < k <= len(c['k'])]
     if bad: raise ConfigError(f'reconstruction_metrics: ks {bad} outside 1..{len(c["k"])} (the rank of the table)')
@@ -121,6 +131,7 @@ def reconstruction_metrics(E: torch.Tensor, # token table [V, d]
 # %% ../nbs/11_pca.ipynb #11ad6a86
 _SCALE_KEYS = ('scale_up_weight', 'scale_up_bias', 'scale_down_weight', 'scale_down_bias')
 
+# %% ../nbs/11_pca.ipynb #a099f717
 def _layer_arrays(tok):
     out = {}
     for name in ('scale_up', 'scale_down'):
@@ -130,6 +141,7 @@ def _layer_arrays(tok):
         out[f'{name}_bias'] = b.detach().cpu().numpy()
     return out
 
+# %% ../nbs/11_pca.ipynb #efb02b44
 def save_pca_mats(model: GPT, # a factorized model (e.g. from `pca_factorize`)
                   out_dir: str | Path,
                   names: str = 'ours', # ours: *_weight/*_bias in nn.Linear layout; document: `scale_up [k, d]`, `scale_down [d, k]` (x @ W) plus *_bias
@@ -137,7 +149,8 @@ def save_pca_mats(model: GPT, # a factorized model (e.g. from `pca_factorize`)
     "Write `wte_pca_k{k}.npy` and `scale_mats_pca_k{k}.npz` to `out_dir`; return both paths."
     if names not in ('ours', 'document'): raise ConfigError(f"save_pca_mats: names={names!r}; use 'ours' or 'document'")
     tok = model.transformer.tok
-    if _no_scale_layers(model): raise ConfigError('save_pca_mats: model has no scale_up/scale_down; factorize it with pca_factorize first')
+    if _no_scale_layers(model):
+        raise ConfigError('save_pca_mats: model has no scale_up/scale_down; factorize it with pca_factorize first')
     out_dir = Path(out_dir); out_dir.mkdir(parents=True, exist_ok=True)
     k = tok.wte.weight.shape[1]
     wte_path, mats_path = out_dir / f'wte_pca_k{k}.npy', out_dir / f'scale_mats_pca_k{k}.npz'
@@ -148,16 +161,20 @@ def save_pca_mats(model: GPT, # a factorized model (e.g. from `pca_factorize`)
     np.savez(mats_path, **arrays)
     return wte_path, mats_path
 
+# %% ../nbs/11_pca.ipynb #817cd7a9
 def _our_keys(mats: dict, tok) -> dict:
-    "Arrays named as the PCA document's tools write them (`scale_up [k, d]`, `scale_down [d, k]`, optional biases) renamed to ours."
+    """Arrays named as the PCA document's tools write them (`scale_up [k, d]`, `scale_down [d, k]`, optional biases)
+    renamed to ours."""
     if not {'scale_up', 'scale_down'} <= set(mats): return mats
     out = {}
     for name in ('scale_up', 'scale_down'):
         w, lin = mats[name], getattr(tok, name)
-        out[f'{name}_weight'] = w.T if w.T.shape == tuple(lin.weight.shape) else w  # x @ W layout: transpose to nn.Linear's
+        # x @ W layout: transpose to nn.Linear's
+        out[f'{name}_weight'] = w.T if w.T.shape == tuple(lin.weight.shape) else w
         out[f'{name}_bias'] = mats.get(f'{name}_bias', np.zeros(lin.out_features, dtype=w.dtype))
     return out
 
+# %% ../nbs/11_pca.ipynb #2f56f966
 @torch.no_grad()
 def load_pca_mats(model: GPT, # a factorized model with n_embd_wte = k
                   in_dir: str | Path, # folder holding the two files
@@ -176,7 +193,8 @@ def load_pca_mats(model: GPT, # a factorized model with n_embd_wte = k
                                                        "or the PCA document's scale_up, scale_down (with optional *_bias)")
     want = {'wte': tuple(tok.wte.weight.shape), **{n: tuple(t.shape) for n, t in _layer_arrays(tok).items()}}
     got = {'wte': wte.shape, **{n: a.shape for n, a in mats.items()}}
-    if want != got: raise ValueError(f'load_pca_mats: shapes in {in_dir} are {got}; model {type(model).__name__} expects {want}')
+    if want != got:
+        raise ValueError(f'load_pca_mats: shapes in {in_dir} are {got}; model {type(model).__name__} expects {want}')
     tok.wte.weight.copy_(torch.from_numpy(wte))
     for name in ('scale_up', 'scale_down'):
         lin = getattr(tok, name)
@@ -189,39 +207,51 @@ class TanhGELUMLP(MLP):
     "`MLP` with the tanh approximation of GELU (GPT-2's `gelu_new`)."
     def forward(self, x): return self.drop(self.mlp_down(F.gelu(self.mlp_up(x), approximate='tanh')))
 
+# %% ../nbs/11_pca.ipynb #8057372f
 def use_tanh_gelu_(model: GPT) -> GPT:
     "Switch every block's MLP to tanh-approximate GELU in place (parameters unchanged)."
     for block in model.transformer.h: block.mlp.__class__ = TanhGELUMLP
     return model
 
+# %% ../nbs/11_pca.ipynb #291e14f3
 _HF_ACT = {'gelu_new': True, 'gelu_pytorch_tanh': True, 'gelu_fast': True, 'gelu': False}
 
+# %% ../nbs/11_pca.ipynb #7e3f9bcc
 def _hf_model(path_or_model):
     if isinstance(path_or_model, nn.Module): return path_or_model
     try: from transformers import GPT2LMHeadModel
     except ImportError as e: raise ImportError('from_hf_gpt2 needs transformers: pip install "oelm_nb[hf]"') from e
     return GPT2LMHeadModel.from_pretrained(str(path_or_model))
 
+# %% ../nbs/11_pca.ipynb #80d67624
 def gpt2_dropouts(c) -> dict:
-    "ModelConfig's attention and embedding dropouts from a GPT2Config, where they differ from its residual dropout (GPT-2's are all 0.1)."
+    """ModelConfig's attention and embedding dropouts from a GPT2Config, where they differ from its residual dropout
+    (GPT-2's are all 0.1)."""
     return {k: v for k, v in (('attn_dropout', c.attn_pdrop), ('embd_dropout', c.embd_pdrop)) if v != c.resid_pdrop}
 
+# %% ../nbs/11_pca.ipynb #7b93d9d9
 @torch.no_grad()
 def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GPT2LMHeadModel`
                  init_seed: int = 0, # seed of the throwaway init (every weight is overwritten)
                 ) -> GPT:
-    "Our `GPT` with the weights of a Hugging Face GPT-2 (Conv1D transposed, c_attn split into q/k/v; an untied head gives `tie_embeddings=False`)."
+    """Our `GPT` with the weights of a Hugging Face GPT-2 (Conv1D transposed, c_attn split into q/k/v; an untied head
+    gives `tie_embeddings=False`)."""
     hf = _hf_model(path_or_model)
     c = hf.config
     if c.activation_function not in _HF_ACT:
-        raise ConfigError(f'from_hf_gpt2: activation_function={c.activation_function!r} is not supported; use one of {list(_HF_ACT)}')
+        raise ConfigError(
+            f'from_hf_gpt2: activation_function={c.activation_function!r} is not supported; use one of {list(_HF_ACT)}'
+        )
     if abs(c.layer_norm_epsilon - 1e-5) > 1e-12:
         raise ConfigError(f'from_hf_gpt2: layer_norm_epsilon={c.layer_norm_epsilon} but our LayerNorm uses 1e-5')
     if getattr(c, 'scale_attn_by_inverse_layer_idx', False) or getattr(c, 'reorder_and_upcast_attn', False) or not getattr(c, 'scale_attn_weights', True):
-        raise ConfigError('from_hf_gpt2: non-default GPT-2 attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx / '
-                          'reorder_and_upcast_attn) is not supported')
+        raise ConfigError(
+            'from_hf_gpt2: non-default GPT-2 attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx / '
+            'reorder_and_upcast_attn) is not supported'
+        )
     head, table = hf.get_output_embeddings().weight, hf.transformer.wte.weight
-    tied = head is table or torch.equal(head, table)  # tie_word_embeddings=False with a head of its own: an untied model
+    # tie_word_embeddings=False with a head of its own: an untied model
+    tied = head is table or torch.equal(head, table)
     cfg = model_config('tiny', vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
                        n_embd=c.n_embd, d_ff=c.n_inner, dropout=c.resid_pdrop, bias=True, attn_bias=True, tie_embeddings=tied, **gpt2_dropouts(c))
     model = GPT(cfg, init_seed=init_seed)
@@ -249,8 +279,12 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features, self.training = base.in_features, base.out_features, base.training
         self.weight, self.bias = base.weight, base.bias
         self.rank, self.scaling, self.merged = rank, alpha / rank, False
-        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=base.weight.device, dtype=base.weight.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=base.weight.device, dtype=base.weight.dtype))
+        self.lora_A = nn.Parameter(
+            torch.empty(rank, self.in_features, device=base.weight.device, dtype=base.weight.dtype)
+        )
+        self.lora_B = nn.Parameter(
+            torch.zeros(self.out_features, rank, device=base.weight.device, dtype=base.weight.dtype)
+        )
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # peft's init for Linear
         self.lora_dropout = nn.Dropout(dropout)
         self.train(base.training)  # the new Dropout starts in training mode
@@ -262,8 +296,10 @@ class LoRALinear(nn.Linear):
         if self.merged: return y
         return y + (self.lora_dropout(x) @ self.lora_A.T @ self.lora_B.T) * self.scaling
 
-    def extra_repr(self): return f'{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}, merged={self.merged}'
+    def extra_repr(self):
+        return f'{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}, merged={self.merged}'
 
+# %% ../nbs/11_pca.ipynb #44b537ed
 class LoRAEmbedding(nn.Embedding):
     "`nn.Embedding` plus peft's low-rank row update `scale * (B A)^T`; shares the base table."
     def __init__(self, base: nn.Embedding, rank: int, alpha: float):
@@ -283,8 +319,10 @@ class LoRAEmbedding(nn.Embedding):
         if self.merged: return y
         return y + (F.embedding(idx, self.lora_A.T) @ self.lora_B.T) * self.scaling
 
-    def extra_repr(self): return f'{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}, merged={self.merged}'
+    def extra_repr(self):
+        return f'{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}, merged={self.merged}'
 
+# %% ../nbs/11_pca.ipynb #5d6884e1
 class LoRATiedHead(nn.Linear):
     "Output head tied to a `LoRAEmbedding`: `x W^T + scale (x B) A`, so merged and unmerged outputs agree."
     def __init__(self, head: nn.Linear, emb: LoRAEmbedding):
@@ -301,10 +339,12 @@ class LoRATiedHead(nn.Linear):
 # %% ../nbs/11_pca.ipynb #95282b47
 LORA_TARGETS = ('wte', 'scale_up', 'scale_down', 'q_proj', 'k_proj', 'v_proj', 'c_proj', 'mlp_up', 'mlp_down')
 
+# %% ../nbs/11_pca.ipynb #ac2e8133
 def _set_child(model, name, module):
     parent, _, child = name.rpartition('.')
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
+# %% ../nbs/11_pca.ipynb #35294a13
 def apply_lora(model: nn.Module,
                targets: tuple = LORA_TARGETS, # last name parts of the modules to adapt (absent ones are skipped)
                rank: int = 32, # r
@@ -313,14 +353,16 @@ def apply_lora(model: nn.Module,
                freeze_base: bool = True, # make every non-LoRA parameter untrainable (peft's default)
               ) -> list[str]:
     "Wrap the target `nn.Linear` / `nn.Embedding` modules with LoRA adapters in place; return their names."
-    if not (isinstance(rank, int) and rank > 0): raise ConfigError(f'apply_lora: rank={rank!r} must be a positive integer')
+    if not (isinstance(rank, int) and rank > 0):
+        raise ConfigError(f'apply_lora: rank={rank!r} must be a positive integer')
     found = [(n, m) for n, m in model.named_modules() if n.rpartition('.')[2] in targets]
     if not found: raise ConfigError(f'apply_lora: no module named one of {tuple(targets)} in {type(model).__name__}')
     done = []
     for name, m in found:
-        if isinstance(m, (LoRALinear, LoRAEmbedding)): raise ConfigError(f'apply_lora: {name} already has a LoRA adapter')
-        if type(m) is nn.Linear: new = LoRALinear(m, rank, alpha, dropout)
-        elif type(m) is nn.Embedding: new = LoRAEmbedding(m, rank, alpha)
+        if isinstance(m, (LoRALinear, LoRAEmbedding)):
+            raise ConfigError(f'apply_lora: {name} already has a LoRA adapter')
+        if type(m) is nn.Linear:new = LoRALinear(m, rank, alpha, dropout)
+        elif type(m) is nn.Embedding:new = LoRAEmbedding(m, rank, alpha)
         else: raise ConfigError(f'apply_lora: {name} is a {type(m).__name__}; LoRA supports plain nn.Linear and nn.Embedding '
                                 '(use variant="gpt", not an orthogonal-Q/K variant)')
         _set_child(model, name, new); done.append(name)
@@ -331,10 +373,12 @@ def apply_lora(model: nn.Module,
         for n, p in model.named_parameters(): p.requires_grad_(any(s.startswith('lora_') for s in n.split('.')))
     return done
 
+# %% ../nbs/11_pca.ipynb #325eb52a
 def lora_modules(model: nn.Module) -> list[nn.Module]:
     "The LoRA-adapted modules of `model`."
     return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding))]
 
+# %% ../nbs/11_pca.ipynb #98f0c161
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     "Add every adapter's update into its base weight (outputs unchanged, adapters then idle)."
@@ -342,6 +386,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         if not m.merged: m.weight.add_(m.delta_weight()); m.merged = True
     return model
 
+# %% ../nbs/11_pca.ipynb #0aec917a
 @torch.no_grad()
 def unmerge_lora(model: nn.Module) -> nn.Module:
     "Undo `merge_lora`: subtract each update from its base weight and re-activate the adapters."
@@ -352,8 +397,10 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
 # %% ../nbs/11_pca.ipynb #02851518
 ADAPTER_FILE, ADAPTER_META = 'lora_adapters.safetensors', 'lora_adapters.json'
 
+# %% ../nbs/11_pca.ipynb #000cff89
 def _lora_settings(model: nn.Module) -> dict:
-    "rank, alpha, dropout and the adapted modules' names of `model` (one rank and alpha for all, as `apply_lora` makes them)."
+    """rank, alpha, dropout and the adapted modules' names of `model` (one rank and alpha for all, as `apply_lora` makes
+    them)."""
     mods = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))}
     if not mods: raise ConfigError(f'{type(model).__name__} has no LoRA adapters (apply_lora first)')
     ranks = {(m.rank, m.scaling) for m in mods.values()}
@@ -363,12 +410,15 @@ def _lora_settings(model: nn.Module) -> dict:
     return {'rank': r, 'alpha': r * s, 'dropout': drops[0] if drops else 0.0, 'modules': sorted(mods),
             'targets': sorted({n.rpartition('.')[2] for n in mods})}
 
+# %% ../nbs/11_pca.ipynb #d323cea5
 def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
     "The adapters' tensors (`...lora_A`, `...lora_B`) of `model` by name."
     return {n: p for n, p in model.named_parameters() if n.rpartition('.')[2] in ('lora_A', 'lora_B')}
 
+# %% ../nbs/11_pca.ipynb #2f61e676
 def save_lora_adapters(model: nn.Module, path) -> Path:
-    "Write only the LoRA tensors of `model` (safetensors) and their settings (JSON) into the directory `path`; returns it."
+    """Write only the LoRA tensors of `model` (safetensors) and their settings (JSON) into the directory `path`; returns
+    it."""
     import json
     from safetensors.torch import save_file
     meta, path = _lora_settings(model), Path(path)
@@ -378,23 +428,31 @@ def save_lora_adapters(model: nn.Module, path) -> Path:
     (path / ADAPTER_META).write_text(json.dumps(meta, indent=1))
     return path
 
+# %% ../nbs/11_pca.ipynb #97734d77
 @torch.no_grad()
 def load_lora_adapters(model: nn.Module, path) -> nn.Module:
-    "Load adapters written by `save_lora_adapters` into `model` (adding them first if it has none); a `ConfigError` names what does not fit."
+    """Load adapters written by `save_lora_adapters` into `model` (adding them first if it has none); a `ConfigError`
+    names what does not fit."""
     import json
     from safetensors import safe_open
     f = Path(path) / ADAPTER_FILE if Path(path).is_dir() else Path(path)
-    if not f.exists(): raise ConfigError(f'load_lora_adapters: {f} not found; write it with save_lora_adapters(model, {str(path)!r})')
+    if not f.exists():
+        raise ConfigError(f'load_lora_adapters: {f} not found; write it with save_lora_adapters(model, {str(path)!r})')
     with safe_open(str(f), framework='pt') as z:
         meta = json.loads((z.metadata() or {}).get('oelm_lora', 'null') or 'null')
         tensors = {n: z.get_tensor(n) for n in z.keys()}
-    if not meta: raise ConfigError(f'load_lora_adapters: {f} has no oelm_lora metadata; not written by save_lora_adapters')
-    if not lora_modules(model): apply_lora(model, tuple(meta['targets']), meta['rank'], meta['alpha'], meta['dropout'], freeze_base=False)
+    if not meta:
+        raise ConfigError(f'load_lora_adapters: {f} has no oelm_lora metadata; not written by save_lora_adapters')
+    if not lora_modules(model):
+        apply_lora(model, tuple(meta['targets']), meta['rank'], meta['alpha'], meta['dropout'], freeze_base=False)
     have = _lora_settings(model)
     if (have['rank'], have['alpha']) != (meta['rank'], meta['alpha']):
-        raise ConfigError(f"load_lora_adapters: {f} holds rank {meta['rank']}, alpha {meta['alpha']}; the model's adapters have rank "
-                          f"{have['rank']}, alpha {have['alpha']}")
-    if any(m.merged for m in lora_modules(model)): raise ConfigError('load_lora_adapters: the model\'s adapters are merged; unmerge_lora(model) first')
+        raise ConfigError(
+            f"load_lora_adapters: {f} holds rank {meta['rank']}, alpha {meta['alpha']}; the model's adapters have rank "
+            f"{have['rank']}, alpha {have['alpha']}"
+        )
+    if any(m.merged for m in lora_modules(model)):
+        raise ConfigError('load_lora_adapters: the model\'s adapters are merged; unmerge_lora(model) first')
     own = lora_state(model)
     missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     wrong = [f'{n}: model {tuple(own[n].shape)}, file {tuple(t.shape)}' for n, t in tensors.items() if n in own and own[n].shape != t.shape]
@@ -407,18 +465,24 @@ def load_lora_adapters(model: nn.Module, path) -> nn.Module:
 # %% ../nbs/11_pca.ipynb #3985a63b
 FACTORIZED_INITS = ('gpt', 'matched', 'orthogonal', 'fan-in')
 
+# %% ../nbs/11_pca.ipynb #214b0147
 def _factor_generator(seed: int) -> torch.Generator:
     "A generator for the factors' draws, derived from `seed` but not the stream `GPT(init_seed=seed)` used."
-    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, 0xFAC7]).generate_state(1, np.uint64)[0]) % 2**62)
+    return torch.Generator().manual_seed(
+        int(np.random.SeedSequence([seed, 0xFAC7]).generate_state(1, np.uint64)[0]) % 2**62
+    )
 
+# %% ../nbs/11_pca.ipynb #f5d5efe5
 @torch.no_grad()
 def init_factorized_(model: GPT, # a factorized model (n_embd_wte = k < n_embd)
                      scheme: str = 'matched', # one of FACTORIZED_INITS
                      seed: int = 0, # run seed; the factors draw from a stream derived from it
                     ) -> GPT:
     "Re-draw `scale_up` / `scale_down` of a factorized model in place (biases 0, `wte` unchanged); return it."
-    if scheme not in FACTORIZED_INITS: raise ConfigError(f'init_factorized_: scheme={scheme!r}; choose from {FACTORIZED_INITS}')
-    if _no_scale_layers(model): raise ConfigError('init_factorized_: the model has no scale_up/scale_down (n_embd_wte is not below n_embd)')
+    if scheme not in FACTORIZED_INITS:
+        raise ConfigError(f'init_factorized_: scheme={scheme!r}; choose from {FACTORIZED_INITS}')
+    if _no_scale_layers(model):
+        raise ConfigError('init_factorized_: the model has no scale_up/scale_down (n_embd_wte is not below n_embd)')
     if scheme == 'gpt': return model
     tok = model.transformer.tok
     k, d = tok.wte.weight.shape[1], model.cfg.n_embd

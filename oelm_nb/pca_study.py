@@ -36,15 +36,19 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
 REFERENCE_METHODS = ('baseline', 'baseline-cont')  # full-table models: no k
 
+# %% ../nbs/11a_pca_study.ipynb #4b5942a7
 @dataclass
 class PCASettings(ConfigBase):
     "What one run of the PCA study does (its k is `model.n_embd_wte`)."
-    method: str = 'baseline' # baseline | baseline-cont (baseline continued for the LoRA runs' steps) | lowrank (trained from scratch at k) | pca (baseline's table cut to k, evaluated) | pca-lora (then LoRA)
+    # baseline | baseline-cont (baseline continued for the LoRA runs' steps) | lowrank (trained from scratch at k) | pca
+    # (baseline's table cut to k, evaluated) | pca-lora (then LoRA)
+    method: str = 'baseline'
     lora_rank: int = 32 # LoRA rank r (pca-lora)
     lora_alpha: float = 64.0 # LoRA alpha: the update is scaled by alpha / r
     lora_dropout: float = 0.1 # dropout on the adapters' input
     lora_targets: tuple = LORA_TARGETS # last name parts of the adapted modules
-    lowrank_init: str = 'orthogonal' # init of scale_up / scale_down for lowrank (init_factorized_; 'gpt' = N(0, init_std), the old one)
+    # init of scale_up / scale_down for lowrank (init_factorized_; 'gpt' = N(0, init_std), the old one)
+    lowrank_init: str = 'orthogonal'
 
     def __post_init__(self):
         c = 'PCASettings'
@@ -58,20 +62,24 @@ class PCASettings(ConfigBase):
         check(self.lowrank_init in FACTORIZED_INITS, c, 'lowrank_init', self.lowrank_init, f'must be one of {FACTORIZED_INITS}')
 
 # %% ../nbs/11a_pca_study.ipynb #3a756c93
-PCA_KS = {'tiny': (8, 16, 32, 48), 'gpt2-124m': (64, 128, 256, 512)}  # other presets: the PCA document's k/d ratios (default_ks)
+# other presets: the PCA document's k/d ratios (default_ks)
+PCA_KS = {'tiny': (8, 16, 32, 48), 'gpt2-124m': (64, 128, 256, 512)}
 PCA_LORA = {'tiny': dict(rank=4, alpha=8.0, dropout=0.1), 'gpt2-124m': dict(rank=32, alpha=64.0, dropout=0.1)}
 PCA_LORA_TRAIN = {  # fine-tuning schedule; steps = half the baseline's, warmup and eval cadence as shares of them
     'tiny': dict(lr=1e-2, min_lr=2e-4, weight_decay=0.01, warmup_share=0.02, eval_share=0.1),
     'gpt2-124m': dict(lr=5e-5, min_lr=1e-6, weight_decay=0.01, warmup_share=0.02, eval_share=0.04),
 }
-for _d in (PCA_KS, PCA_LORA, PCA_LORA_TRAIN): _d['gpt2-124m-1024'] = _d['gpt2-124m']  # GPT-2 small with 1,024 positions: the same study sizes
+# GPT-2 small with 1,024 positions: the same study sizes
+for _d in (PCA_KS, PCA_LORA, PCA_LORA_TRAIN): _d['gpt2-124m-1024'] = _d['gpt2-124m']
 
+# %% ../nbs/11a_pca_study.ipynb #d8c1811e
 def default_ks(preset: str) -> tuple[int, ...]:
     "The study's ks for `preset`: the table above, else the PCA document's k/d ratios rounded to multiples of 8."
     if preset in PCA_KS: return PCA_KS[preset]
     d = PRESETS[preset]['n_embd']
     return tuple(sorted({max(8, round(d * f / 8) * 8) for f in (1 / 12, 1 / 6, 1 / 3, 2 / 3)}))
 
+# %% ../nbs/11a_pca_study.ipynb #8d9770f2
 def check_ks(ks, preset: str) -> list[int]:
     "The distinct ks in order; every k must be an integer in 1..n_embd of the preset."
     ks, d = list(dict.fromkeys(ks)), model_config(preset).n_embd
@@ -82,19 +90,23 @@ def check_ks(ks, preset: str) -> list[int]:
 
 # %% ../nbs/11a_pca_study.ipynb #1bb54d77
 def finetune_schedule(preset: str, steps: int) -> dict:
-    "The `train.*` overrides of a run that continues from the baseline (PCA + LoRA and `baseline-cont`): half its steps, the PCA document's schedule."
+    """The `train.*` overrides of a run that continues from the baseline (PCA + LoRA and `baseline-cont`): half its
+    steps, the PCA document's schedule."""
     t = PCA_LORA_TRAIN.get(preset, PCA_LORA_TRAIN['tiny'])
     n = max(1, steps // 2)  # the PCA document: 5,000 fine-tuning steps after a 10,000-step baseline
     return {'train.max_steps': n, 'train.lr': t['lr'], 'train.min_lr': t['min_lr'], 'train.weight_decay': t['weight_decay'],
             'train.warmup_steps': max(1, round(n * t['warmup_share'])), 'train.eval_every': max(1, round(n * t['eval_share']))}
 
+# %% ../nbs/11a_pca_study.ipynb #1fb25289
 def lora_finetune(preset: str, steps: int) -> dict:
     "Overrides of a PCA + LoRA run: the adapters' size and the fine-tuning schedule."
     lora = PCA_LORA.get(preset, PCA_LORA['tiny'])
     return {**{f'settings.lora_{a}': v for a, v in lora.items()}, **finetune_schedule(preset, steps)}
 
+# %% ../nbs/11a_pca_study.ipynb #0d42a472
 def pca_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
-    "The matrix for `options['ks']` (default: `default_ks(preset)`): baseline, baseline-cont, then lowrank, pca and pca-lora per k."
+    """The matrix for `options['ks']` (default: `default_ks(preset)`): baseline, baseline-cont, then lowrank, pca and
+    pca-lora per k."""
     ks = check_ks(options.get('ks') or default_ks(preset), preset)
     out = {'baseline': Variant({'settings.method': 'baseline'}),
            'baseline-cont': Variant({'settings.method': 'baseline-cont', **finetune_schedule(preset, steps)}, ('baseline',))}
@@ -109,6 +121,7 @@ def token_embedding_params(model: nn.Module) -> int:
     "Parameters of the token embedding: `wte` (the tied head once), `scale_up`, `scale_down`; adapters excluded."
     return sum(p.numel() for n, p in model.transformer.tok.named_parameters() if 'lora_' not in n)
 
+# %% ../nbs/11a_pca_study.ipynb #57305a47
 def best_checkpoint(run_dir: Path) -> Path:
     "`checkpoints/best` of a finished run, else `checkpoints/final`."
     for tag in ('best', 'final'):
@@ -121,13 +134,17 @@ def load_baseline(spec: RunSpec) -> tuple[GPT, Path]:
     up = spec.upstream_dir('baseline')
     s = read_json(up / 'summary.json') or {}
     if s.get('status') != 'completed':
-        raise ConfigError(f"run {spec.name!r} starts from the baseline run {up}, whose summary.json says status={s.get('status')!r}; "
-                          f"run the 'baseline' variant with seed {spec.train.seed} in the same batch first")
+        raise ConfigError(
+            f"run {spec.name!r} starts from the baseline run {up}, whose summary.json says status={s.get('status')!r}; "
+            f"run the 'baseline' variant with seed {spec.train.seed} in the same batch first"
+        )
     base_model = RunSpec.load_json(up / 'config.json').model
     arch = lambda c: {n: v for n, v in c.to_dict().items() if n not in ('n_embd_wte', 'dropout')}
     if arch(base_model) != arch(spec.model):
         diff = {n: (v, arch(spec.model)[n]) for n, v in arch(base_model).items() if arch(spec.model)[n] != v}
-        raise ConfigError(f'run {spec.name!r}: the baseline in {up} has another architecture (baseline, this run): {diff}')
+        raise ConfigError(
+            f'run {spec.name!r}: the baseline in {up} has another architecture (baseline, this run): {diff}'
+        )
     model = GPT(spec.model.replace(n_embd_wte=None), init_seed=0)
     ckpt = best_checkpoint(up)
     load_weights(model, ckpt, 'model')
@@ -140,30 +157,38 @@ def _eval(model: GPT, spec: RunSpec, val_d) -> dict:
     return evaluate(model.to(dev), val_d, spec.model.block_size, spec.train.batch_size, spec.train.eval_batches, dev,
                     autocast_dtype(dev, spec.train.dtype))
 
+# %% ../nbs/11a_pca_study.ipynb #374a77ba
 def _fit(spec: RunSpec, model: GPT, train_d, val_d, progress) -> tuple[dict, GPT]:
-    "Train `model` as this run through the shared Trainer: step 0, a fresh optimizer, the spec's schedule; returns (summary, model)."
+    """Train `model` as this run through the shared Trainer: step 0, a fresh optimizer, the spec's schedule; returns
+    (summary, model)."""
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     trainer = Trainer(model, tcfg, train_d, val_d, out_dir=spec.out_dir, run_config=spec.to_dict(), run_name=run_name(spec.name, spec.train.seed))
     return trainer.fit(), trainer.raw
 
+# %% ../nbs/11a_pca_study.ipynb #0182d229
 def _samples(model: GPT, spec: RunSpec, val_d) -> dict:
     "The same short samples, from prompts taken from the validation data, that `train_run` writes into a summary."
     return run_samples(model, spec, val_d)
 
+# %% ../nbs/11a_pca_study.ipynb #012ce2a4
 def _pca_curves(E: torch.Tensor, pca, source) -> dict:
-    "What `explained_variance.json` holds: per k = 1..d the explained variance ratio, the relative reconstruction error and the mean cosine."
+    """What `explained_variance.json` holds: per k = 1..d the explained variance ratio, the relative reconstruction
+    error and the mean cosine."""
     c = reconstruction_curve(E, pca)
     return {'ratio': pca.explained_variance_ratio.tolist(), 'relative_error': c['relative_error'].tolist(),
             'mean_cosine': c['mean_cosine'].tolist(), 'source': str(source)}
 
+# %% ../nbs/11a_pca_study.ipynb #2baf611d
 def _trained_run(spec: RunSpec, progress) -> tuple[dict, GPT, dict]:
-    "baseline: train with `train_run` and record its table's PCA curves; lowrank: the factorized model from `init_factorized_`, trained."
+    """baseline: train with `train_run` and record its table's PCA curves; lowrank: the factorized model from
+    `init_factorized_`, trained."""
     run_dir = Path(spec.out_dir)
     if spec.settings.method == 'lowrank':
         _, train_d, val_d = prepare_run(spec)
         model = GPT(spec.model, init_seed=spec.train.seed)
         if spec.model.factorized: init_factorized_(model, spec.settings.lowrank_init, seed=spec.train.seed)
-        init = spec.settings.lowrank_init if spec.model.factorized else 'none: k = d is not factorized'  # (the --ks 64 check case)
+        # (the --ks 64 check case)
+        init = spec.settings.lowrank_init if spec.model.factorized else 'none: k = d is not factorized'
         summary, model = _fit(spec, model, train_d, val_d, progress)
         return {**summary, **_samples(model, spec, val_d)}, model, {'lowrank_init': init}
     summary = train_run(spec, progress)
@@ -172,8 +197,10 @@ def _trained_run(spec: RunSpec, progress) -> tuple[dict, GPT, dict]:
     write_json(run_dir / 'explained_variance.json', _pca_curves(E, embedding_pca(E), best_checkpoint(run_dir)))
     return summary, model, {}
 
+# %% ../nbs/11a_pca_study.ipynb #2a3924ce
 def _continued_run(spec: RunSpec, progress) -> tuple[dict, GPT, dict]:
-    "baseline-cont: the baseline's best checkpoint, every weight trainable, trained for this run's (the LoRA runs') schedule."
+    """baseline-cont: the baseline's best checkpoint, every weight trainable, trained for this run's (the LoRA runs')
+    schedule."""
     _, train_d, val_d = prepare_run(spec)
     model, ckpt = load_baseline(spec)
     start = _eval(model, spec, val_d)  # where it starts: the baseline's own best evaluation
@@ -182,7 +209,8 @@ def _continued_run(spec: RunSpec, progress) -> tuple[dict, GPT, dict]:
 
 # %% ../nbs/11a_pca_study.ipynb #0409382d
 def _pca_model(spec: RunSpec, val_d) -> tuple[GPT, dict]:
-    "The baseline's model with its table cut to k principal directions, saved as the PCA document's files, and its evaluation."
+    """The baseline's model with its table cut to k principal directions, saved as the PCA document's files, and its
+    evaluation."""
     run_dir, k = Path(spec.out_dir), spec.model.wte_dim
     base, ckpt = load_baseline(spec)
     E = base.transformer.tok.wte.weight
@@ -196,6 +224,7 @@ def _pca_model(spec: RunSpec, val_d) -> tuple[GPT, dict]:
                    'reconstruction_error_k': curves['relative_error'][k - 1], 'mean_cosine_k': curves['mean_cosine'][k - 1],
                    'pca_val_loss': ev0['val_loss'], 'pca_val_ppl': ev0['val_ppl'], 'recall_acc': ev0.get('recall_acc')}
 
+# %% ../nbs/11a_pca_study.ipynb #885c03d5
 def _evaluated_only(model: GPT, extra: dict, t0: float) -> dict:
     "The summary of a PCA run without training: its one evaluation is its best and final."
     model.requires_grad_(False)  # evaluated only: nothing is trained
@@ -243,8 +272,10 @@ def pca_run(spec: RunSpec, # a run of the 'pca' study (resolve_spec('pca', varia
 # %% ../nbs/11a_pca_study.ipynb #ae24e25c
 PCA_METHOD_LABELS = {'lowrank': 'low-rank (scratch)', 'pca': 'PCA (no fine-tuning)', 'pca-lora': 'PCA + LoRA'}
 
+# %% ../nbs/11a_pca_study.ipynb #f0f14ba9
 def with_method_k(runs: pd.DataFrame) -> pd.DataFrame:
-    "`runs` with `method` and `k` for every row: from the summaries, else from the planned overrides (failed runs); no k for the full-table references."
+    """`runs` with `method` and `k` for every row: from the summaries, else from the planned overrides (failed runs); no
+    k for the full-table references."""
     runs = runs.copy()
     plan_m = runs.get('settings.method', pd.Series(np.nan, index=runs.index))
     plan_k = runs.get('model.n_embd_wte', pd.Series(np.nan, index=runs.index))
@@ -253,6 +284,7 @@ def with_method_k(runs: pd.DataFrame) -> pd.DataFrame:
     runs['k'] = runs.get('k', pd.Series(np.nan, index=runs.index)).where(has_k).fillna(plan_k.where(has_k))
     return runs
 
+# %% ../nbs/11a_pca_study.ipynb #43d79a7c
 def method_means(runs: pd.DataFrame, col: str) -> pd.DataFrame:
     "Mean of `col` over completed seeds per (method, k), with the seed count `n`."
     ok = with_method_k(runs)
@@ -263,13 +295,15 @@ def method_means(runs: pd.DataFrame, col: str) -> pd.DataFrame:
 
 # %% ../nbs/11a_pca_study.ipynb #23ba97f6
 def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Validation PPL per method (rows) and k (columns) as text, with the baseline's and baseline-cont's values in the first columns."
+    """Validation PPL per method (rows) and k (columns) as text, with the baseline's and baseline-cont's values in the
+    first columns."""
     runs = with_method_k(runs)
     ppl = method_means(runs, 'best_val_ppl')
     ks = sorted({int(k) for k in runs['k'].dropna()})
     def cell(m, k):
         hit = ppl[(ppl.method == m) & ((ppl.k == k) if k is not None else ppl.k.isna())]
-        if len(hit): return f"{hit.best_val_ppl.iloc[0]:.3f}" + (f" ({int(hit.n.iloc[0])})" if hit.n.iloc[0] > 1 else '')
+        if len(hit):
+            return f"{hit.best_val_ppl.iloc[0]:.3f}" + (f" ({int(hit.n.iloc[0])})" if hit.n.iloc[0] > 1 else '')
         return 'failed' if ((runs.method == m) & ((runs.k == k) if k is not None else runs.k.isna())).any() else '–'
     t = pd.DataFrame({label: {f'k={k}': cell(m, k) for k in ks} for m, label in PCA_METHOD_LABELS.items()}).T
     for i, m in enumerate(REFERENCE_METHODS): t.insert(i, f'{m} (k=d)', cell(m, None))
@@ -279,12 +313,15 @@ def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
 # %% ../nbs/11a_pca_study.ipynb #1a854816
 GAP_TOL = 1e-4  # nats: below this PCA-only equals the reference up to float rounding (k = d)
 
+# %% ../nbs/11a_pca_study.ipynb #900803c5
 def _per_seed(ok: pd.DataFrame, method: str, k=None) -> pd.Series:
     d = ok[(ok.method == method) & ((ok.k == k) if k is not None else ok.k.isna())]
     return d.groupby('seed')['val_loss'].mean()
 
+# %% ../nbs/11a_pca_study.ipynb #bcdf1402
 def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per k: mean losses over paired seeds, and against each reference (baseline, baseline-cont) the fraction of the PCA gap LoRA recovered, with its 95% t-interval over seeds."
+    """Per k: mean losses over paired seeds, and against each reference (baseline, baseline-cont) the fraction of the
+    PCA gap LoRA recovered, with its 95% t-interval over seeds."""
     runs = with_method_k(runs)
     ok = runs[(runs.status == 'completed') & runs.val_loss.notna()] if 'val_loss' in runs else runs.iloc[:0]
     refs = {m: _per_seed(ok, m) for m in REFERENCE_METHODS}
@@ -311,13 +348,15 @@ def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
         rows.append(row)
     return pd.DataFrame(rows).set_index('k') if rows else pd.DataFrame()
 
+# %% ../nbs/11a_pca_study.ipynb #fe265ef1
 def recovery_display(gaps: pd.DataFrame) -> pd.DataFrame:
     "The columns of `recovery_table` a reader needs (the helper columns `_ci`/`_n` dropped)."
     return gaps[[c for c in gaps.columns if not c.startswith('_')]] if len(gaps) else gaps
 
 # %% ../nbs/11a_pca_study.ipynb #993a7876
 def _classify(mean: float, ci) -> str:
-    "part / whole / none from the interval where there is one (else from the mean), or 'open' where the interval straddles 0 or 1."
+    """part / whole / none from the interval where there is one (else from the mean), or 'open' where the interval
+    straddles 0 or 1."""
     low, high = ci if ci is not None else (None, None)
     lo, hi = (mean, mean) if low is None else (low, high)
     if lo >= 1: return 'whole'
@@ -325,17 +364,21 @@ def _classify(mean: float, ci) -> str:
     if lo > 0 and hi < 1: return 'part'
     return 'open'
 
+# %% ../nbs/11a_pca_study.ipynb #fb347aa9
 _PHRASES = {'part': 'recovers part of the gap at', 'whole': "closes the whole gap (ends at or below the reference's loss) at",
             'none': 'recovers none of the gap at', 'open': 'is not resolved (the interval includes 0% or 100%) at'}
 
+# %% ../nbs/11a_pca_study.ipynb #9b09a4d7
 def recovery_verdict(gaps: pd.DataFrame) -> str:
-    "Markdown: per reference, where PCA + LoRA recovers part, all or none of the PCA gap (intervals over seeds where there are >= 2)."
+    """Markdown: per reference, where PCA + LoRA recovers part, all or none of the PCA gap (intervals over seeds where
+    there are >= 2)."""
     out = []
     for m in REFERENCE_METHODS:
         col = f'recovered vs {m}'
         if col not in gaps: continue
         if not gaps[col].notna().any():
-            if gaps[f'{m} loss'].notna().any(): out.append(f"**Against {m}, there is no gap to recover at any k: PCA-only is not worse than it.**")
+            if gaps[f'{m} loss'].notna().any():
+                out.append(f"**Against {m}, there is no gap to recover at any k: PCA-only is not worse than it.**")
             continue
         by = {}
         for k, r in gaps[gaps[col].notna()].iterrows():
@@ -348,8 +391,10 @@ def recovery_verdict(gaps: pd.DataFrame) -> str:
         out.append(f"**Against {ref}, PCA + LoRA {said}.**")
     return ' '.join(out) if out else "**No verdict:** no k has completed PCA, PCA + LoRA and reference runs with a gap to recover."
 
+# %% ../nbs/11a_pca_study.ipynb #09a5041c
 def lora_vs_references(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per k: PCA + LoRA vs baseline and vs baseline-cont in best validation PPL, paired per seed with a 95% t-interval (`report.compare`)."
+    """Per k: PCA + LoRA vs baseline and vs baseline-cont in best validation PPL, paired per seed with a 95% t-interval
+    (`report.compare`)."""
     runs = with_method_k(runs)
     rows = {}
     for k in sorted({int(k) for k in runs[runs.method == 'pca-lora']['k'].dropna()}):
@@ -363,19 +408,23 @@ def lora_vs_references(runs: pd.DataFrame) -> pd.DataFrame:
     t.index.name = 'PCA + LoRA, val PPL'
     return t
 
+# %% ../nbs/11a_pca_study.ipynb #cb6cefb3
 def best_method_per_k(runs: pd.DataFrame) -> str:
     "Which method has the lowest mean validation loss at each k, among the completed ones."
     loss = method_means(runs, 'val_loss')
     best = []
     for k in sorted(loss.k.dropna().unique()):
         d = loss[(loss.k == k) & loss.method.isin(list(PCA_METHOD_LABELS))]
-        if len(d): r = d.loc[d.val_loss.idxmin()]; best.append(f"k={int(k)}: {PCA_METHOD_LABELS[r.method]} ({r.val_loss:.4f})")
+        if len(d):
+            r = d.loc[d.val_loss.idxmin()]
+            best.append(f"k={int(k)}: {PCA_METHOD_LABELS[r.method]} ({r.val_loss:.4f})")
     return '; '.join(best) + '.' if best else 'No completed runs to compare.'
 
 # %% ../nbs/11a_pca_study.ipynb #d78f2da4
 def _first(df: pd.DataFrame, col: str):
     return df[col].dropna().iloc[0] if col in df and df[col].notna().any() else np.nan
 
+# %% ../nbs/11a_pca_study.ipynb #8bc30581
 def params_table(runs: pd.DataFrame) -> pd.DataFrame:
     "Per (k, method): token-embedding parameters, saving vs the baseline's table, total, trainable and their share."
     runs = with_method_k(runs); ok = runs[runs.status == 'completed']
@@ -393,7 +442,8 @@ def params_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 # %% ../nbs/11a_pca_study.ipynb #f7a672eb
 def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per k of the completed PCA + LoRA runs: adapter parameters, rank, alpha, dropout, share of the model, fine-tuning steps."
+    """Per k of the completed PCA + LoRA runs: adapter parameters, rank, alpha, dropout, share of the model, fine-tuning
+    steps."""
     runs = with_method_k(runs); lr = runs[(runs.status == 'completed') & (runs.method == 'pca-lora')]
     cols = {}
     for k in sorted(lr.k.dropna().unique()):
@@ -407,8 +457,10 @@ def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
 # %% ../nbs/11a_pca_study.ipynb #b2fd8df4
 PCA_COLORS = {'lowrank': 'tab:blue', 'pca': 'tab:red', 'pca-lora': 'tab:green', 'baseline': 'black', 'baseline-cont': 'tab:gray'}
 
+# %% ../nbs/11a_pca_study.ipynb #1e962e9f
 def plot_vs_k(runs: pd.DataFrame):
-    "Validation loss (left) and PPL (right) against k per method; the baseline (dashed) and baseline-cont (dotted) as lines."
+    """Validation loss (left) and PPL (right) against k per method; the baseline (dashed) and baseline-cont (dotted) as
+    lines."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     ks = sorted({int(k) for k in with_method_k(runs)['k'].dropna()})
     for ax, col, name in ((axes[0], 'val_loss', 'validation loss (nats/token)'), (axes[1], 'best_val_ppl', 'validation PPL')):
@@ -428,10 +480,14 @@ def plot_vs_k(runs: pd.DataFrame):
 _CURVES = (('ratio', 'cumulative explained variance', True), ('relative_error', 'relative reconstruction error ||E - E_k|| / ||E||', False),
            ('mean_cosine', 'mean cosine(E_i, reconstructed E_i)', False))
 
+# %% ../nbs/11a_pca_study.ipynb #b4a1c4ad
 def plot_explained_variance(runs: pd.DataFrame):
-    "Per baseline seed: cumulative explained variance, relative reconstruction error and mean cosine against k (ks marked), and their values at each k (or None)."
+    """Per baseline seed: cumulative explained variance, relative reconstruction error and mean cosine against k (ks
+    marked), and their values at each k (or None)."""
     runs = with_method_k(runs); ok = runs[runs.status == 'completed']
-    evs = {r.seed: read_json(Path(r.run_dir) / 'explained_variance.json') for r in ok[ok.method == 'baseline'].itertuples()}
+    evs = {
+        r.seed: read_json(Path(r.run_dir) / 'explained_variance.json') for r in ok[ok.method == 'baseline'].itertuples()
+    }
     evs = {s: e for s, e in evs.items() if e and 'ratio' in e}
     if not evs: return None, None
     ks = sorted({int(k) for k in runs['k'].dropna()})
@@ -465,13 +521,15 @@ def plot_tradeoff(runs: pd.DataFrame):
             xs = d[x].clip(lower=1)  # a PCA run trains nothing: drawn at 1 on the log axis
             ax.plot(xs, d.ppl, 'o-' if m != 'baseline' else '*', ms=7 if m != 'baseline' else 14, color=PCA_COLORS[m], label=PCA_METHOD_LABELS.get(m, 'baseline'))
             for xv, yv, k in zip(xs, d.ppl, d.k):
-                if pd.notna(k): ax.annotate(f'k={int(k)}', (xv, yv), textcoords='offset points', xytext=(4, 4), fontsize=8)
+                if pd.notna(k):
+                    ax.annotate(f'k={int(k)}', (xv, yv), textcoords='offset points', xytext=(4, 4), fontsize=8)
         ax.set_xscale('log'); ax.set_yscale('log'); ax.set_xlabel(name); ax.set_ylabel('validation PPL'); ax.legend()
     return fig
 
 # %% ../nbs/11a_pca_study.ipynb #1972c0c6
 def load_pca_model(spec: RunSpec, find_checkpoint) -> tuple[GPT, Path]:
-    "A PCA-study run's model and checkpoint dir: PCA-only from its baseline, PCA + LoRA with its adapters, others as trained."
+    """A PCA-study run's model and checkpoint dir: PCA-only from its baseline, PCA + LoRA with its adapters, others as
+    trained."""
     s = spec.settings
     if s.method == 'pca':  # evaluated only, no checkpoint: the baseline's, cut to k again
         base, ckpt = load_baseline(spec)
@@ -497,6 +555,7 @@ def pca_verdicts(runs: pd.DataFrame) -> pd.DataFrame:
                                      'evidence': f"recovered {mean:.0%} ({interval_text(mean, *ci, r[f'_n {m}'])}, {r[f'_n {m}']} seed(s))"}
     return pd.DataFrame(rows).T
 
+# %% ../nbs/11a_pca_study.ipynb #08737577
 PCA_STUDY = Study(
     load_model=load_pca_model,
     name='pca',

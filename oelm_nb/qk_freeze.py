@@ -26,6 +26,7 @@ def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
     "The steps at which frozen layers are released, one every steps/(n_layer+1) steps."
     return tuple(steps * (i + 1) // (n_layer + 1) for i in range(n_layer))
 
+# %% ../nbs/06a_qk_freeze.ipynb #8110eb65
 def qk_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
     "Every variant of the Q/K freeze study at `preset` for runs of `steps` steps (the study has no flags of its own)."
     n = model_config(preset).n_layer
@@ -41,11 +42,13 @@ def qk_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
 # %% ../nbs/06a_qk_freeze.ipynb #d71624a6
 H1_TEXT = 'oelm-freeze has >= 15% fewer trainable parameters than oelm'
 
+# %% ../nbs/06a_qk_freeze.ipynb #02b8eda5
 def h1_verdict(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm') -> tuple:
     "H1 from the exact trainable-parameter counts of completed runs."
     ok = runs[runs.status == 'completed'] if len(runs) else runs
     tr = ok.groupby('variant')['params_trainable'].first() if 'params_trainable' in ok else pd.Series(dtype=float)
-    if freeze not in tr or nofreeze not in tr: return ('H1', H1_TEXT, 'no data', f'needs completed {freeze} and {nofreeze} runs')
+    if freeze not in tr or nofreeze not in tr:
+        return ('H1', H1_TEXT, 'no data', f'needs completed {freeze} and {nofreeze} runs')
     red = 1 - tr[freeze] / tr[nofreeze]
     return ('H1', H1_TEXT, 'supported' if red >= 0.15 else 'rejected',
             f'trainable {tr[nofreeze]:,.0f} -> {tr[freeze]:,.0f}: {red:.2%} fewer (exact count)')
@@ -53,16 +56,20 @@ def h1_verdict(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 
 # %% ../nbs/06a_qk_freeze.ipynb #2257568b
 H3_TEXT = 'oelm-freeze trains at least as fast as oelm (step time, interleaved in one process)'
 
+# %% ../nbs/06a_qk_freeze.ipynb #40c4f34e
 def load_timing(batch_dir) -> pd.DataFrame | None:
-    "The batch's interleaved step-time measurement (timing.json, written when the batch ends), indexed by variant; None if absent or malformed."
+    """The batch's interleaved step-time measurement (timing.json, written when the batch ends), indexed by variant;
+    None if absent or malformed."""
     try: rows = json.loads((Path(batch_dir) / 'timing.json').read_text())
     except (OSError, ValueError): return None
     need = {'variant', 'step_time_median_s', 'ratio_to_first_median', 'ratio_to_first_q1', 'ratio_to_first_q3', 'rounds'}
     if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and need <= set(r) for r in rows)): return None
     return pd.DataFrame(rows).set_index('variant')
 
+# %% ../nbs/06a_qk_freeze.ipynb #17fbf49c
 def h3_verdict(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm') -> tuple:
-    "H3 from per-round step-time ratios freeze/nofreeze (timed interleaved, `nofreeze` first): supported when 3 rounds in 4 are no slower."
+    """H3 from per-round step-time ratios freeze/nofreeze (timed interleaved, `nofreeze` first): supported when 3 rounds
+    in 4 are no slower."""
     if timing is None or freeze not in timing.index or timing.index[0] != nofreeze:
         return ('H3', H3_TEXT, 'no data', f'no interleaved timing of {nofreeze} and {freeze} (timing.json); `oelm bench --variants {nofreeze},{freeze}` measures it')
     f = timing.loc[freeze]
@@ -71,9 +78,11 @@ def h3_verdict(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreez
     return ('H3', H3_TEXT, verdict, f'step time {freeze} vs {nofreeze} {f.ratio_to_first_median - 1:+.2%} (quartiles of {int(f.rounds)} '
                                      f'interleaved rounds {q1 - 1:+.2%} .. {q3 - 1:+.2%})')
 
+# %% ../nbs/06a_qk_freeze.ipynb #a3937b90
 def _batch_dir(runs: pd.DataFrame) -> Path | None:
     return Path(runs.run_dir.iloc[0]).parent if len(runs) and 'run_dir' in runs else None
 
+# %% ../nbs/06a_qk_freeze.ipynb #50a53f6f
 def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
                freeze: str = 'oelm-freeze', nofreeze: str = 'oelm', base: str = 'gpt',
                timing: pd.DataFrame | None = None, # `load_timing` of the batch (default: read beside the runs)
@@ -90,7 +99,8 @@ def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
 # %% ../nbs/06a_qk_freeze.ipynb #c64c13cb
 def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: dict | None = None,
                        steps: int = 20, warmup: int = 3, log=print) -> pd.DataFrame | None:
-    "Time `variants` interleaved in this process at the study's shape (`oelm bench`), `oelm` first; write batch_dir/timing.json."
+    """Time `variants` interleaved in this process at the study's shape (`oelm bench`), `oelm` first; write
+    batch_dir/timing.json."""
     from dataclasses import asdict
     order = sorted(dict.fromkeys(variants), key=lambda v: v != 'oelm')  # ratios are relative to the first: oelm (H3)
     if len(order) < 2: return None
@@ -107,12 +117,14 @@ CONTROLS = [('orthogonality at equal scale (trained Q/K)', 'gauss', 'oelm'),
             ('initial scale: N(0, 1/d) vs N(0, 0.02)', 'gauss', 'gpt'),
             ('freezing random Q/K at the orthogonal scale', 'gauss-freeze', 'gauss')]
 
+# %% ../nbs/06a_qk_freeze.ipynb #5a3054d7
 def control_table(runs: pd.DataFrame) -> pd.DataFrame:
     "What each control comparison says: question, 'A vs B', the paired val PPL gap with its interval, and the verdict."
     rows = []
     for question, a, b in CONTROLS:
         c = compare(runs, a, b)
-        if c is None: verdict, gap = 'no data', f'needs completed {a} and {b} runs (oelm run qk-freeze --variants {a},{b},...)'
+        if c is None:
+            verdict, gap = 'no data', f'needs completed {a} and {b} runs (oelm run qk-freeze --variants {a},{b},...)'
         else:
             gap, verdict = str(c), difference_verdict(c)
         rows.append({'question': question, 'comparison': f'{a} vs {b}', 'verdict': verdict, 'val PPL gap': gap})
@@ -120,24 +132,31 @@ def control_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 # %% ../nbs/06a_qk_freeze.ipynb #07fe85ca
 def gap_text(c: Comparison | None) -> str:
-    "A paired gap as the report writes it (`Comparison.text`): '+19.17% (95% CI +15.00% .. +23.30%, 3 seeds)'; 'n/a' without one."
+    """A paired gap as the report writes it (`Comparison.text`): '+19.17% (95% CI +15.00% .. +23.30%, 3 seeds)'; 'n/a'
+    without one."""
     return c.text() if c else 'n/a'
 
+# %% ../nbs/06a_qk_freeze.ipynb #1ba2cc11
 def results_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
-    "The per-variant results the report shows: completed runs, val PPL, paired gap vs `reference`, recall, tokens/s, PPL per M trainable."
+    """The per-variant results the report shows: completed runs, val PPL, paired gap vs `reference`, recall, tokens/s,
+    PPL per M trainable."""
     vt = variant_table(runs, reference)
     show = pd.DataFrame({'completed': vt['completed'].astype(str) + ' / ' + vt['runs'].astype(str)})
     if 'val_ppl_mean' in vt:
         show['best val PPL'] = [mean_sd(m, s, '{:.3f}', missing='n/a') for m, s in zip(vt.val_ppl_mean, vt.val_ppl_std)]
-        show[f'vs {reference} (paired)'] = ['' if v == reference else gap_text(compare(runs, v, reference)) for v in vt.index]
+        show[f'vs {reference} (paired)'] = [
+            '' if v == reference else gap_text(compare(runs, v, reference)) for v in vt.index
+        ]
     if 'recall_acc_mean' in vt: show['recall acc'] = [mean_sd(m, s, '{:.3f}', missing='n/a') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
     if 'tokens_per_s_mean' in vt: show['tokens/s (concurrent runs)'] = [mean_sd(m, s, '{:,.0f}', missing='n/a') for m, s in zip(vt.tokens_per_s_mean, vt.tokens_per_s_std)]
-    if 'ppl_per_M_trainable' in vt: show['PPL per M trainable'] = vt.ppl_per_M_trainable.map(lambda x: f'{x:.3f}' if pd.notna(x) else 'n/a')
+    if 'ppl_per_M_trainable' in vt:
+        show['PPL per M trainable'] = vt.ppl_per_M_trainable.map(lambda x: f'{x:.3f}' if pd.notna(x) else 'n/a')
     return show
 
 # %% ../nbs/06a_qk_freeze.ipynb #c162e358
 def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Every pair of variants with completed runs, 'later vs earlier' in batch order, paired by seed on best val PPL, with interval and resolvability."
+    """Every pair of variants with completed runs, 'later vs earlier' in batch order, paired by seed on best val PPL,
+    with interval and resolvability."""
     ok = runs[runs.status == 'completed'] if len(runs) else runs
     vs, rows = list(dict.fromkeys(ok.variant)), []
     for i, b in enumerate(vs):
@@ -146,13 +165,16 @@ def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
             rows.append({'pair': f'{a} vs {b}', 'paired val PPL gap': gap_text(c), 'seeds': c.n, 'resolvable': 'yes' if c.resolvable else 'no'})
     return pd.DataFrame(rows).set_index('pair') if rows else pd.DataFrame()
 
+# %% ../nbs/06a_qk_freeze.ipynb #75d3cdec
 def pairwise_sentence(pairs: pd.DataFrame) -> str:
     "How many pairs differ resolvably, in one sentence (Markdown)."
     if not len(pairs): return 'No completed pairs to compare.'
     n = int((pairs.resolvable == 'yes').sum())
     if n: return f"**{n} of {len(pairs)} pairs differ resolvably** at this run length and seed count."
-    return ("**No pair of variants differs resolvably** at this run length and seed count: the differences above are within "
-            "seed-to-seed noise, or there are too few seeds for an interval.")
+    return (
+        "**No pair of variants differs resolvably** at this run length and seed count: the differences above are within"
+        " seed-to-seed noise, or there are too few seeds for an interval."
+    )
 
 # %% ../nbs/06a_qk_freeze.ipynb #38f9d4f6
 QK_TRAIN = {**TRAIN_PRESETS,
@@ -164,13 +186,16 @@ def tokens_per_run(preset: str, steps: int | None = None) -> int:
     t = {**QK_TRAIN[preset], **({'max_steps': steps} if steps else {})}
     return t['max_steps'] * t['batch_size'] * t.get('grad_accum', 1) * model_config(preset).block_size
 
+# %% ../nbs/06a_qk_freeze.ipynb #df81d809
 def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') -> str:
     "One Markdown paragraph: the runs' model size, steps and tokens against the Q/K freeze log's `reference` runs."
     ok = runs[runs.status == 'completed'] if len(runs) else runs
     if not len(ok) or 'steps' not in ok: return 'No completed runs.'
     m, r = model_config(preset), model_config(reference)
     n_ref = param_report(GPT(r.replace(variant='gpt'), init_seed=0)).total
-    steps, tokens = int(ok.steps.max()), int(ok.tokens.max()) if 'tokens' in ok else tokens_per_run(preset, int(ok.steps.max()))
+    steps, tokens = int(ok.steps.max()), (
+        int(ok.tokens.max()) if 'tokens' in ok else tokens_per_run(preset, int(ok.steps.max()))
+    )
     ref_tokens = tokens_per_run(reference)
     return (f"**Scale.** These runs train the `{preset}` preset ({m.n_layer} layers, width {m.n_embd}, block {m.block_size}, "
             f"{int(ok.params_total.max()):,} parameters) for {steps:,} steps, {tokens:,} tokens each. The Q/K freeze log trained "

@@ -24,11 +24,13 @@ __all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FI
 
 # %% ../nbs/05a_rundir.ipynb #5b61ccf4
 def fsync_dir(path: Path):
-    "Flush a directory's entries to disk, so that a rename inside it survives a power cut (a no-op where the OS refuses)."
+    """Flush a directory's entries to disk, so that a rename inside it survives a power cut (a no-op where the OS
+    refuses)."""
     try:
         fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.close(fd)
     except OSError: pass
 
+# %% ../nbs/05a_rundir.ipynb #6a419477
 def write_atomic(path, text: str):
     "Replace file `path` by `text` whole: written to a temporary sibling, flushed to disk, renamed over `path`."
     path = Path(path); tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
@@ -43,6 +45,7 @@ def write_json(path, obj, indent: int = 2):
     "Write `obj` as JSON with `write_atomic`; values JSON lacks (paths, dates) as their text."
     write_atomic(path, json.dumps(obj, indent=indent, default=str))
 
+# %% ../nbs/05a_rundir.ipynb #899d185f
 def read_json(path) -> dict | list | None:
     "The JSON in file `path`; None when it is missing, unreadable or not JSON (the caller validates what it gets)."
     try: return json.loads(Path(path).read_text())
@@ -56,24 +59,29 @@ class RecoveryWarning(UserWarning):
 LOCK_FILE, HOLDER_FILE, WORKERS_FILE = '.lock', '.lock.json', '.lock-workers.jsonl'
 TOKEN_ENV = 'OELM_RUN_LOCK' # comma-separated tokens of the locks a child process works under
 
+# %% ../nbs/05a_rundir.ipynb #5f34a350
 class RunLocked(RuntimeError):
     "Another live process writes this run (or batch) directory."
 
+# %% ../nbs/05a_rundir.ipynb #e7f3039a
 def _process_start(pid: int) -> float | None:
     try: return psutil.Process(pid).create_time()
     except (psutil.Error, ValueError): return None
 
+# %% ../nbs/05a_rundir.ipynb #96bd7ff7
 def this_process(**extra) -> dict:
     "Who this process is: pid, its start time, host, command line (and `extra`)."
     cmd = ' '.join(sys.argv)
     return {'pid': os.getpid(), 'pid_start': _process_start(os.getpid()), 'host': socket.gethostname(),
             'started': datetime.now(timezone.utc).isoformat(timespec='seconds'), 'command': cmd[:300], **extra}
 
+# %% ../nbs/05a_rundir.ipynb #f08630c6
 def pid_alive(pid: int) -> bool:
     "Whether a process with id `pid` exists on this machine (another user's counts)."
     if pid <= 0: return False
     return psutil.pid_exists(pid)
 
+# %% ../nbs/05a_rundir.ipynb #ae068b4e
 def is_alive(proc: dict) -> bool:
     "Whether the process recorded in `proc` still runs (a process on another host counts as alive: we cannot tell)."
     if proc.get('host') != socket.gethostname(): return True
@@ -82,6 +90,7 @@ def is_alive(proc: dict) -> bool:
     start = _process_start(pid)
     return start is not None and (proc.get('pid_start') is None or abs(start - proc['pid_start']) < 1.0)
 
+# %% ../nbs/05a_rundir.ipynb #171831e8
 def describe_holder(h: dict | None) -> str:
     "One line naming a lock holder for error messages."
     if not h: return 'an unknown process (no .lock.json)'
@@ -92,11 +101,13 @@ _held: dict = {} # (directory, thread id) -> [RunLock, depth]
 _held_guard = threading.Lock()
 _tokens: set = set() # tokens of the locks this process holds itself (children inherit them)
 
+# %% ../nbs/05a_rundir.ipynb #02275c14
 def read_holder(d) -> dict | None:
     "The holder record of directory `d` (None when there is none or it is unreadable)."
     h = read_json(Path(d) / HOLDER_FILE)
     return h if isinstance(h, dict) else None
 
+# %% ../nbs/05a_rundir.ipynb #259f2a48
 def read_workers(d) -> list[dict]:
     "Processes that worked under the lock of `d` (delegated children), as recorded."
     p = Path(d) / WORKERS_FILE
@@ -156,19 +167,23 @@ def _take(self: RunLock):
     except RunLocked: lock.release(); raise
     self.recovered = prev if prev and prev.get('pid') != os.getpid() else None
     self.token = uuid.uuid4().hex
-    detached = {'detached': True} if self.what == 'batch' and os.environ.get('OELM_DETACHED') else {}  # `oelm run --detach`: a later `oelm run` follows it
+    # `oelm run --detach`: a later `oelm run` follows it
+    detached = {'detached': True} if self.what == 'batch' and os.environ.get('OELM_DETACHED') else {}
     write_json(self.dir / HOLDER_FILE, this_process(token=self.token, what=self.what, **detached), indent=1)
     (self.dir / WORKERS_FILE).unlink(missing_ok=True)
     self._flock = lock; _tokens.add(self.token)
 
+# %% ../nbs/05a_rundir.ipynb #d1b1974c
 @patch
 def _wait_for_workers(self: RunLock):
     "Wait until the trainers a previous holder started have stopped (they stop themselves when their holder dies)."
     deadline = time.time() + self.worker_wait
     while alive := [w for w in read_workers(self.dir) if w.get('pid') != os.getpid() and is_alive(w)]:
         if time.time() > deadline:
-            raise RunLocked(f"{self.what} directory {self.dir}: a trainer started by an earlier process is still running "
-                            f"({describe_holder(alive[0])}); stop it (kill {alive[0].get('pid')}) and try again")
+            raise RunLocked(
+                f"{self.what} directory {self.dir}: a trainer started by an earlier process is still running "
+                f"({describe_holder(alive[0])}); stop it (kill {alive[0].get('pid')}) and try again"
+            )
         time.sleep(0.2)
 
 # %% ../nbs/05a_rundir.ipynb #690e5b1c
@@ -185,6 +200,7 @@ def _work_under_parent(self: RunLock) -> bool:
     watch_holder(h, self.dir)
     return True
 
+# %% ../nbs/05a_rundir.ipynb #f220828a
 def child_env(env: dict | None = None) -> dict:
     "`env` (default: this process's) with the tokens of the locks this process holds, so a child may work under them."
     env = dict(os.environ if env is None else env)
@@ -196,6 +212,7 @@ def child_env(env: dict | None = None) -> dict:
 _watched: dict = {}
 _watch_started = False
 
+# %% ../nbs/05a_rundir.ipynb #67f43e86
 def watch_holder(holder: dict, d: Path, interval: float = 1.0):
     "Stop this process (SIGKILL) as soon as `holder` is no longer alive."
     global _watch_started
@@ -212,13 +229,17 @@ def watch_holder(holder: dict, d: Path, interval: float = 1.0):
     threading.Thread(target=loop, daemon=True, name='oelm-lock-watchdog').start()
     _watch_started = True
 
+# %% ../nbs/05a_rundir.ipynb #64fe2a3b
 _DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                    "if sys.platform.startswith('linux'): ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"  # PR_SET_PDEATHSIG
+                    # PR_SET_PDEATHSIG
+                    "if sys.platform.startswith('linux'): ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
                     "if os.getppid() != int(sys.argv[1]): sys.exit(137)\n"  # the parent died before prctl
                     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
 
+# %% ../nbs/05a_rundir.ipynb #f1ceb0ec
 def die_with_parent(args: list[str]) -> list[str]:
-    "The command line `python ARGS...`, wrapped so that on Linux the child is killed when the process (thread) starting it dies."
+    """The command line `python ARGS...`, wrapped so that on Linux the child is killed when the process (thread)
+    starting it dies."""
     return [sys.executable, '-c', _DIE_WITH_PARENT, str(os.getpid()), *args]
 
 # %% ../nbs/05a_rundir.ipynb #f758f65e
@@ -234,6 +255,7 @@ def run_name(variant: str, seed: int) -> str:
     "The folder name of one run in a batch directory: `<variant>-s<seed>`."
     return f'{variant}-s{seed}'
 
+# %% ../nbs/05a_rundir.ipynb #ca12f199
 def parse_run_name(name: str) -> tuple[str, int] | None:
     "`(variant, seed)` from a run folder name, or None when `name` is not one (e.g. `data`, `x-s0.failed-1`)."
     variant, sep, seed = name.rpartition('-s')
@@ -242,6 +264,7 @@ def parse_run_name(name: str) -> tuple[str, int] | None:
 # %% ../nbs/05a_rundir.ipynb #520adaa9
 VOLATILE_FIELDS = ('out_dir', 'data_dir', 'train.progress', 'train.loggers', 'train.log_every', 'train.ckpt_every', 'train.keep_last')
 
+# %% ../nbs/05a_rundir.ipynb #015af143
 def flatten(d: dict, prefix: str = '') -> dict:
     "{'train': {'lr': 1}} -> {'train.lr': 1}; values as JSON would write them (tuples become lists)."
     out = {}
@@ -251,22 +274,28 @@ def flatten(d: dict, prefix: str = '') -> dict:
         else: out[key] = json.loads(json.dumps(v, default=str))
     return out
 
-ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'model.attn_dropout': None, 'model.embd_dropout': None}  # fields added later: at their default they leave older runs' fingerprints as they were
+# %% ../nbs/05a_rundir.ipynb #a4b45df2
+# fields added later: at their default they leave older runs' fingerprints as they were
+ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'model.attn_dropout': None, 'model.embd_dropout': None}
 
+# %% ../nbs/05a_rundir.ipynb #c88ea0ec
 def identity_fields(config: dict) -> dict:
     "The fields of a run configuration (a `RunSpec` dict) that define its result."
     return {k: v for k, v in flatten(config).items()
             if k not in VOLATILE_FIELDS and not (k in ABSENT_WHEN_DEFAULT and v == ABSENT_WHEN_DEFAULT[k])}
 
+# %% ../nbs/05a_rundir.ipynb #24fe3712
 def fingerprint(config: dict) -> str:
     "A short hash of `identity_fields(config)`."
     return hashlib.sha256(json.dumps(identity_fields(config), sort_keys=True).encode()).hexdigest()[:16]
 
+# %% ../nbs/05a_rundir.ipynb #ead3a767
 def config_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
     "(field, old value, new value) for every identity field that differs; a missing field reads '<absent>'."
     a, b = identity_fields(old), identity_fields(new)
     return [(k, a.get(k, '<absent>'), b.get(k, '<absent>')) for k in sorted(set(a) | set(b)) if a.get(k, '<absent>') != b.get(k, '<absent>')]
 
+# %% ../nbs/05a_rundir.ipynb #f88298d9
 def describe_diff(diff, limit: int = 8) -> str:
     "'train.lr: 0.005 -> 0.5, train.seed: 0 -> 1' (at most `limit` fields)."
     parts = [f'{k}: {a!r} -> {b!r}' for k, a, b in diff[:limit]]
@@ -276,11 +305,13 @@ def describe_diff(diff, limit: int = 8) -> str:
 class RunMismatch(ConfigError):
     "A run directory holds a run of another configuration."
 
+# %% ../nbs/05a_rundir.ipynb #a1bc739e
 def recorded_config(run_dir) -> dict | None:
     "The configuration a run directory was trained with (its config.json), or None."
     c = read_json(Path(run_dir) / 'config.json')
     return c if isinstance(c, dict) else None
 
+# %% ../nbs/05a_rundir.ipynb #fb0c485b
 def check_same_run(run_dir, config: dict, fix: str = 'use another out_dir, or move the directory away to train afresh'):
     "Raise `RunMismatch` naming the differing fields when `run_dir` was trained with another configuration."
     old = recorded_config(run_dir)

@@ -47,6 +47,7 @@ class Job:
     @property
     def name(self) -> str: return run_name(self.variant, self.seed)
 
+# %% ../nbs/07_runner.ipynb #52a2e7f7
 def parse_gpu_sets(gpus: str | None) -> list[list[str]]:
     "'0,1;2,3' -> [['0','1'], ['2','3']]; None or '' -> [] (CPU)."
     if not gpus: return []
@@ -54,11 +55,15 @@ def parse_gpu_sets(gpus: str | None) -> list[list[str]]:
     bad = [g for s in sets for g in s if not g.isdigit()]
     if bad: raise ConfigError(f"--gpus {gpus!r}: {bad} are not GPU indices; write sets like '0,1;2,3'")
     flat = [g for s in sets for g in s]
-    if len(set(flat)) < len(flat): raise ConfigError(f"--gpus {gpus!r}: a GPU appears twice; each GPU belongs to one set")
+    if len(set(flat)) < len(flat):
+        raise ConfigError(f"--gpus {gpus!r}: a GPU appears twice; each GPU belongs to one set")
     return sets
 
-CPU_SETS_ENV = 'OELM_GPU_SETS_ON_CPU' # =1: GPU sets on a machine without CUDA train on the CPU (tests of the multi-process path)
+# %% ../nbs/07_runner.ipynb #1564d12e
+# =1: GPU sets on a machine without CUDA train on the CPU (tests of the multi-process path)
+CPU_SETS_ENV = 'OELM_GPU_SETS_ON_CPU'
 
+# %% ../nbs/07_runner.ipynb #e9d365ab
 def check_gpus(sets: list[list[str]], cuda_available: bool | None = None, device_count: int | None = None, log=print):
     "Refuse GPU sets this machine cannot run: no CUDA at all, or indices beyond its GPUs."
     if not sets: return
@@ -72,6 +77,7 @@ def check_gpus(sets: list[list[str]], cuda_available: bool | None = None, device
     high = [g for s in sets for g in s if int(g) >= n]
     if high: raise ConfigError(f"--gpus: GPU(s) {high} do not exist; this machine has {n} (indices 0..{n - 1})")
 
+# %% ../nbs/07_runner.ipynb #cd2ff5e6
 def run_status(run_dir: Path) -> str:
     "'completed' (trained and its notebook fully executed), 'failed', 'partial' (started, not finished) or 'missing'."
     s = read_json(Path(run_dir) / 'summary.json')
@@ -80,8 +86,10 @@ def run_status(run_dir: Path) -> str:
     if s: return s.get('status', 'failed')
     return 'partial' if Path(run_dir).exists() else 'missing'
 
+# %% ../nbs/07_runner.ipynb #8b44b817
 def set_aside(run_dir: Path, why: str = 'failed') -> Path:
-    "Rename a run directory to `<name>.<why>-N` (kept for inspection) so the run can start afresh; refused while another process writes it."
+    """Rename a run directory to `<name>.<why>-N` (kept for inspection) so the run can start afresh; refused while
+    another process writes it."""
     with run_lock(run_dir): pass  # raises RunLocked, naming the writer, if one is alive
     n = 1
     while (aside := run_dir.with_name(f'{run_dir.name}.{why}-{n}')).exists(): n += 1
@@ -105,7 +113,9 @@ class Batch:
     @property
     def plan_steps(self) -> int:
         "The step count the study's variants are planned for."
-        return train_settings(get_study(self.study), self.preset, 0, self.steps).get('max_steps', TrainConfig().max_steps)
+        return train_settings(get_study(self.study), self.preset, 0, self.steps).get(
+            'max_steps', TrainConfig().max_steps
+        )
 
     def plan(self) -> dict:
         "The study's variants for these flags: name -> Variant."
@@ -121,10 +131,13 @@ PLACE_KEYS = {'out_dir': '--out', 'data_dir': '--out (the data lives in <out>/da
               'study': 'the STUDY argument', 'preset': '--preset', 'train.seed': '--seeds', 'train.max_steps': '--steps',
               'data.source': '--data'}
 
+# %% ../nbs/07_runner.ipynb #b7bb8c51
 def _dupes(xs) -> list: return sorted({x for x in xs if list(xs).count(x) > 1}, key=str)
 
+# %% ../nbs/07_runner.ipynb #2b51e26e
 def check_batch_flags(seeds, steps: int | None = None, overrides: dict | None = None, variants: list[str] | None = None):
-    "Refuse what a batch cannot honour: repeated or negative seeds, repeated variants, steps < 1, --set of a run's place or identity."
+    """Refuse what a batch cannot honour: repeated or negative seeds, repeated variants, steps < 1, --set of a run's
+    place or identity."""
     seeds = list(seeds)
     if not seeds: raise ConfigError("no seeds: pass --seeds 0 1 ...")
     bad = [s for s in seeds if not isinstance(s, int) or isinstance(s, bool) or s < 0]
@@ -132,10 +145,13 @@ def check_batch_flags(seeds, steps: int | None = None, overrides: dict | None = 
     if _dupes(seeds): raise ConfigError(f"--seeds lists {_dupes(seeds)} more than once; each (variant, seed) is one run, trained once")
     if _dupes(variants or []): raise ConfigError(f"--variants lists {_dupes(variants)} more than once")
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ConfigError(f"--steps {steps!r}: give a positive number of optimizer steps, or leave it out for the study's default")
+        raise ConfigError(
+            f"--steps {steps!r}: give a positive number of optimizer steps, or leave it out for the study's default"
+        )
     for key in overrides or {}:
         if key in PLACE_KEYS: raise ConfigError(f"--set {key}=...: {key} is not set with --set; use {PLACE_KEYS[key]}")
-        if key in ('model', 'train', 'data', 'settings'): raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
+        if key in ('model', 'train', 'data', 'settings'):
+            raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
 
 # %% ../nbs/07_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
@@ -146,14 +162,19 @@ def _error_from_notebook(path: Path) -> str | None:
             if out.get('output_type') == 'error': return f"{out.get('ename')}: {out.get('evalue')}"
     return None
 
+# %% ../nbs/07_runner.ipynb #18f6dfd6
 def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, threads: int | None = None, log=print) -> str:
-    "Execute the experiment notebook for `job` in a child process, under the run's lock; returns the run's final status."
+    """Execute the experiment notebook for `job` in a child process, under the run's lock; returns the run's final
+    status."""
     with run_lock(job.run_dir) as lock:  # RunLocked, naming the holder, when another process writes this run
-        if lock.recovered: log(f"[oelm run] {job.name}: recovered the lock of {describe_holder(lock.recovered)}, which is gone")
+        if lock.recovered:
+            log(f"[oelm run] {job.name}: recovered the lock of {describe_holder(lock.recovered)}, which is gone")
         return _execute_locked(job, batch, gpu_set, threads, log)
 
+# %% ../nbs/07_runner.ipynb #06ee434f
 def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
-    (job.run_dir / '.running').write_text(str(os.getpid()))  # the notebook's summary is not final until papermill is done
+    # the notebook's summary is not final until papermill is done
+    (job.run_dir / '.running').write_text(str(os.getpid()))
     params = dict(study=batch.study, variant=job.variant, preset=batch.preset, data=batch.data, seed=job.seed, steps=batch.steps or 0,
                   out_dir=str(job.run_dir.resolve()), data_dir=str(Path(batch.data_dir).resolve()), overrides=json.dumps(batch.overrides),
                   options=json.dumps(batch.options), nproc=max(1, len(gpu_set or [])), progress=False)
@@ -179,6 +200,7 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
     return 'completed'
 
+# %% ../nbs/07_runner.ipynb #31738787
 def run_digest(run_dir: Path) -> str:
     "One line on how a run went: train loss first -> last, best val PPL, recall accuracy."
     recs, s = read_metrics(run_dir), read_json(Path(run_dir) / 'summary.json') or {}
@@ -213,7 +235,7 @@ def schedule(jobs: list[Job], # jobs to run, in order of preference
     "Run `jobs` on `workers` concurrently, each only after its upstream runs completed; fills `statuses`."
     by_name, rank = {j.name: j for j in jobs}, {j.name: i for i, j in enumerate(jobs)}
     graph = TopologicalSorter({j.name: [u for u in upstream(j) if u in by_name] for j in jobs})
-    try: graph.prepare()
+    try:graph.prepare()
     except CycleError as e: raise ConfigError(f'runs {e.args[1]} wait on each other (a dependency cycle)') from None
     statuses.update({j.name: 'pending' for j in jobs})
     ready, free, running = [], list(workers), {}
@@ -224,7 +246,8 @@ def schedule(jobs: list[Job], # jobs to run, in order of preference
                 j = by_name[ready.pop(0)]
                 bad = [u for u in upstream(j) if statuses.get(u, 'missing') != 'completed']
                 if bad:  # a failed (or missing) upstream run blocks this one; the rest of the batch goes on
-                    statuses[j.name] = 'failed'; on_blocked(j, f"not started: upstream run(s) {', '.join(bad)} did not complete")
+                    statuses[j.name] = 'failed'
+                    on_blocked(j, f"not started: upstream run(s) {', '.join(bad)} did not complete")
                     graph.done(j.name); continue
                 w = free.pop(0); statuses[j.name] = 'running'
                 running[pool.submit(_run_guarded, run_job, j, w, on_blocked)] = (j, w)
@@ -235,6 +258,7 @@ def schedule(jobs: list[Job], # jobs to run, in order of preference
                 statuses[j.name] = f.result(); free.append(w); graph.done(j.name)
     return statuses
 
+# %% ../nbs/07_runner.ipynb #8404adee
 def _run_guarded(run_job, j: Job, w, on_blocked) -> str:
     "run_job(j, w); a runner bug fails only this job."
     try: return run_job(j, w)
@@ -256,8 +280,10 @@ def last_record(run_dir: Path, tail_bytes: int = 4096) -> dict:
         if isinstance(rec, dict): return rec
     return {}
 
+# %% ../nbs/07_runner.ipynb #4afd0452
 def _in_notebook() -> bool: return 'ipykernel' in sys.modules
 
+# %% ../nbs/07_runner.ipynb #c2c04d2c
 class BatchProgress:
     "One live bar over a batch: steps done across its runs, runs done/failed, each running run's latest step and loss."
     def __init__(self, jobs: list[Job], # every job of the batch (completed ones included)
@@ -315,6 +341,7 @@ class BatchResult:
     @property
     def failed(self) -> list[str]: return [k for k, v in self.statuses.items() if v != 'completed']
 
+# %% ../nbs/07_runner.ipynb #ea28d6e4
 def with_upstream(plan: dict, variants: list[str]) -> list[str]:
     "`variants` preceded by the upstream variants they need (from the study's plan) that are not in the list."
     graph = TopologicalSorter({v: plan[v].upstream for v in plan})
@@ -329,10 +356,12 @@ def with_upstream(plan: dict, variants: list[str]) -> list[str]:
 
 # %% ../nbs/07_runner.ipynb #b6de245d
 def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tuple[list[str], dict]:
-    "The batch's variants (asked, or the study's default, with their upstream runs first) and the study's plan; every spec resolves."
+    """The batch's variants (asked, or the study's default, with their upstream runs first) and the study's plan; every
+    spec resolves."""
     st, plan = get_study(batch.study), batch.plan()
     asked = list(variants or st.planned(batch.preset, batch.plan_steps, batch.options))
-    for v in asked: st.variant(v, batch.preset, batch.plan_steps, batch.options)  # an unknown variant fails here, before anything runs
+    # an unknown variant fails here, before anything runs
+    for v in asked: st.variant(v, batch.preset, batch.plan_steps, batch.options)
     names = with_upstream(plan, asked)
     if names != asked: log(f"[oelm run] added upstream run(s) {[v for v in names if v not in asked]}")
     for v in names:  # every variant's spec must resolve before anything trains
@@ -340,19 +369,25 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
     return names, plan
 
+# %% ../nbs/07_runner.ipynb #6012a85e
 def check_memory(batch: Batch, variants: list[str], concurrent: int = 1):
-    "Refuse, before anything runs, CPU runs whose training step cannot fit in memory (`bench.check_step_memory`), `concurrent` at a time."
+    """Refuse, before anything runs, CPU runs whose training step cannot fit in memory (`bench.check_step_memory`),
+    `concurrent` at a time."""
     for v in variants:
         spec = batch.spec(v)
-        try: need = check_step_memory(spec.model, spec.train.batch_size, spec.model.block_size, 'cpu', spec.train.grad_accum)
+        try:need = check_step_memory(spec.model, spec.train.batch_size, spec.model.block_size, 'cpu', spec.train.grad_accum)
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
         avail, where = available_memory('cpu')
         if need * concurrent > avail:
-            raise ConfigError(f"variant {v!r}: {concurrent} concurrent runs need about {need * concurrent / GiB:.2f} GiB, but only "
-                              f"{avail / GiB:.2f} GiB is available ({where}); lower --jobs to {max(1, int(avail // need))}")
+            raise ConfigError(
+                f"variant {v!r}: {concurrent} concurrent runs need about {need * concurrent / GiB:.2f} GiB, but only "
+                f"{avail / GiB:.2f} GiB is available ({where}); lower --jobs to {max(1, int(avail // need))}"
+            )
 
+# %% ../nbs/07_runner.ipynb #97cc6eda
 def _now() -> str: return time.strftime('%Y-%m-%dT%H:%M:%S%z')
 
+# %% ../nbs/07_runner.ipynb #36b652c3
 def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus: str | None, restart: bool = False) -> int:
     "Append this invocation (flags, runs and their fingerprints, who ran it) to batch.json; returns its index there."
     path = batch.out / 'batch.json'
@@ -367,9 +402,11 @@ def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus:
     planned = {**(old.get('plan') or {}), **{v: {'overrides': plan[v].overrides, 'upstream': list(plan[v].upstream)} for v in variants}}
     write_json(path, {**flags, 'variants': list(dict.fromkeys([*old.get('variants', []), *variants])),
                       'seeds': sorted(set(old.get('seeds', [])) | set(seeds)), 'plan': planned, 'invocations': history,
-                      **({'jobs': old['jobs']} if isinstance(old.get('jobs'), dict) else {})})  # cluster job ids (oelm_nb.cluster)
+                      # cluster job ids (oelm_nb.cluster)
+                      **({'jobs': old['jobs']} if isinstance(old.get('jobs'), dict) else {})})
     return len(history) - 1
 
+# %% ../nbs/07_runner.ipynb #ee1a1012
 def record_outcome(out: Path, index: int, statuses: dict):
     "Add the runs' final statuses to invocation `index` of batch.json."
     b = read_json(Path(out) / 'batch.json') or {}
@@ -378,7 +415,8 @@ def record_outcome(out: Path, index: int, statuses: dict):
 
 # %% ../nbs/07_runner.ipynb #090d891f
 def pending_jobs(batch: Batch, variants: list[str], seeds, restart: bool = False, log=print) -> tuple[list[Job], list[Job]]:
-    "(all jobs, those still to run). A run trained with another configuration stops the batch (unless `restart`); completed runs are skipped; failed ones, and with `restart` all, are set aside."
+    """(all jobs, those still to run). A run trained with another configuration stops the batch (unless `restart`);
+    completed runs are skipped; failed ones, and with `restart` all, are set aside."""
     all_jobs = [Job(v, s, batch.out / run_name(v, s)) for v in variants for s in seeds]
     existing = [j for j in all_jobs if j.run_dir.exists()]
     if not restart:
@@ -386,12 +424,16 @@ def pending_jobs(batch: Batch, variants: list[str], seeds, restart: bool = False
                  and (d := config_diff(old, batch.spec(j.variant, j.seed).to_dict()))]
         if stale:
             lines = '\n'.join(f'  {j.name}: {describe_diff(d)}' for j, d in stale)
-            raise RunMismatch(f"{len(stale)} run(s) in {batch.out} were trained with another configuration; they are neither resumed nor skipped:\n"
-                              f"{lines}\nUse another --out for the new configuration, or add --restart to set these runs aside "
-                              "(renamed <run>.replaced-N, kept) and train them afresh.")
+            raise RunMismatch(
+                f"{len(stale)} run(s) in {batch.out} were trained with another configuration; they are neither resumed"
+                f" nor skipped:\n{lines}\nUse another --out for the new configuration, or add --restart to set these"
+                " runs aside (renamed <run>.replaced-N, kept) and train them afresh."
+            )
     for j in existing:
-        if restart: log(f'[oelm run] {j.name}: --restart, moved to {set_aside(j.run_dir, "replaced").name}, starting afresh')
-        elif run_status(j.run_dir) == 'failed': log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
+        if restart:
+            log(f'[oelm run] {j.name}: --restart, moved to {set_aside(j.run_dir, "replaced").name}, starting afresh')
+        elif run_status(j.run_dir) == 'failed':
+            log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
     todo = [j for j in all_jobs if run_status(j.run_dir) != 'completed']
     for j in all_jobs:
         if j not in todo: log(f'[oelm run] {j.name}: already completed, skipped (same configuration)')
@@ -405,7 +447,8 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
               restart: bool = False, # set existing runs of this invocation aside and train them afresh
               execute: Callable = None, # (job, batch, gpu_set, threads, log) -> status; default `execute_run` (the notebook)
               log=print) -> BatchResult:
-    "Run every (variant, seed) of a study (by default one papermill execution each), upstream runs first, under the batch's lock; then render its report."
+    """Run every (variant, seed) of a study (by default one papermill execution each), upstream runs first, under the
+    batch's lock; then render its report."""
     out = Path(out_dir)
     check_batch_flags(seeds, steps, overrides, variants)
     if jobs < 1: raise ConfigError(f"--jobs {jobs}: give at least 1 concurrent run")
@@ -413,16 +456,22 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     names, plan = plan_batch(batch, variants, log)
     sets = parse_gpu_sets(gpus); check_gpus(sets)
     workers = (sets if parallel else sets[:1]) if sets else [None] * jobs
-    if not sets: check_memory(batch, names, min(len(workers), len(names) * len(list(seeds))))  # on GPUs the trainer names an out-of-memory step (no CUDA context here)
+    # on GPUs the trainer names an out-of-memory step (no CUDA context here)
+    if not sets: check_memory(batch, names, min(len(workers), len(names) * len(list(seeds))))
     created = not out.exists()
     try:
         with run_lock(out, 'batch') as lock:  # RunLocked, naming the holder, when another `oelm run` writes this batch
-            if lock.recovered: log(f"[oelm run] recovered the batch lock of {describe_holder(lock.recovered)}, which is gone")
-            return _run_batch(batch, names, plan, list(seeds), gpus, workers, restart, report, execute or execute_run, log)
+            if lock.recovered:
+                log(f"[oelm run] recovered the batch lock of {describe_holder(lock.recovered)}, which is gone")
+            return _run_batch(
+                batch, names, plan, list(seeds), gpus, workers, restart, report, execute or execute_run, log
+            )
     except BaseException:
-        if created and out.exists() and not any(parse_run_name(p.name) for p in out.iterdir()): shutil.rmtree(out, ignore_errors=True)
+        if created and out.exists() and not any(parse_run_name(p.name) for p in out.iterdir()):
+            shutil.rmtree(out, ignore_errors=True)
         raise
 
+# %% ../nbs/07_runner.ipynb #d872362b
 def after_batch(batch: Batch, completed: list[str], log=print):
     "The study's measurement on the finished batch (e.g. the Q/K study's interleaved timing); its failure fails no run."
     hook = get_study(batch.study).after_batch
@@ -430,8 +479,10 @@ def after_batch(batch: Batch, completed: list[str], log=print):
     try: hook(batch.out, batch.preset, completed, batch.overrides, log=log)
     except Exception as e: log(f'[oelm run] the measurement after the batch failed: {type(e).__name__}: {e}')
 
+# %% ../nbs/07_runner.ipynb #5cd85af8
 def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
-    "Read the prepared data's vocabulary into `batch`: the model takes it (the change said once), or the batch is refused up front when --set fixed it below."
+    """Read the prepared data's vocabulary into `batch`: the model takes it (the change said once), or the batch is
+    refused up front when --set fixed it below."""
     batch.data_vocab = int(read_meta(batch.data_dir)['vocab_size'])
     now, was = batch.spec(before.name, before.train.seed).model.vocab_size, before.model.vocab_size
     if now < batch.data_vocab:  # only an explicit --set model.vocab_size keeps it below the data's
@@ -439,11 +490,13 @@ def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
                           f"drop the --set (the model then takes the data's vocabulary) or give model.vocab_size >= {batch.data_vocab}")
     if now != was: log(f"[oelm run] the data's vocabulary is {batch.data_vocab:,}: model.vocab_size {was:,} -> {now:,}")
 
+# %% ../nbs/07_runner.ipynb #2293c34c
 def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, execute, log) -> BatchResult:
     out, study = batch.out, batch.study
     spec0 = batch.spec(names[0])
     log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
-    batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)  # a prepared source directory is used in place
+    # a prepared source directory is used in place
+    batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)
     fit_vocabulary(batch, spec0, log)  # once, before any run starts
     all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
     index = write_batch_json(batch, names, seeds, plan, gpus, restart)
@@ -472,8 +525,11 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
     return res
 
 # %% ../nbs/07_runner.ipynb #04375c48
-NO_SCRIPTS = '<meta http-equiv="Content-Security-Policy" content="script-src \'none\'; object-src \'none\'; base-uri \'none\'">'
+NO_SCRIPTS = (
+    '<meta http-equiv="Content-Security-Policy" content="script-src \'none\'; object-src \'none\'; base-uri \'none\'">'
+)
 
+# %% ../nbs/07_runner.ipynb #75390e19
 def render_report(run_dir: str | Path, study: str | None = None, log=print) -> Path:
     "Execute the study's report notebook on `run_dir` and write report.ipynb and report.html there."
     run_dir = Path(run_dir).resolve()
@@ -484,7 +540,9 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
            '--cwd', str(run_dir), '--no-progress-bar', '-p', 'run_dir', str(run_dir)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"the report notebook failed; see {nb_out}:\n{(_error_from_notebook(nb_out) or res.stderr[-2000:])}")
+        raise RuntimeError(
+            f"the report notebook failed; see {nb_out}:\n{(_error_from_notebook(nb_out) or res.stderr[-2000:])}"
+        )
     res = subprocess.run([sys.executable, '-m', 'nbconvert', '--to', 'html', '--no-input', '--TemplateExporter.exclude_raw=True', '--output', 'report.html', str(nb_out)],
                          capture_output=True, text=True)
     if res.returncode != 0: raise RuntimeError(f"converting {nb_out} to HTML failed:\n{res.stderr[-2000:]}")

@@ -20,8 +20,10 @@ __all__ = ['CHECKPOINT_NAMES', 'find_checkpoint', 'load_run_model', 'run_codec',
 # %% ../nbs/15_sample.ipynb #c13912ee
 CHECKPOINT_NAMES = ('best', 'final', 'latest')
 
+# %% ../nbs/15_sample.ipynb #643de5dc
 def _step(p: Path) -> int: return int(p.name[5:])
 
+# %% ../nbs/15_sample.ipynb #2f476d66
 def find_checkpoint(run_dir, # one run's directory, e.g. runs/qk-freeze/gpt-s0
                     which: str | int = 'best', # best | final | latest | a step number
                    ) -> Path:
@@ -35,11 +37,14 @@ def find_checkpoint(run_dir, # one run's directory, e.g. runs/qk-freeze/gpt-s0
         hit = [p for p in cks if _step(p) == int(which)]
         if not hit: raise ConfigError(f"{run_dir} has no checkpoint of step {which}; it has {have}")
         return hit[0]
-    if which not in CHECKPOINT_NAMES: raise ConfigError(f"checkpoint {which!r}: give best, final, latest or a step number ({have})")
+    if which not in CHECKPOINT_NAMES:
+        raise ConfigError(f"checkpoint {which!r}: give best, final, latest or a step number ({have})")
     link = root / which
     if not link.is_symlink():
         if which == 'latest': return cks[-1]
-        raise ConfigError(f"{run_dir} has no checkpoints/{which} (the run has not finished); use 'latest' or a step number ({have})")
+        raise ConfigError(
+            f"{run_dir} has no checkpoints/{which} (the run has not finished); use 'latest' or a step number ({have})"
+        )
     target = link.resolve()
     if target not in {p.resolve() for p in cks}:
         raise ConfigError(f"{link} does not point to one of the run's complete checkpoints (it points to {target}); "
@@ -51,7 +56,8 @@ def load_run_model(run_dir, # one run's directory
                    checkpoint: str | int = 'best', # best | final | latest | a step number
                    device: str = 'auto',
                   ) -> tuple[GPT, RunSpec, Path]:
-    "The run's model (eval mode, on `device`) with the checkpoint's weights, the run's `RunSpec` and the checkpoint's directory."
+    """The run's model (eval mode, on `device`) with the checkpoint's weights, the run's `RunSpec` and the checkpoint's
+    directory."""
     run_dir = Path(run_dir)
     if not (run_dir / 'config.json').exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json); pass one run's folder, e.g. runs/qk-freeze/gpt-s0")
@@ -70,7 +76,8 @@ def load_run_model(run_dir, # one run's directory
 
 # %% ../nbs/15_sample.ipynb #a44461fe
 def run_codec(spec: RunSpec):
-    "What encodes and decodes the run's tokens (`data_codec` of its data directory): its tokenizer, nanoGPT's characters, GPT-2's encoding, or token ids."
+    """What encodes and decodes the run's tokens (`data_codec` of its data directory): its tokenizer, nanoGPT's
+    characters, GPT-2's encoding, or token ids."""
     return data_codec(spec.resolved_data_dir)
 
 # %% ../nbs/15_sample.ipynb #4628855f
@@ -86,7 +93,8 @@ def sample(run_dir, # one run's directory
            stop_at_eot: bool = True, # cut a sample at the end of its document
           ) -> list[dict]:
     "Samples from a run's checkpoint: one dict per sample with prompt, text, token ids and the checkpoint's step."
-    if num_samples < 1 or max_new_tokens < 1: raise ConfigError(f'num_samples={num_samples} and max_new_tokens={max_new_tokens} must be positive')
+    if num_samples < 1 or max_new_tokens < 1:
+        raise ConfigError(f'num_samples={num_samples} and max_new_tokens={max_new_tokens} must be positive')
     if temperature < 0: raise ConfigError(f'temperature={temperature} must be >= 0')
     if top_k is not None and top_k < 1: raise ConfigError(f'top_k={top_k} must be positive (or None for all tokens)')
     model, spec, ckpt = load_run_model(run_dir, checkpoint, device)
@@ -97,7 +105,9 @@ def sample(run_dir, # one run's directory
     for prompt in (prompts or ['']):
         start = codec.encode(prompt) if prompt else [eot if eot is not None else 0]
         idx = torch.tensor([start] * num_samples, device=dev)  # (num_samples, T)
-        gen = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)[:, len(start):].tolist()
+        gen = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)[
+            :, len(start) :
+        ].tolist()
         for ids in gen:
             if stop_at_eot and eot in ids: ids = ids[:ids.index(eot)]
             out.append({'prompt': prompt, 'text': codec.decode((start if prompt else []) + ids), 'ids': ids, 'step': step, 'checkpoint': str(ckpt)})

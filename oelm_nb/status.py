@@ -23,14 +23,17 @@ def read_record(path) -> tuple[dict | None, str]:
     try: obj = json.loads(path.read_text())
     except FileNotFoundError: return None, ''
     except OSError as e: return None, f'{path.name} unreadable ({e.strerror})'
-    except (ValueError, RecursionError): return None, f'{path.name} is not valid JSON'  # cut off mid-write, or not JSON at all
+    # cut off mid-write, or not JSON at all
+    except (ValueError, RecursionError): return None, f'{path.name} is not valid JSON'
     return (obj, '') if isinstance(obj, dict) else (None, f'{path.name} is not a JSON object')
 
+# %% ../nbs/07b_status.ipynb #be8358f0
 def _get(obj, *keys):
     "obj[k1][k2]..., or None where a level is missing or is not an object."
     for k in keys: obj = obj.get(k) if isinstance(obj, dict) else None
     return obj
 
+# %% ../nbs/07b_status.ipynb #a31fad7c
 def _number(x) -> float | None:
     "`x` when it is a finite number (not a bool, nor an integer beyond floats), else None."
     if not isinstance(x, (int, float)) or isinstance(x, bool): return None
@@ -44,10 +47,12 @@ def _parse(line: str) -> dict | None:
     except (ValueError, RecursionError): return None
     return rec if isinstance(rec, dict) else None
 
+# %% ../nbs/07b_status.ipynb #97cd3752
 def latest(records: list[dict], key: str) -> dict:
     "The last of `records` with a finite number under `key` ({} if none)."
     return next((r for r in reversed(records) if _number(r.get(key)) is not None), {})
 
+# %% ../nbs/07b_status.ipynb #bd91eab4
 def tail_records(run_dir, need: str | None = None, # read further back until a record has a number under this key
                  tail_bytes: int = 1 << 16, max_bytes: int = 1 << 20) -> list[dict]:
     "The complete records at the end of a run's metrics.jsonl, oldest first ([] when there are none)."
@@ -66,15 +71,19 @@ def tail_records(run_dir, need: str | None = None, # read further back until a r
 STATES = ('completed', 'running', 'failed', 'blocked', 'pending')  # in the order the table counts them
 UPSTREAM_FAILED = 'not started: upstream'  # how the runner begins the error of a run it did not start
 
+# %% ../nbs/07b_status.ipynb #1d45fac6
 def _error(summary: dict) -> str:
     "The first line of a summary's error."
     return next((l.strip() for l in str(summary.get('error') or '').splitlines() if l.strip()), '')
 
+# %% ../nbs/07b_status.ipynb #5e0842c0
 def live_holder(d) -> dict | None:
-    "The record of the process that holds the lock of directory `d`, when it lives (on another host: when one is recorded)."
+    """The record of the process that holds the lock of directory `d`, when it lives (on another host: when one is
+    recorded)."""
     h = read_holder(d)
     return h if h and is_alive(h) else None
 
+# %% ../nbs/07b_status.ipynb #0075d06d
 def run_state(run_dir, # a run directory, `<variant>-s<seed>`
               upstream_states: dict[str, str] | None = None, # the states of the runs it starts from, by run name
              ) -> str:
@@ -104,24 +113,32 @@ def steps_per_s(records: list[dict], # metrics records, oldest first
 # %% ../nbs/07b_status.ipynb #642f3033
 NOTE_WIDTH = 100 # characters of a note a row keeps
 
+# %% ../nbs/07b_status.ipynb #6814d839
 def _int(x) -> int | None: return int(x) if _number(x) is not None and x == int(x) else None
 
-def _job_id(x) -> str | None: return str(x) if isinstance(x, (str, int)) and not isinstance(x, bool) and str(x).strip() else None
+# %% ../nbs/07b_status.ipynb #c3f95645
+def _job_id(x) -> str | None:
+    return str(x) if isinstance(x, (str, int)) and not isinstance(x, bool) and str(x).strip() else None
 
+# %% ../nbs/07b_status.ipynb #c755955b
 def _ago(seconds: float) -> str:
     s = int(max(0, seconds))
     return f'{s}s ago' if s < 120 else f'{s // 60}m ago' if s < 7200 else f'{s // 3600}h ago' if s < 172800 else f'{s // 86400}d ago'
 
+# %% ../nbs/07b_status.ipynb #05e5f3a8
 def _clock(t: float, now: float) -> str:
     "Local time of `t`: the time of day, with the date when not today."
     same_day = time.localtime(t)[:3] == time.localtime(now)[:3]
     return time.strftime('%H:%M:%S' if same_day else '%Y-%m-%d %H:%M', time.localtime(t))
 
+# %% ../nbs/07b_status.ipynb #7f26b57d
 def _note(state: str, summary: dict | None, holder: dict | None, step: int | None, job: str | None, upstream: dict) -> str:
     if state in ('failed', 'blocked') and summary: return _error(summary) or 'no error recorded'
     if state == 'blocked': return f"upstream run(s) {', '.join(n for n, s in upstream.items() if s in ('failed', 'blocked'))} did not complete"
     if state == 'running' and holder:
-        return f"pid {holder.get('pid')}" + ('' if holder.get('host') == socket.gethostname() else f" on host {holder.get('host')}")
+        return f"pid {holder.get('pid')}" + (
+            '' if holder.get('host') == socket.gethostname() else f" on host {holder.get('host')}"
+        )
     if state == 'pending' and step: return f'interrupted at step {step:,}; resumes from its last checkpoint'
     if state == 'pending' and job: return f'job {job} submitted, not started'
     return ''
@@ -135,17 +152,21 @@ def run_row(run_dir, # a run directory, `<variant>-s<seed>`
     "One row of the status table: the run's state and its latest numbers (None where it has none yet)."
     d, now, upstream = Path(run_dir), now or time.time(), upstream_states or {}
     state = run_state(d, upstream)
-    (summary, bad_summary), (config, bad_config), (job, bad_job) = (read_record(d / f) for f in ('summary.json', 'config.json', 'job.json'))
+    (summary, bad_summary), (config, bad_config), (job, bad_job) = (
+        read_record(d / f) for f in ('summary.json', 'config.json', 'job.json')
+    )
     recs = tail_records(d, need='val_loss')
     last = recs[-1] if recs else {}
     step, max_steps = _int(last.get('step')), _int(_get(config, 'train', 'max_steps'))
     rate = steps_per_s(recs) if state == 'running' else None
     eta = max(0.0, (max_steps - step) / rate) if rate and step is not None and max_steps else None
-    try: mtime = (d / 'metrics.jsonl').stat().st_mtime
+    try:mtime = (d / 'metrics.jsonl').stat().st_mtime
     except OSError: mtime = None
     jid = _job_id(_get(job, 'job_id')) or _job_id(job_id)
     holder = live_holder(d) if state == 'running' else None
-    note = '; '.join(filter(None, [bad_summary, bad_config, bad_job, _note(state, summary, holder, step, jid, upstream)]))
+    note = '; '.join(
+        filter(None, [bad_summary, bad_config, bad_job, _note(state, summary, holder, step, jid, upstream)])
+    )
     return {'run': d.name, 'state': state, 'job': jid, 'step': step, 'max_steps': max_steps, 'train_loss': _number(last.get('train_loss')),
             'val_loss': _number(latest(recs, 'val_loss').get('val_loss')), 'tokens_per_s': _number(last.get('tokens_per_s')), 'eta_s': eta,
             'updated': _clock(mtime, now) if mtime else None, 'updated_ago': _ago(now - mtime) if mtime else None,
@@ -154,19 +175,24 @@ def run_row(run_dir, # a run directory, `<variant>-s<seed>`
 # %% ../nbs/07b_status.ipynb #d833b6eb
 FIX_BATCH_DIR = 'give the --out directory of an `oelm run` (it writes batch.json before its first run)'
 
+# %% ../nbs/07b_status.ipynb #cc85ce28
 def read_batch(batch_dir) -> dict:
-    "The batch.json of `batch_dir`, checked: 'variants' (names), 'seeds' (integers), 'plan' and 'jobs' (objects, {} when absent)."
+    """The batch.json of `batch_dir`, checked: 'variants' (names), 'seeds' (integers), 'plan' and 'jobs' (objects, {}
+    when absent)."""
     d = Path(batch_dir)
     if not d.is_dir(): raise ConfigError(f'{d}: no such directory; {FIX_BATCH_DIR}')
     b, why = read_record(d / 'batch.json')
     if b is None: raise ConfigError(f"{d}: {why or 'no batch.json'}; {FIX_BATCH_DIR}")
     variants, seeds = b.get('variants'), b.get('seeds')
     if not (isinstance(variants, list) and all(isinstance(v, str) and v and not v.startswith('.') and not set('/\\') & set(v) for v in variants)):
-        raise ConfigError(f"{d / 'batch.json'}: 'variants' is {str(variants)[:80]}, not a list of variant names; {FIX_BATCH_DIR}")
+        raise ConfigError(
+            f"{d / 'batch.json'}: 'variants' is {str(variants)[:80]}, not a list of variant names; {FIX_BATCH_DIR}"
+        )
     if not (isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise ConfigError(f"{d / 'batch.json'}: 'seeds' is {str(seeds)[:80]}, not a list of integers; {FIX_BATCH_DIR}")
     return {**b, 'plan': b.get('plan') if isinstance(b.get('plan'), dict) else {}, 'jobs': b.get('jobs') if isinstance(b.get('jobs'), dict) else {}}
 
+# %% ../nbs/07b_status.ipynb #6074b284
 def upstream_variants(batch: dict, variant: str) -> list[str]:
     "The variants whose runs `variant`'s runs start from, as the batch's plan records them."
     ups = _get(batch['plan'], variant, 'upstream')
@@ -181,7 +207,9 @@ def batch_status(batch_dir) -> list[dict]:
         ups = upstream_variants(b, v)
         for s in b['seeds']:
             name = run_name(v, s)
-            row = run_row(d / name, {run_name(u, s): states.get(run_name(u, s), 'pending') for u in ups}, b['jobs'].get(name), now)
+            row = run_row(
+                d / name, {run_name(u, s): states.get(run_name(u, s), 'pending') for u in ups}, b['jobs'].get(name), now
+            )
             states[name] = row['state']; rows.append(row)
     return rows
 
@@ -194,12 +222,15 @@ def _duration(s: float | None) -> str:
     if s < 3600: return f'{s // 60}m {s % 60:02d}s'
     return f'{s // 3600}h {s % 3600 // 60:02d}m' if s < 86400 else f'{s // 86400}d {s % 86400 // 3600:02d}h'
 
+# %% ../nbs/07b_status.ipynb #e60c2b5d
 def _printable(s) -> str: return ''.join(c if c.isprintable() else '?' for c in str(s))
 
+# %% ../nbs/07b_status.ipynb #3ae71d5d
 COLUMNS = {'run': 'run', 'state': 'state', 'job': 'job', 'step': 'step', 'train_loss': 'train loss', 'val_loss': 'val loss',
            'tokens_per_s': 'tokens/s', 'eta_s': 'ETA', 'updated': 'updated', 'note': 'note'}
 NUMERIC = ('step', 'train_loss', 'val_loss', 'tokens_per_s', 'eta_s') # right-aligned
 
+# %% ../nbs/07b_status.ipynb #75b5faf0
 def _cell(row: dict, key: str) -> str:
     "The text of one cell of the table."
     v = row.get(key)
@@ -216,7 +247,8 @@ def _cell(row: dict, key: str) -> str:
 def format_status(rows: list[dict], # from `batch_status`
                   batch_dir=None, # the batch directory, named in the first line with its study and preset
                  ) -> str:
-    "The status table as text: a line naming the batch and counting its runs' states, the column names, one line per run."
+    """The status table as text: a line naming the batch and counting its runs' states, the column names, one line per
+    run."""
     b, _ = read_record(Path(batch_dir) / 'batch.json') if batch_dir is not None else (None, '')
     about = ', '.join(f'{k} {_printable(b[k])}' for k in ('study', 'preset') if isinstance(_get(b, k), str))
     head = f"batch {_printable(batch_dir)}{f' ({about})' if about else ''}: " if batch_dir is not None else ''
@@ -231,16 +263,20 @@ def format_status(rows: list[dict], # from `batch_status`
 # %% ../nbs/07b_status.ipynb #2e263dbd
 FINISHED = ('completed', 'failed', 'blocked')
 
+# %% ../nbs/07b_status.ipynb #954fe284
 def may_change(rows: list[dict], batch_dir) -> bool:
-    "Whether the batch's table may still change: a run runs or waits for its job, or an `oelm run` holds the batch to start more."
+    """Whether the batch's table may still change: a run runs or waits for its job, or an `oelm run` holds the batch to
+    start more."""
     if all(r['state'] in FINISHED for r in rows): return False
     return any(r['state'] == 'running' or (r['state'] == 'pending' and r.get('job')) for r in rows) or live_holder(batch_dir) is not None
 
+# %% ../nbs/07b_status.ipynb #e3212430
 def show_status(batch_dir, # the --out directory of an `oelm run`
                 watch: float | None = None, # seconds between refreshes; None: print the table once
                 out=print, # where the table goes
                ) -> list[dict]:
-    "Print the batch's status table, once or every `watch` seconds until it cannot change (Ctrl-C stops watching); returns the last rows."
+    """Print the batch's status table, once or every `watch` seconds until it cannot change (Ctrl-C stops watching);
+    returns the last rows."""
     if watch is not None and not (_number(watch) and watch > 0):
         raise ConfigError(f'--watch {watch!r}: give the seconds between refreshes, a number above 0 (or leave --watch out to print once)')
     rows = batch_status(batch_dir)

@@ -59,8 +59,10 @@ def make_names(n: int = 3000, # how many distinct names
             seen.add(name); names.append(name)
     return names
 
+# %% ../nbs/04a_stories.ipynb #c3108d9f
 def _all_words() -> list[str]: return [w for ws in WORDS.values() for w in ws]
 
+# %% ../nbs/04a_stories.ipynb #61e4f13c
 NAMES = make_names()
 
 # %% ../nbs/04a_stories.ipynb #6c3e5fc8
@@ -144,6 +146,7 @@ def _parse(tpl: str) -> tuple[tuple, str, int]:
     for m in _SLOT.finditer(tpl): parts.append((tpl[i:m.start()], m.group(1))); i = m.end()
     return tuple(parts), tpl[i:], len(tpl.split())
 
+# %% ../nbs/04a_stories.ipynb #f12dcf46
 def _render(tpl: str, slots: dict, rng: random.Random, offset: int, mentions: list) -> str:
     "Fill `tpl`; record (entity, start, end) of entity slots, with char offsets counted from `offset`."
     parts, tail, _ = _parse(tpl)
@@ -157,8 +160,10 @@ def _render(tpl: str, slots: dict, rng: random.Random, offset: int, mentions: li
     out.append(tail)
     return ''.join(out)
 
+# %% ../nbs/04a_stories.ipynb #44999149
 _MAX_WORDS, _MIN_WORDS = 120, 50
 
+# %% ../nbs/04a_stories.ipynb #c5796cec
 def _write_story(rng: random.Random) -> Story:
     a, b = rng.sample(NAMES, 2)
     o, q = rng.sample(WORDS['object'], 2)
@@ -208,7 +213,9 @@ def generate_stories(n: int, # number of stories
     "`n` deterministic short stories (50-120 words) with their recall spans."
     return [_story(stream, seed, i) for i in range(n)]
 
-def _story(stream: str, seed: int, i: int) -> Story: return _write_story(random.Random(f'oelm-stories/{stream}/{seed}/{i}'))
+# %% ../nbs/04a_stories.ipynb #78760a7d
+def _story(stream: str, seed: int, i: int) -> Story:
+    return _write_story(random.Random(f'oelm-stories/{stream}/{seed}/{i}'))
 
 # %% ../nbs/04a_stories.ipynb #413c862f
 def synthetic_splits(n_train: int, # training stories

@@ -59,10 +59,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
         groups.append({'params': [p for p in ps if p.dim() >= 2], 'weight_decay': cfg.weight_decay, 'name': f'{name}.decay', 'lr_scale': scale})
         groups.append({'params': [p for p in ps if p.dim() < 2], 'weight_decay': 0.0, 'name': f'{name}.no_decay', 'lr_scale': scale})
     for layer in (schedule.done if schedule else []):
-        groups.append({'params': _qk_params(model, layer), 'weight_decay': cfg.weight_decay, 'name': f'unfrozen_qk_{layer}'})
+        groups.append(
+            {'params': _qk_params(model, layer), 'weight_decay': cfg.weight_decay, 'name': f'unfrozen_qk_{layer}'}
+        )
     fused = all(p.is_cuda for g in groups for p in g['params'])
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **({'fused': True} if fused and groups[0]['params'] else {}))
 
+# %% ../nbs/05_train.ipynb #975ef0e8
 def _qk_params(model, layer):
     from oelm_nb.freeze import attention_layers
     a = attention_layers(model)[layer]
@@ -87,12 +90,14 @@ def train_starts(n_tokens: int, block_size: int, batch_size: int, seed: int, ste
 def eval_starts(n_tokens: int, block_size: int, count: int) -> np.ndarray:
     "Evenly spaced start offsets of the fixed validation sample."
     high = n_tokens - block_size - 1
-    if high <= 0: raise ConfigError(f"the validation split has {n_tokens} tokens, fewer than block_size+1={block_size + 1}")
+    if high <= 0:
+        raise ConfigError(f"the validation split has {n_tokens} tokens, fewer than block_size+1={block_size + 1}")
     return np.linspace(0, high, num=count).astype(np.int64)
 
 # %% ../nbs/05_train.ipynb #7aa3c239
 LossFn = Callable[[nn.Module, tuple], tuple[torch.Tensor, dict]]
 
+# %% ../nbs/05_train.ipynb #510e08ca
 def lm_loss(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
     "Next-token cross-entropy (the default loss hook)."
     x, y, _ = batch
@@ -101,7 +106,8 @@ def lm_loss(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
 
 # %% ../nbs/05_train.ipynb #b585301e
 def call_loss_hook(fn: LossFn, model: nn.Module, batch: tuple, step: int) -> tuple[torch.Tensor, dict]:
-    "Call a loss hook; a hook with a `step` parameter also gets the optimizer step (for a schedule inside the loss, such as a warm-up)."
+    """Call a loss hook; a hook with a `step` parameter also gets the optimizer step (for a schedule inside the loss,
+    such as a warm-up)."""
     try: takes_step = 'step' in inspect.signature(fn).parameters
     except (TypeError, ValueError): takes_step = False  # a builtin or C callable: the two-argument form
     return fn(model, batch, step=step) if takes_step else fn(model, batch)
@@ -172,12 +178,15 @@ LOSS_FACTOR = 4.0   # ... a loss above this multiple of their median ...
 LOSS_MARGIN = 1.0   # ... and more than this above it (in the loss's unit: nats for cross-entropy) has exploded
 RMS_FACTOR = 100.0  # rule (c): the trained parameters' global RMS may grow at most this much over training
 
+# %% ../nbs/05_train.ipynb #85426c22
 class TrainingDiverged(RuntimeError):
-    "A step or a checkpoint broke the divergence rule: the message names the step, the rule and its numbers, the checkpoint really kept and the fix."
+    """A step or a checkpoint broke the divergence rule: the message names the step, the rule and its numbers, the
+    checkpoint really kept and the fix."""
 
 # %% ../nbs/05_train.ipynb #b3548f23
 def step_divergence(loss: float, grad_norm: float, recent: list[float]) -> str | None:
-    "Why a step with this loss and gradient norm is not good (rules a and b), given the losses of the steps before it; None if it is good."
+    """Why a step with this loss and gradient norm is not good (rules a and b), given the losses of the steps before it;
+    None if it is good."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         return f"rule (a): the loss ({loss}) or the gradient norm ({grad_norm}) is not finite"
     prev = recent[-LOSS_WINDOW:]
@@ -189,7 +198,8 @@ def step_divergence(loss: float, grad_norm: float, recent: list[float]) -> str |
 
 # %% ../nbs/05_train.ipynb #1da60411
 def param_rms(params) -> float:
-    "Global root-mean-square of the values of `params`, accumulated in float64 (NaN or inf if any value is); 0.0 if there are none."
+    """Global root-mean-square of the values of `params`, accumulated in float64 (NaN or inf if any value is); 0.0 if
+    there are none."""
     total, n = 0.0, 0
     for p in params:
         t = p.detach()
@@ -200,17 +210,22 @@ def param_rms(params) -> float:
 
 # %% ../nbs/05_train.ipynb #084c0c53
 def param_divergence(rms: float, ref_rms: float | None) -> str | None:
-    "Why trained parameters of global RMS `rms` must not be checkpointed (rule c), given the RMS at the start of training; None if they may."
+    """Why trained parameters of global RMS `rms` must not be checkpointed (rule c), given the RMS at the start of
+    training; None if they may."""
     if not math.isfinite(rms): return f"rule (c): the trained parameters are not all finite (their global RMS is {rms})"
     if ref_rms and rms > RMS_FACTOR * ref_rms:
-        return (f"rule (c): the global RMS of the trained parameters is {rms:.4g}, {rms / ref_rms:.3g}x its value at the start "
-                f"of training ({ref_rms:.4g}); the limit is {RMS_FACTOR:g}x")
+        return (
+            f"rule (c): the global RMS of the trained parameters is {rms:.4g}, {rms / ref_rms:.3g}x its value at the"
+            f" start of training ({ref_rms:.4g}); the limit is {RMS_FACTOR:g}x"
+        )
     return None
 
 # %% ../nbs/05_train.ipynb #b9e6540b
 class TrainingOutOfMemory(ConfigError):
-    "A training step did not fit in memory: the message names batch_size, block_size and grad_accum and how to change them."
+    """A training step did not fit in memory: the message names batch_size, block_size and grad_accum and how to change
+    them."""
 
+# %% ../nbs/05_train.ipynb #76764553
 def oom_message(e: BaseException, step: int, device, cfg: TrainConfig, block_size: int | None) -> str:
     "What ran out of memory at `step`, with which batch shape, and how to make it fit."
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -244,9 +259,12 @@ class Trainer:
     out_dir: Path | str | None = None
     loss_fn: LossFn = lm_loss # loss hook
     extra_modules: dict = field(default_factory=dict) # name -> (module, lr multiplier): trained and checkpointed too
-    batch_fn: Callable[[int, int], tuple] | None = None # data hook: (step, micro) -> this rank's batch (default: windows of train_data)
-    eval_fn: Callable[[nn.Module], dict] | None = None # evaluation hook: model -> {'val_loss': ..., ...} (default: the fixed sample)
-    tokens_per_batch: int | None = None # tokens in one micro-batch when batch_fn is given (default batch_size x block_size)
+    # data hook: (step, micro) -> this rank's batch (default: windows of train_data)
+    batch_fn: Callable[[int, int], tuple] | None = None
+    # evaluation hook: model -> {'val_loss': ..., ...} (default: the fixed sample)
+    eval_fn: Callable[[nn.Module], dict] | None = None
+    # tokens in one micro-batch when batch_fn is given (default batch_size x block_size)
+    tokens_per_batch: int | None = None
     run_config: dict = field(default_factory=dict) # recorded in checkpoints and summary.json
     run_name: str = 'run'
 
@@ -259,13 +277,16 @@ class Trainer:
         for mod, _ in self.extra_modules.values(): mod.to(self.device)
         cfg_m = getattr(self.raw, 'cfg', None)
         self.block_size = getattr(cfg_m, 'block_size', None) or self.run_config.get('block_size')
-        self.schedule = UnfreezeSchedule.from_config(cfg_m) if isinstance(cfg_m, ModelConfig) and cfg_m.unfreeze_at else None
+        self.schedule = (
+            UnfreezeSchedule.from_config(cfg_m) if isinstance(cfg_m, ModelConfig) and cfg_m.unfreeze_at else None
+        )
         self.step, self.tokens, self.best = 0, 0, {'val_loss': float('inf'), 'step': None}
         self.ckpt_root = self.out_dir / 'checkpoints' if self.out_dir else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp == torch.float16 else None
         self._saved_step = None
         self._recent_losses: list[float] = []  # divergence rule (b): the last LOSS_WINDOW step losses
-        self._ref_rms: float | None = None     # divergence rule (c): RMS of the trained parameters when training started
+        # divergence rule (c): RMS of the trained parameters when training started
+        self._ref_rms: float | None = None
 
 # %% ../nbs/05_train.ipynb #36800a0c
 @patch
@@ -309,13 +330,16 @@ def _diverged(self: Trainer, step: int, reason: str, checkpoint: bool = False) -
     head = f"the checkpoint of step {step} was refused (nothing written)" if checkpoint else f"training diverged at step {step}"
     clip = f"keep TrainConfig.grad_clip > 0 (now {cfg.grad_clip:g})" if cfg.grad_clip > 0 else "set TrainConfig.grad_clip > 0 (now 0: no clipping), e.g. 1.0"
     amp = f", or train in dtype='float32' (now {cfg.dtype!r})" if self.amp is not None else ''
-    return TrainingDiverged(f"{head}: {reason}. Kept: {self._kept_checkpoint(step)}. "
-                            f"Fix: lower TrainConfig.lr (now {cfg.lr:g}, e.g. {min(cfg.lr / 10, 1e-3):g}), {clip}{amp}.")
+    return TrainingDiverged(
+        f"{head}: {reason}. Kept: {self._kept_checkpoint(step)}. "
+        f"Fix: lower TrainConfig.lr (now {cfg.lr:g}, e.g. {min(cfg.lr / 10, 1e-3):g}), {clip}{amp}."
+    )
 
 # %% ../nbs/05_train.ipynb #ca570b1e
 @patch
 def _commit_checkpoint(self: Trainer, state: dict):
-    "Take over a checkpoint read by `_read_checkpoint`: weights, counters and divergence history now, optimizer state and RNG in `fit`."
+    """Take over a checkpoint read by `_read_checkpoint`: weights, counters and divergence history now, optimizer state
+    and RNG in `fit`."""
     meta = state['meta']
     for key, mod in self._checkpoint_modules().items():
         if self.schedule and key == 'model': self.schedule.apply(mod, meta['step'])  # re-release layers first
@@ -324,12 +348,14 @@ def _commit_checkpoint(self: Trainer, state: dict):
     self._resumed_opt, self._resumed_rng, self._resumed_from = state['opt'], state['rng'], state['path']
     div = meta.get('divergence', {})
     self._recent_losses = [float(x) for x in div.get('recent_losses', [])][-LOSS_WINDOW:]
-    self._ref_rms = div.get('ref_rms')  # None (a checkpoint from before the rule): `_start_fit` takes it from these weights
+    # None (a checkpoint from before the rule): `_start_fit` takes it from these weights
+    self._ref_rms = div.get('ref_rms')
 
 # %% ../nbs/05_train.ipynb #f5948d26
 @patch
 def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
-    "Restore weights, optimizer, RNG, counters and divergence history from `ckpt` (default: the newest usable checkpoint in out_dir)."
+    """Restore weights, optimizer, RNG, counters and divergence history from `ckpt` (default: the newest usable
+    checkpoint in out_dir)."""
     if ckpt is not None:
         state = read_checkpoint(Path(ckpt), self._checkpoint_modules()); self._check_same_config(state)
         self._commit_checkpoint(state); return True
@@ -350,7 +376,8 @@ def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
 # %% ../nbs/05_train.ipynb #c0214961
 @patch
 def _check_same_config(self: Trainer, state: dict):
-    "Raise `RunMismatch` naming the fields when the checkpoint was trained with another configuration (see `rundir.config_diff`)."
+    """Raise `RunMismatch` naming the fields when the checkpoint was trained with another configuration (see
+    `rundir.config_diff`)."""
     meta = state['meta']
     old = {**(meta.get('run_config') or {}), 'train': meta.get('train_config') or {}}
     new = {**self.run_config, 'train': self.cfg.to_dict()}
@@ -393,7 +420,9 @@ def _micro_batch(self: Trainer, micro: int):
         return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in self.batch_fn(self.step, micro))
     starts = train_starts(len(self.train_data.tokens), self.block_size, self.cfg.batch_size, self.cfg.seed,
                           self.step, micro, self.dist.rank, self.dist.world_size)
-    return tuple(t.to(self.device) if t is not None else None for t in make_batch(self.train_data, starts, self.block_size))
+    return tuple(
+        t.to(self.device) if t is not None else None for t in make_batch(self.train_data, starts, self.block_size)
+    )
 
 # %% ../nbs/05_train.ipynb #b7122db4
 @patch
@@ -408,7 +437,8 @@ def train_step(self: Trainer) -> dict:
             sync = micro == cfg.grad_accum - 1 or not self.dist.enabled
             ctx = self.model_run.no_sync() if not sync else nullcontext()
             with ctx:
-                with autocast(self.device, self.amp): loss, extra = call_loss_hook(self.loss_fn, self.model_run, batch, self.step)
+                with autocast(self.device, self.amp):
+                    loss, extra = call_loss_hook(self.loss_fn, self.model_run, batch, self.step)
                 scaled = loss / cfg.grad_accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.item() / cfg.grad_accum
@@ -422,7 +452,7 @@ def train_step(self: Trainer) -> dict:
         opt.zero_grad(set_to_none=True)
         raise self._diverged(self.step + 1, reason)
     with _oom_named(self):
-        if self.scaler: self.scaler.step(opt); self.scaler.update()
+        if self.scaler:self.scaler.step(opt); self.scaler.update()
         else: opt.step()
     opt.zero_grad(set_to_none=True)
     self._recent_losses = (self._recent_losses + [total])[-LOSS_WINDOW:]
@@ -442,7 +472,8 @@ def _evaluate(self: Trainer) -> dict:
 # %% ../nbs/05_train.ipynb #5e7da042
 @patch
 def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
-    "Set up a `fit`: clean up after interrupted writes, resume if asked (and a checkpoint exists), seed, build the optimizer, restore its state and the RNG, wrap the model; returns the metrics log."
+    """Set up a `fit`: clean up after interrupted writes, resume if asked (and a checkpoint exists), seed, build the
+    optimizer, restore its state and the RNG, wrap the model; returns the metrics log."""
     cfg = self.cfg
     self._resumed_opt = self._resumed_rng = None
     if self.out_dir and self.dist.is_main:
@@ -459,7 +490,8 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
                 raise CheckpointError(f"{self._resumed_from}/optimizer.safetensors does not fit this run's optimizer ({e}); "
                                       "was the checkpoint written with another configuration?") from None
         _set_rng_state(self._resumed_rng, self.dist.rank)
-    if self._ref_rms is None: self._ref_rms = param_rms(self._trained_params())  # rule (c)'s reference: the start of training
+    # rule (c)'s reference: the start of training
+    if self._ref_rms is None: self._ref_rms = param_rms(self._trained_params())
     self._wrap()
     self.raw.train()
     if self.out_dir and self.dist.is_main: self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -473,8 +505,10 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
 def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoint in out_dir, if any
         until: int | None = None, # stop after this step with a checkpoint (simulates an interruption)
        ) -> dict:
-    "Train to `max_steps` (resuming from the latest checkpoint if any) under the run directory's lock; returns the summary."
-    with run_lock(self.out_dir) if self.out_dir and self.dist.is_main else nullcontext():  # one writer per run directory
+    """Train to `max_steps` (resuming from the latest checkpoint if any) under the run directory's lock; returns the
+    summary."""
+    # one writer per run directory
+    with run_lock(self.out_dir) if self.out_dir and self.dist.is_main else nullcontext():
         return self._fit(resume, until)
 
 # %% ../nbs/05_train.ipynb #11091dd5
@@ -513,7 +547,8 @@ def _fit(self: Trainer, resume: bool, until: int | None) -> dict:
 
 # %% ../nbs/05_train.ipynb #4d89fbbe
 def runtime_info(device: torch.device, amp: torch.dtype | None, cfg: TrainConfig) -> dict:
-    "Where and how a run computed: device, precision actually used (and as configured), threads, compile, torch version."
+    """Where and how a run computed: device, precision actually used (and as configured), threads, compile, torch
+    version."""
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
     return {'device': str(device), 'device_name': name, 'dtype': 'float32' if amp is None else str(amp).removeprefix('torch.'),
             'dtype_config': cfg.dtype, 'threads': torch.get_num_threads(), 'compile': cfg.compile, 'torch': torch.__version__}

@@ -16,9 +16,11 @@ __all__ = ['activation', 'load_named_tensors', 'load_init_weights', 'init_dropou
 
 # %% ../nbs/11b_weights.ipynb #40c496c4
 def activation(model: GPT) -> str:
-    "GPT-2's name for the model's MLP activation: 'gelu' (exact, ours) or 'gelu_new' (tanh approximation, imported GPT-2 weights)."
+    """GPT-2's name for the model's MLP activation: 'gelu' (exact, ours) or 'gelu_new' (tanh approximation, imported
+    GPT-2 weights)."""
     kinds = {isinstance(b.mlp, TanhGELUMLP) for b in model.transformer.h}
-    if len(kinds) > 1: raise ConfigError('export: the blocks mix exact and tanh GELU; no single GPT-2 activation describes them')
+    if len(kinds) > 1:
+        raise ConfigError('export: the blocks mix exact and tanh GELU; no single GPT-2 activation describes them')
     return 'gelu_new' if kinds.pop() else 'gelu'
 
 # %% ../nbs/11b_weights.ipynb #b513ddbb
@@ -36,22 +38,29 @@ def _ours_from_nanogpt(sd: dict, n_layer: int, d: int) -> dict:
             move(f'{p}.{a}', f'{p}.{b}')
         for part in ('weight', 'bias'):
             if f'{p}.attn.c_attn.{part}' in sd:
-                for name, t in zip(('q_proj', 'k_proj', 'v_proj'), sd[f'{p}.attn.c_attn.{part}'].split(d, dim=0)): out[f'{p}.attn.{name}.{part}'] = t
+                for name, t in zip(('q_proj', 'k_proj', 'v_proj'), sd[f'{p}.attn.c_attn.{part}'].split(d, dim=0)):
+                    out[f'{p}.attn.{name}.{part}'] = t
     return out
 
+# %% ../nbs/11b_weights.ipynb #c1a6ae66
 def _model_flags(**shape) -> str:
     return ' '.join(f'--set model.{k}={v}' for k, v in shape.items())
 
+# %% ../nbs/11b_weights.ipynb #4d4a74f2
 @torch.no_grad()
 def load_named_tensors(model: GPT, tensors: dict, source: str, hint: str = '') -> GPT:
-    "Copy `tensors` (our names) into every parameter and buffer of `model`: shapes must match (positions may be cropped), biases we lack must be zero; a tied checkpoint's table also starts an untied head."
+    """Copy `tensors` (our names) into every parameter and buffer of `model`: shapes must match (positions may be
+    cropped), biases we lack must be zero; a tied checkpoint's table also starts an untied head."""
     own = {**dict(model.named_parameters(remove_duplicate=True)), **dict(model.named_buffers())}
     tensors, wte = dict(tensors), tensors.get('transformer.tok.wte.weight')
     head = tensors.get('lm_head.weight')
     if 'lm_head.weight' not in own and head is not None and not (wte is not None and head.shape == wte.shape and torch.equal(head, wte)):
-        raise ConfigError(f'--init-from {source}: the checkpoint has an untied output head (lm_head.weight differs from the token table) and this '
-                          'model ties them; train an untied model with --set model.tie_embeddings=false')
-    if 'lm_head.weight' in own and head is None and wte is not None: tensors['lm_head.weight'] = wte  # tied checkpoint, untied model: the head starts as the table
+        raise ConfigError(
+            f'--init-from {source}: the checkpoint has an untied output head (lm_head.weight differs from the token'
+            ' table) and this model ties them; train an untied model with --set model.tie_embeddings=false'
+        )
+    # tied checkpoint, untied model: the head starts as the table
+    if 'lm_head.weight' in own and head is None and wte is not None: tensors['lm_head.weight'] = wte
     missing = [n for n in own if n not in tensors and not n.endswith('.bias')]
     wrong = [(n, tuple(t.shape), tuple(tensors[n].shape)) for n, t in own.items() if n in tensors and t.shape != tensors[n].shape
              and not (n == 'transformer.wpe.weight' and tensors[n].shape[0] > t.shape[0] and tensors[n].shape[1:] == t.shape[1:])]
@@ -61,12 +70,14 @@ def load_named_tensors(model: GPT, tensors: dict, source: str, hint: str = '') -
     lost = [n for n, t in tensors.items() if n not in own and n.endswith('.bias') and t.abs().max() > 0]
     if lost: raise ConfigError(f'--init-from {source}: the checkpoint has non-zero biases this model lacks ({lost[:3]}); set model.bias=true / model.attn_bias=true')
     for n, t in own.items():
-        if n in tensors: t.copy_(tensors[n][:t.shape[0]] if n == 'transformer.wpe.weight' else tensors[n])
+        if n in tensors:t.copy_(tensors[n][:t.shape[0]] if n == 'transformer.wpe.weight' else tensors[n])
         else: t.zero_()  # a bias the checkpoint does not have
     return model
 
+# %% ../nbs/11b_weights.ipynb #c0919dc7
 def load_init_weights(model: GPT, path) -> GPT:
-    "Fill `model` from a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt (see above; an untied head needs an untied model, a tied one starts an untied head as a copy of the table); a `ConfigError` says what does not fit."
+    """Fill `model` from a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt (see above; an untied head needs an
+    untied model, a tied one starts an untied head as a copy of the table); a `ConfigError` says what does not fit."""
     path = Path(path)
     if path.is_dir() and (path / 'config.json').exists():
         src = from_hf_gpt2(path)
@@ -78,22 +89,28 @@ def load_init_weights(model: GPT, path) -> GPT:
         return load_named_tensors(model, {**dict(src.named_parameters()), **dict(src.named_buffers())}, str(path), hint)
     if not path.is_file():
         raise ConfigError(f'--init-from {path}: neither a Hugging Face GPT-2 directory (with config.json) nor a nanoGPT ckpt.pt')
-    try: ck = torch.load(path, map_location='cpu', weights_only=True)
+    try:ck = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e: raise ConfigError(f'--init-from {path}: not a checkpoint torch can read with weights_only=True ({type(e).__name__}: {str(e)[:200]})') from None
     if not (isinstance(ck, dict) and isinstance(ck.get('model'), dict) and isinstance(ck.get('model_args'), dict)):
         raise ConfigError(f"--init-from {path}: not a nanoGPT checkpoint (a dict with 'model' and 'model_args')")
     a = ck['model_args']
-    try: tensors = _ours_from_nanogpt(ck['model'], int(a['n_layer']), int(a['n_embd']))
-    except (KeyError, ValueError, TypeError) as e: raise ConfigError(f'--init-from {path}: its state dict is not in nanoGPT\'s layout ({e})') from None
+    try:
+        tensors = _ours_from_nanogpt(ck['model'], int(a['n_layer']), int(a['n_embd']))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f'--init-from {path}: its state dict is not in nanoGPT\'s layout ({e})') from None
     hint = 'Match it with ' + _model_flags(**{k: a[k] for k in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd') if k in a}, d_ff=4 * int(a['n_embd']))
     return load_named_tensors(model, tensors, str(path), hint)
 
+# %% ../nbs/11b_weights.ipynb #9cc2a15e
 def init_dropouts(path) -> dict:
-    "model.* dropout overrides that `--init-from PATH` carries: GPT-2's resid/attn/embd_pdrop from its config.json, nanoGPT's model_args dropout."
+    """model.* dropout overrides that `--init-from PATH` carries: GPT-2's resid/attn/embd_pdrop from its config.json,
+    nanoGPT's model_args dropout."""
     p = Path(path).expanduser()
     if p.is_dir() and (p / 'config.json').exists():
-        try: c = json.loads((p / 'config.json').read_text())
-        except json.JSONDecodeError as e: raise ConfigError(f'--init-from {p}: config.json is not valid JSON ({e.msg})') from None
+        try:
+            c = json.loads((p / 'config.json').read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f'--init-from {p}: config.json is not valid JSON ({e.msg})') from None
         resid = c.get('resid_pdrop')
         if resid is None: return {}
         out = {'model.dropout': float(resid)}
@@ -101,7 +118,7 @@ def init_dropouts(path) -> dict:
             if c.get(theirs) is not None and c[theirs] != resid: out[ours] = float(c[theirs])
         return out
     if p.is_file():
-        try: ck = torch.load(p, map_location='cpu', weights_only=True)
+        try:ck = torch.load(p, map_location='cpu', weights_only=True)
         except Exception: return {}
         d = (ck.get('model_args') or {}).get('dropout') if isinstance(ck, dict) else None
         return {} if d is None else {'model.dropout': float(d)}

@@ -260,7 +260,7 @@ def test_dropouts_are_read_from_the_source_and_written_on_export(tmp_path):
     from oelm_nb.cli import build_parser, study_plan
     from oelm_nb.studies import get_study
     from oelm_nb.export import hf_config
-from oelm_nb.weights import init_dropouts
+    from oelm_nb.weights import init_dropouts
     from oelm_nb.model import GPT, model_config
     from oelm_nb.pca import from_hf_gpt2
     src = tmp_path / 'gpt2'

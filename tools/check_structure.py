@@ -40,8 +40,10 @@ def problems(notebooks: list[Path]) -> tuple[list[str], list[int]]:
         if mod.exists():
             lines = mod.read_text().splitlines()
             if len(lines) > MAX_MODULE: bad.append(f'{mod.name}: {len(lines)} lines (max {MAX_MODULE})')
+            in_all = False  # nbdev writes the __all__ list itself (a few characters over 120): not ours to wrap
             for i, l in enumerate(lines, 1):
-                if len(l) > MAX_LINE: bad.append(f'{mod.name}:{i}: {len(l)} characters (max {MAX_LINE})')
+                in_all = l.startswith('__all__ = [') or (in_all and l.startswith(' '))
+                if len(l) > MAX_LINE and not in_all: bad.append(f'{mod.name}:{i}: {len(l)} characters (max {MAX_LINE})')
     return bad, sizes
 
 

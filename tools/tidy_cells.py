@@ -5,7 +5,7 @@
 1. An export cell that holds several top-level functions or classes is split into one cell per function or class
    (decorators and the comments just above a definition go with it; consecutive plain statements stay together).
 2. A line longer than 120 characters is re-wrapped by black (line length 120, strings as written), only that line's
-   statement; a one-line docstring too long for one line becomes a wrapped triple-quoted one, and a trailing comment
+   statement, and only where that costs at most GROWTH extra lines; a one-line docstring too long for one line becomes a wrapped triple-quoted one, and a trailing comment
    that makes a line too long moves onto its own line above the statement.
 
 The exported module's syntax tree is compared before and after (string constants compared with their whitespace
@@ -20,6 +20,7 @@ MAX = 120
 MODE = black.Mode(line_length=MAX, string_normalization=False, magic_trailing_comma=False,
                   enabled_features={black.Preview.string_processing})  # long strings split into implicit concatenations
 DIRECTIVE = re.compile(r'^\s*#\|')
+GROWTH = 2  # a statement black would spread over more extra lines than this keeps its long line (modules stay short)
 
 
 def src(c): return ''.join(c['source']) if isinstance(c['source'], list) else c['source']
@@ -106,7 +107,7 @@ def wrap_long(code: str) -> str:
         for span in _spans(code, i)[:3]:
             try: new = black.format_str(code, mode=MODE, lines=[span]).rstrip('\n')
             except Exception: continue
-            if new != code: code = new; break
+            if new != code and len(new.split('\n')) - len(lines) <= GROWTH: code = new; break
         else: failed.add(lines[i - 1])
         if code.split('\n') == lines: failed.add(lines[i - 1])
 
