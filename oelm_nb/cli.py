@@ -351,18 +351,11 @@ def add_study_parser(sub, study, presets):
     r.set_defaults(fn=cmd_run)
     return r
 
-# %% ../nbs/10_cli.ipynb #4e4aa9d2
-def build_parser() -> argparse.ArgumentParser:
+# %% ../nbs/10_cli.ipynb #c69dc081
+def _add_model_commands(sub):
+    "The subcommands that need no batch: `params`, `data prepare`, `train` (torchrun's entry point)."
     from oelm_nb.model import PRESETS
-    from oelm_nb.core import VARIANTS
     from oelm_nb.studies import STUDIES
-    from oelm_nb import __version__
-    p = argparse.ArgumentParser(
-        prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.'
-    )
-    p.add_argument('--version', action='version', version=f'oelm_nb {__version__}')
-    sub = p.add_subparsers(dest='command', required=True)
-
     q = sub.add_parser('params', help='parameter accounting of a preset and a Q/K study variant')
     q.add_argument('--preset', default='tiny', choices=list(PRESETS), help='default: tiny')
     q.add_argument('--variant', default='gpt', choices=list(STUDIES['qk-freeze'].variants('tiny', 1000, {})),
@@ -383,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument('--no-progress', action='store_true')
     t.set_defaults(fn=cmd_train)
 
+# %% ../nbs/10_cli.ipynb #02b7a550
+def _add_batch_commands(sub):
+    "The subcommands of batches: `run STUDY`, `status`, `report`."
+    from oelm_nb.model import PRESETS
+    from oelm_nb.studies import STUDIES
     r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
                        description='Run a study: one papermill execution of its experiment notebook per (variant, seed), then its report.')
     rs = r.add_subparsers(dest='study', required=True, metavar='STUDY')
@@ -394,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser('report', help="(re)render a batch directory's report.html")
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
 
+# %% ../nbs/10_cli.ipynb #6973b5b0
+def _add_run_commands(sub):
+    "The subcommands that read one trained run: `sample`, `export`."
     sm = sub.add_parser('sample', help="text from a trained run's checkpoint (like nanoGPT's sample.py)",
                         description="Sample text from one run's checkpoint, with the run's own tokenizer (token ids where its data has none).")
     sm.add_argument('run_dir', help='one run directory, e.g. runs/qk-freeze/gpt-s0')
@@ -422,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument('--checkpoint', default='best', help='best | final | latest | a step number (default: best)')
     ex.set_defaults(fn=cmd_export)
 
+# %% ../nbs/10_cli.ipynb #8cdd0ab6
+def _add_bench_command(sub):
+    "The `bench` subcommand: FLOPs, optimizer state and step time, or the bf16 numerics check."
+    from oelm_nb.model import PRESETS
     b = sub.add_parser('bench', help='FLOPs, optimizer state and interleaved step time per variant')
     b.add_argument('--preset', default='tiny', choices=list(PRESETS))
     b.add_argument('--variants', default=None, help='comma-separated (default: oelm,oelm-freeze; with --numerics: all of the study)')
@@ -438,6 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument('--seeds', type=int, nargs='+', default=[0, 1], help='--numerics: seeds (at least 2)')
     b.add_argument('--train-steps', type=int, default=None, help="--numerics: steps per run (default: the preset's)")
     b.set_defaults(fn=cmd_bench)
+
+# %% ../nbs/10_cli.ipynb #8ed76529
+def build_parser() -> argparse.ArgumentParser:
+    "The `oelm` command line: one subcommand per task."
+    from oelm_nb import __version__
+    p = argparse.ArgumentParser(prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.')
+    p.add_argument('--version', action='version', version=f'oelm_nb {__version__}')
+    sub = p.add_subparsers(dest='command', required=True)
+    for add in (_add_model_commands, _add_batch_commands, _add_run_commands, _add_bench_command): add(sub)
     return p
 
 # %% ../nbs/10_cli.ipynb #71c699be

@@ -14,6 +14,7 @@ from .rundir import write_json, read_json
 from .rundir import run_lock, RunLocked, read_holder, is_alive, describe_holder
 from .runner import Batch, Job, execute_run, run_status
 from .status import batch_status, format_status
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['RESERVED_SBATCH', 'ACTIVE_STATES', 'DETACHED_ENV', 'time_minutes', 'ClusterConfig', 'slurm_parameters',
@@ -130,20 +131,6 @@ class ClusterBackend:
         # submitit writes nothing until a submission
         if self.cfg.cluster == 'slurm': self.executor(Path(tempfile.gettempdir()) / 'oelm-slurm-check', 'check')
 
-    def earlier_job(self, job: Job) -> str | None:
-        """The id of a job from an earlier `oelm run` of this batch that still trains `job`'s run (a live process holds
-        its lock), else None."""
-        h = read_holder(job.run_dir)
-        if not h or not is_alive(h): return None
-        rec = read_json(job.run_dir / 'job.json') or {}
-        # a holder on another host: ask SLURM
-        if h.get('host') != socket.gethostname() and self.cfg.cluster == 'slurm' and rec.get('job_id'):
-            import submitit
-            try: state = submitit.SlurmJob(folder=Path(str(rec.get('stdout', '.'))).parent, job_id=str(rec['job_id'])).state
-            except Exception: state = 'UNKNOWN'
-            if state not in ACTIVE_STATES: return None  # the node was lost with the lock record on it
-        return str(rec.get('job_id') or f"pid {h.get('pid')} on {h.get('host')}")
-
     def __call__(self, job: Job, batch: Batch, gpu_set=None, threads=None, log=print) -> str:
         # re-attach: the run's own lock tells that a job of a previous `oelm run` is on it
         if earlier := self.earlier_job(job):
@@ -157,23 +144,41 @@ class ClusterBackend:
         log(f'[oelm run] {job.name}: submitted as {self.cfg.cluster} job {sj.job_id}')
         return self.wait(sj, job, batch, log)
 
-    def wait(self, sj, job: Job, batch: Batch, log=print) -> str:
-        "Wait for the job; a job that ended without finishing fails its run with the job's state and log."
-        from submitit.core.utils import UncompletedJobError
-        try: status = sj.result()
-        except UncompletedJobError as e:
-            if run_status(job.run_dir) == 'completed': return 'completed'
-            state = sj.state
-            why = f"{self.cfg.cluster} job {sj.job_id} ended without finishing (state {state}); its log: {sj.paths.stderr}"
-            detail = str(e).strip().splitlines()
-            try:
-                with run_lock(job.run_dir):
-                    write_json(job.run_dir / 'summary.json', {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
-                                                             'error': why, 'job_id': str(sj.job_id), 'job_state': state, 'job_error': detail[-1] if detail else ''})
-            except RunLocked as locked: why += f' (its run directory is still locked: {locked})'
-            log(f'[oelm run] {job.name}: FAILED: {why}'); return 'failed'
-        log(f'[oelm run] {job.name}: {self.cfg.cluster} job {sj.job_id} ended: {status}')
-        return status
+# %% ../nbs/07c_cluster.ipynb #ee00e60f
+@patch
+def earlier_job(self: ClusterBackend, job: Job) -> str | None:
+    """The id of a job from an earlier `oelm run` of this batch that still trains `job`'s run (a live process holds
+    its lock), else None."""
+    h = read_holder(job.run_dir)
+    if not h or not is_alive(h): return None
+    rec = read_json(job.run_dir / 'job.json') or {}
+    # a holder on another host: ask SLURM
+    if h.get('host') != socket.gethostname() and self.cfg.cluster == 'slurm' and rec.get('job_id'):
+        import submitit
+        try: state = submitit.SlurmJob(folder=Path(str(rec.get('stdout', '.'))).parent, job_id=str(rec['job_id'])).state
+        except Exception: state = 'UNKNOWN'
+        if state not in ACTIVE_STATES: return None  # the node was lost with the lock record on it
+    return str(rec.get('job_id') or f"pid {h.get('pid')} on {h.get('host')}")
+
+# %% ../nbs/07c_cluster.ipynb #4cc129bc
+@patch
+def wait(self: ClusterBackend, sj, job: Job, batch: Batch, log=print) -> str:
+    "Wait for the job; a job that ended without finishing fails its run with the job's state and log."
+    from submitit.core.utils import UncompletedJobError
+    try: status = sj.result()
+    except UncompletedJobError as e:
+        if run_status(job.run_dir) == 'completed': return 'completed'
+        state = sj.state
+        why = f"{self.cfg.cluster} job {sj.job_id} ended without finishing (state {state}); its log: {sj.paths.stderr}"
+        detail = str(e).strip().splitlines()
+        try:
+            with run_lock(job.run_dir):
+                write_json(job.run_dir / 'summary.json', {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
+                                                         'error': why, 'job_id': str(sj.job_id), 'job_state': state, 'job_error': detail[-1] if detail else ''})
+        except RunLocked as locked: why += f' (its run directory is still locked: {locked})'
+        log(f'[oelm run] {job.name}: FAILED: {why}'); return 'failed'
+    log(f'[oelm run] {job.name}: {self.cfg.cluster} job {sj.job_id} ended: {status}')
+    return status
 
 # %% ../nbs/07c_cluster.ipynb #6bdd4fb8
 DETACHED_ENV = 'OELM_DETACHED' # set in a detached batch's process; its batch lock says so

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'DataError', 'ConfigBase', 'ModelConfig',
@@ -114,61 +115,67 @@ class ModelConfig(ConfigBase):
     attn_dropout: float | None = None # dropout of the attention weights (GPT-2's attn_pdrop; None: dropout)
     embd_dropout: float | None = None # dropout after token + position embedding (GPT-2's embd_pdrop; None: dropout)
 
-    def __post_init__(self):
-        c = 'ModelConfig'
-        self.check_types()
-        for name in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd'):
-            v = getattr(self, name)
-            check(isinstance(v, int) and v > 0, c, name, v, 'must be a positive integer')
-        check(self.n_embd % self.n_head == 0, c, 'n_head', self.n_head,
-              f'must divide n_embd={self.n_embd} (head_dim = n_embd / n_head); try n_head in '
-              f'{[h for h in range(1, 33) if self.n_embd % h == 0]}')
-        check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff > 0), c, 'd_ff', self.d_ff, 'must be a positive integer or None')
-        check(self.n_embd_wte is None or (isinstance(self.n_embd_wte, int) and 0 < self.n_embd_wte <= self.n_embd),
-              c, 'n_embd_wte', self.n_embd_wte, f'must be None or an integer in 1..n_embd={self.n_embd}')
-        check(0.0 <= self.dropout < 1.0, c, 'dropout', self.dropout, 'must be in [0, 1)')
-        for name in ('attn_dropout', 'embd_dropout'):
-            v = getattr(self, name)
-            check(v is None or 0.0 <= v < 1.0, c, name, v, 'must be None (the dropout field) or in [0, 1)')
-        check(self.variant in VARIANTS, c, 'variant', self.variant, f'must be one of {VARIANTS}')
-        check(self.init_std > 0, c, 'init_std', self.init_std, 'must be positive')
-        self.unfreeze_at = tuple(self.unfreeze_at or ())
-        if self.variant not in FREEZE_VARIANTS:
-            check(self.freeze_layers is None, c, 'freeze_layers', self.freeze_layers, f"only applies to the frozen variants {FREEZE_VARIANTS}")
-            check(not self.unfreeze_at, c, 'unfreeze_at', self.unfreeze_at, f"only applies to the frozen variants {FREEZE_VARIANTS}")
-        else:
-            n = self.freeze_layers
-            check(n is None or (isinstance(n, int) and 0 <= n <= self.n_layer), c, 'freeze_layers', n, f'must be None or in 0..n_layer={self.n_layer}')
-            check(len(self.unfreeze_at) <= len(self.frozen_layers), c, 'unfreeze_at', self.unfreeze_at,
-                  f'gives more steps than there are frozen layers ({len(self.frozen_layers)})')
-            check(all(isinstance(s, int) and s >= 0 for s in self.unfreeze_at) and list(self.unfreeze_at) == sorted(self.unfreeze_at),
-                  c, 'unfreeze_at', self.unfreeze_at, 'must be non-negative integer steps in increasing order')
 
-    @property
-    def attn_p(self) -> float: return self.dropout if self.attn_dropout is None else self.attn_dropout
-    @property
-    def embd_p(self) -> float: return self.dropout if self.embd_dropout is None else self.embd_dropout
+    def __post_init__(self): _check_model_config(self)  # the checks follow the class
 
-    @property
-    def head_dim(self) -> int: return self.n_embd // self.n_head
-    @property
-    def ff_dim(self) -> int: return self.d_ff or 4 * self.n_embd
-    @property
-    def wte_dim(self) -> int: return self.n_embd_wte or self.n_embd
-    @property
-    def factorized(self) -> bool: return self.wte_dim < self.n_embd
-    @property
-    def qk_init(self) -> str:
-        """How Q/K start: 'normal' N(0, init_std) (gpt), 'orthogonal' (oelm*), or 'gauss' N(0, 1/n_embd): the orthogonal
-        scale without orthogonality."""
-        return 'normal' if self.variant == 'gpt' else 'gauss' if self.variant.startswith('gauss') else 'orthogonal'
-    @property
-    def orthogonal_qk(self) -> bool: return self.qk_init == 'orthogonal'
-    @property
-    def frozen_layers(self) -> list[int]:
-        "Indices of the layers whose Q/K start frozen."
-        if self.variant not in FREEZE_VARIANTS: return []
-        return list(range(self.n_layer if self.freeze_layers is None else self.freeze_layers))
+# %% ../nbs/00_core.ipynb #d4cfc67b
+def _check_model_config(self: ModelConfig):
+    "Raise a `ConfigError` naming the field, the value and the fix when a field of `ModelConfig` is invalid."
+    c = 'ModelConfig'
+    self.check_types()
+    for name in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd'):
+        v = getattr(self, name)
+        check(isinstance(v, int) and v > 0, c, name, v, 'must be a positive integer')
+    check(self.n_embd % self.n_head == 0, c, 'n_head', self.n_head,
+          f'must divide n_embd={self.n_embd} (head_dim = n_embd / n_head); try n_head in '
+          f'{[h for h in range(1, 33) if self.n_embd % h == 0]}')
+    check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff > 0), c, 'd_ff', self.d_ff, 'must be a positive integer or None')
+    check(self.n_embd_wte is None or (isinstance(self.n_embd_wte, int) and 0 < self.n_embd_wte <= self.n_embd),
+          c, 'n_embd_wte', self.n_embd_wte, f'must be None or an integer in 1..n_embd={self.n_embd}')
+    check(0.0 <= self.dropout < 1.0, c, 'dropout', self.dropout, 'must be in [0, 1)')
+    for name in ('attn_dropout', 'embd_dropout'):
+        v = getattr(self, name)
+        check(v is None or 0.0 <= v < 1.0, c, name, v, 'must be None (the dropout field) or in [0, 1)')
+    check(self.variant in VARIANTS, c, 'variant', self.variant, f'must be one of {VARIANTS}')
+    check(self.init_std > 0, c, 'init_std', self.init_std, 'must be positive')
+    self.unfreeze_at = tuple(self.unfreeze_at or ())
+    if self.variant not in FREEZE_VARIANTS:
+        check(self.freeze_layers is None, c, 'freeze_layers', self.freeze_layers, f"only applies to the frozen variants {FREEZE_VARIANTS}")
+        check(not self.unfreeze_at, c, 'unfreeze_at', self.unfreeze_at, f"only applies to the frozen variants {FREEZE_VARIANTS}")
+    else:
+        n = self.freeze_layers
+        check(n is None or (isinstance(n, int) and 0 <= n <= self.n_layer), c, 'freeze_layers', n, f'must be None or in 0..n_layer={self.n_layer}')
+        check(len(self.unfreeze_at) <= len(self.frozen_layers), c, 'unfreeze_at', self.unfreeze_at,
+              f'gives more steps than there are frozen layers ({len(self.frozen_layers)})')
+        check(all(isinstance(s, int) and s >= 0 for s in self.unfreeze_at) and list(self.unfreeze_at) == sorted(self.unfreeze_at),
+              c, 'unfreeze_at', self.unfreeze_at, 'must be non-negative integer steps in increasing order')
+
+# %% ../nbs/00_core.ipynb #a671b818
+@patch(as_prop=True)
+def attn_p(self: ModelConfig) -> float: return self.dropout if self.attn_dropout is None else self.attn_dropout
+@patch(as_prop=True)
+def embd_p(self: ModelConfig) -> float: return self.dropout if self.embd_dropout is None else self.embd_dropout
+
+@patch(as_prop=True)
+def head_dim(self: ModelConfig) -> int: return self.n_embd // self.n_head
+@patch(as_prop=True)
+def ff_dim(self: ModelConfig) -> int: return self.d_ff or 4 * self.n_embd
+@patch(as_prop=True)
+def wte_dim(self: ModelConfig) -> int: return self.n_embd_wte or self.n_embd
+@patch(as_prop=True)
+def factorized(self: ModelConfig) -> bool: return self.wte_dim < self.n_embd
+@patch(as_prop=True)
+def qk_init(self: ModelConfig) -> str:
+    """How Q/K start: 'normal' N(0, init_std) (gpt), 'orthogonal' (oelm*), or 'gauss' N(0, 1/n_embd): the orthogonal
+    scale without orthogonality."""
+    return 'normal' if self.variant == 'gpt' else 'gauss' if self.variant.startswith('gauss') else 'orthogonal'
+@patch(as_prop=True)
+def orthogonal_qk(self: ModelConfig) -> bool: return self.qk_init == 'orthogonal'
+@patch(as_prop=True)
+def frozen_layers(self: ModelConfig) -> list[int]:
+    "Indices of the layers whose Q/K start frozen."
+    if self.variant not in FREEZE_VARIANTS: return []
+    return list(range(self.n_layer if self.freeze_layers is None else self.freeze_layers))
 
 # %% ../nbs/00_core.ipynb #12989f41
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
@@ -203,40 +210,46 @@ class TrainConfig(ConfigBase):
     progress: bool = True # tqdm progress bar
     init_from: str | None = None # start from these weights: a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt
 
-    def __post_init__(self):
-        c = 'TrainConfig'
-        self.check_types()
-        for name in ('max_steps', 'batch_size', 'grad_accum', 'eval_batches', 'log_every'):
-            v = getattr(self, name)
-            check(isinstance(v, int) and v > 0, c, name, v, 'must be a positive integer')
-        for name in ('warmup_steps', 'eval_every', 'ckpt_every', 'keep_last', 'seed'):
-            v = getattr(self, name)
-            check(isinstance(v, int) and v >= 0, c, name, v, 'must be a non-negative integer')
-        # NaN and inf pass `>` checks
-        for name in ('lr', 'min_lr', 'weight_decay', 'beta1', 'beta2', 'eps', 'grad_clip'):
-            v = getattr(self, name)
-            check(bool(np.isfinite(v)), c, name, v, 'must be a finite number, not NaN or inf')
-        check(0 < self.lr <= _F32_MAX, c, 'lr', self.lr,
-              f'must be positive and representable in float32 (at most {_F32_MAX:.3g}; the optimizer computes in float32), e.g. 3e-4')
-        check(0 <= self.min_lr <= self.lr, c, 'min_lr', self.min_lr, f'must be in [0, lr={self.lr}]')
-        check(self.weight_decay >= 0, c, 'weight_decay', self.weight_decay, 'must be non-negative')
-        check(0 <= self.beta1 < 1, c, 'beta1', self.beta1, 'must be in [0, 1)')
-        check(0 <= self.beta2 < 1, c, 'beta2', self.beta2, 'must be in [0, 1)')
-        check(self.eps > 0, c, 'eps', self.eps, 'must be positive')
-        check(self.grad_clip >= 0, c, 'grad_clip', self.grad_clip, 'must be non-negative (0 turns clipping off)')
-        check(self.dtype in DTYPES, c, 'dtype', self.dtype, f'must be one of {DTYPES}')
-        check(self.device == 'auto' or self.device.split(':')[0] in ('cpu', 'cuda', 'mps'), c, 'device', self.device,
-              "must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
-        check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''), c, 'init_from', self.init_from,
-              'must be a path to a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt, or None')
-        self.loggers = tuple(self.loggers or ())
-        bad = [l for l in self.loggers if l not in LOGGERS]
-        check(not bad, c, 'loggers', self.loggers, f'unknown logger(s) {bad}; choose from {LOGGERS}')
 
-    @property
-    def tokens_per_step(self) -> int:
-        "Sequences per optimizer step on one process (multiply by block_size and world size for tokens)."
-        return self.batch_size * self.grad_accum
+    def __post_init__(self): _check_train_config(self)  # the checks follow the class
+
+# %% ../nbs/00_core.ipynb #c9d660bb
+def _check_train_config(self: TrainConfig):
+    "Raise a `ConfigError` naming the field, the value and the fix when a field of `TrainConfig` is invalid."
+    c = 'TrainConfig'
+    self.check_types()
+    for name in ('max_steps', 'batch_size', 'grad_accum', 'eval_batches', 'log_every'):
+        v = getattr(self, name)
+        check(isinstance(v, int) and v > 0, c, name, v, 'must be a positive integer')
+    for name in ('warmup_steps', 'eval_every', 'ckpt_every', 'keep_last', 'seed'):
+        v = getattr(self, name)
+        check(isinstance(v, int) and v >= 0, c, name, v, 'must be a non-negative integer')
+    # NaN and inf pass `>` checks
+    for name in ('lr', 'min_lr', 'weight_decay', 'beta1', 'beta2', 'eps', 'grad_clip'):
+        v = getattr(self, name)
+        check(bool(np.isfinite(v)), c, name, v, 'must be a finite number, not NaN or inf')
+    check(0 < self.lr <= _F32_MAX, c, 'lr', self.lr,
+          f'must be positive and representable in float32 (at most {_F32_MAX:.3g}; the optimizer computes in float32), e.g. 3e-4')
+    check(0 <= self.min_lr <= self.lr, c, 'min_lr', self.min_lr, f'must be in [0, lr={self.lr}]')
+    check(self.weight_decay >= 0, c, 'weight_decay', self.weight_decay, 'must be non-negative')
+    check(0 <= self.beta1 < 1, c, 'beta1', self.beta1, 'must be in [0, 1)')
+    check(0 <= self.beta2 < 1, c, 'beta2', self.beta2, 'must be in [0, 1)')
+    check(self.eps > 0, c, 'eps', self.eps, 'must be positive')
+    check(self.grad_clip >= 0, c, 'grad_clip', self.grad_clip, 'must be non-negative (0 turns clipping off)')
+    check(self.dtype in DTYPES, c, 'dtype', self.dtype, f'must be one of {DTYPES}')
+    check(self.device == 'auto' or self.device.split(':')[0] in ('cpu', 'cuda', 'mps'), c, 'device', self.device,
+          "must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''), c, 'init_from', self.init_from,
+          'must be a path to a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt, or None')
+    self.loggers = tuple(self.loggers or ())
+    bad = [l for l in self.loggers if l not in LOGGERS]
+    check(not bad, c, 'loggers', self.loggers, f'unknown logger(s) {bad}; choose from {LOGGERS}')
+
+# %% ../nbs/00_core.ipynb #b9fc2287
+@patch(as_prop=True)
+def tokens_per_step(self: TrainConfig) -> int:
+    "Sequences per optimizer step on one process (multiply by block_size and world size for tokens)."
+    return self.batch_size * self.grad_accum
 
 # %% ../nbs/00_core.ipynb #8289b002
 @dataclass

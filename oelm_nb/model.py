@@ -12,6 +12,7 @@ from .core import ModelConfig, ConfigError
 from .device import set_seed
 from .orthogonal import OrthogonalLinear, init_orthogonal_, make_learnable_orthogonal_
 from .freeze import freeze_qk_, param_report, attention_layers, frozen_qk_layers
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['PRESETS', 'model_config', 'CausalSelfAttention', 'MLP', 'Block', 'TokenEmbedding', 'GPT']
@@ -138,14 +139,6 @@ class GPT(nn.Module):
                     # gauss: N(0, 1/d), the orthogonal scale
                     else: w.copy_(torch.randn(w.shape, generator=g_qk) / math.sqrt(w.shape[1]))
 
-    def apply_variant(self):
-        "Freeze Q/K (oelm-freeze, gauss-freeze) or make them learnable-orthogonal (oelm-learnable)."
-        if self.cfg.frozen_layers:  # oelm-freeze, gauss-freeze
-            freeze_qk_(self, self.cfg.frozen_layers)
-        elif self.cfg.variant == 'oelm-learnable':
-            for attn in attention_layers(self):
-                make_learnable_orthogonal_(attn.q_proj); make_learnable_orthogonal_(attn.k_proj)
-
     def forward(self, idx: torch.Tensor, # (B, T) token ids
                 targets: torch.Tensor | None = None, # (B, T) next-token ids (optional)
                ):
@@ -160,28 +153,41 @@ class GPT(nn.Module):
         loss = None if targets is None else F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    @classmethod
-    def from_preset(cls, preset: str = 'tiny', init_seed: int | None = None, **overrides) -> 'GPT':
-        return cls(model_config(preset, **overrides), init_seed=init_seed)
+# %% ../nbs/03_model.ipynb #eee6542e
+@patch
+def apply_variant(self: GPT):
+    "Freeze Q/K (oelm-freeze, gauss-freeze) or make them learnable-orthogonal (oelm-learnable)."
+    if self.cfg.frozen_layers:  # oelm-freeze, gauss-freeze
+        freeze_qk_(self, self.cfg.frozen_layers)
+    elif self.cfg.variant == 'oelm-learnable':
+        for attn in attention_layers(self):
+            make_learnable_orthogonal_(attn.q_proj); make_learnable_orthogonal_(attn.k_proj)
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, # (B, T) prompt ids
-                 max_new_tokens: int,
-                 temperature: float = 1.0, # 0 picks the most likely token
-                 top_k: int | None = None, # sample among the k most likely tokens only
-                 generator: torch.Generator | None = None):
-        "Extend `idx` by `max_new_tokens` sampled tokens."
-        was_training = self.training; self.eval()
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
-            logits = logits[:, -1, :].float()
-            if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float('inf')
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        self.train(was_training)
-        return idx
+# %% ../nbs/03_model.ipynb #eb85b528
+@patch(cls_method=True)
+def from_preset(cls: GPT, preset: str = 'tiny', init_seed: int | None = None, **overrides) -> 'GPT':
+    return cls(model_config(preset, **overrides), init_seed=init_seed)
+
+# %% ../nbs/03_model.ipynb #53a7fa75
+@patch
+@torch.no_grad()
+def generate(self: GPT, idx: torch.Tensor, # (B, T) prompt ids
+             max_new_tokens: int,
+             temperature: float = 1.0, # 0 picks the most likely token
+             top_k: int | None = None, # sample among the k most likely tokens only
+             generator: torch.Generator | None = None):
+    "Extend `idx` by `max_new_tokens` sampled tokens."
+    was_training = self.training; self.eval()
+    for _ in range(max_new_tokens):
+        logits, _ = self(idx[:, -self.cfg.block_size:])
+        logits = logits[:, -1, :].float()
+        if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('inf')
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    self.train(was_training)
+    return idx
