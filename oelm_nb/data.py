@@ -25,9 +25,8 @@ _all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic
 __all__ = ['EOT', 'GPT2_FILES', 'SPLITS', 'TINYSTORIES', 'FORMAT', 'GPT2_VOCAB_SIZES', 'BPETokenizer', 'TiktokenTokenizer',
            'gpt2_tokenizer', 'load_tokenizer', 'token_dtype', 'recall_positions', 'split_at_eot', 'read_documents',
            'load_tinystories', 'unigram_ppl', 'prepare_data', 'PlainUnpickler', 'read_nanogpt_meta', 'TokenData',
-           'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'gsm8k_number', 'gsm8k_correct',
-           'gsm8k_sample', 'write_gsm8k_sample', 'NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names',
-           'synthetic_splits', 'DataError']
+           'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'NAMES', 'WORDS', 'Story',
+           'generate_stories', 'make_names', 'synthetic_splits', 'DataError']
 
 # %% ../nbs/04_data.ipynb #c2c02220
 EOT = '<|endoftext|>'
@@ -86,6 +85,7 @@ def _tiktoken_cached(urls) -> bool:
     if d is None: d = os.path.join(tempfile.gettempdir(), 'data-gym-cache')
     return bool(d) and all(os.path.exists(os.path.join(d, hashlib.sha1(u.encode()).hexdigest())) for u in urls)
 
+# %% ../nbs/04_data.ipynb #b766fe12
 class TiktokenTokenizer:
     "GPT-2's BPE through tiktoken, with the interface of `BPETokenizer`."
     kind = 'gpt2'
@@ -113,6 +113,7 @@ _GPT2_HELP = ("GPT-2's BPE files are not available: tiktoken needs vocab.bpe and
               "copy that folder here and set TIKTOKEN_CACHE_DIR=/path/tiktoken-cache; "
               "or train a BPE on the corpus instead with DataConfig(tokenizer='bpe').")
 
+# %% ../nbs/04_data.ipynb #7a26cc5a
 def gpt2_tokenizer(timeout: float = 3.0, # seconds for the connectivity probe when the files are not cached
                   ) -> TiktokenTokenizer:
     "GPT-2's tokenizer via tiktoken; a `DataError` with instructions at once when its files cannot be had."
@@ -474,6 +475,7 @@ class TokenData:
     meta: dict
     def __len__(self): return len(self.tokens)
 
+# %% ../nbs/04_data.ipynb #f0690f9b
 def read_meta(data_dir) -> dict:
     "meta.json of a data directory, every field that loading and training read checked (see `_check_meta`)."
     path = Path(data_dir) / 'meta.json'
@@ -491,6 +493,7 @@ def read_meta(data_dir) -> dict:
                         'with (or prepare_data(DataConfig(...), out_dir)) to rewrite it') from None
     return _check_meta(meta, path)
 
+# %% ../nbs/04_data.ipynb #5d21c23e
 def _checked_memmap(path: Path, dtype, what: str) -> np.memmap:
     if not path.exists(): raise DataError(f'{path} is missing: {what}; re-run prepare_data')
     size, item = path.stat().st_size, np.dtype(dtype).itemsize
@@ -583,57 +586,3 @@ def data_codec(data_dir):
         try: return gpt2_tokenizer(timeout=1.0)
         except DataError: pass  # no tiktoken files offline: ids
     return IdCodec(meta['vocab_size'])
-
-# %% ../nbs/04_data.ipynb #0021273f
-_NUMBER = re.compile(r'-?\$?\d[\d,]*(?:\.\d+)?')
-
-def _as_decimal(token: str):
-    from decimal import Decimal, InvalidOperation
-    try: return Decimal(token.replace(',', '').replace('$', ''))
-    except InvalidOperation: return None
-
-def gsm8k_number(text: str, # a GSM8K answer or a model's continuation
-                 strict: bool = False, # True: only a number after '####' counts
-                ):
-    "The final answer of a GSM8K-style text as a Decimal: the first number after the first '####', else (unless strict) the last number; None if there is none."
-    text = str(text).replace('\u2212', '-')  # a typographic minus reads as one
-    head, sep, tail = text.partition('####')
-    found = _NUMBER.findall(tail) if sep else []
-    if found: return _as_decimal(found[0])
-    if strict: return None
-    found = _NUMBER.findall(head)
-    return _as_decimal(found[-1]) if found else None
-
-def gsm8k_correct(prediction: str, # the model's continuation
-                  reference: str, # the record's answer (ends with '#### N')
-                  strict: bool = False) -> bool:
-    "Exact match of the two final answers (`gsm8k_number`); False when either has none."
-    gold, pred = gsm8k_number(reference, strict=True), gsm8k_number(prediction, strict)
-    return gold is not None and pred is not None and pred == gold
-
-# %% ../nbs/04_data.ipynb #fdda08e7
-def gsm8k_sample(n: int = 64, # records
-                 seed: int = 0) -> list[dict]:
-    "`n` synthetic word problems in GSM8K's format: {'question', 'answer'} with the answer ending '#### N'."
-    rng = np.random.default_rng(seed)
-    names, items = ['Ada', 'Ben', 'Carla', 'Dev', 'Emma', 'Farid', 'Gus', 'Hana'], ['apples', 'stamps', 'marbles', 'books', 'coins', 'shells']
-    out = []
-    for _ in range(n):
-        who, what = str(rng.choice(names)), str(rng.choice(items))
-        a, b, c = (int(x) for x in rng.integers(2, 60, size=3))
-        if rng.random() < 0.5:
-            q = f"{who} has {a} {what}. {who} buys {b} more and then gives away {c}. How many {what} does {who} have now?"
-            total = a + b - c
-            steps = f"After buying, {who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\nAfter giving away {c}, {who} has {a + b} - {c} = <<{a + b}-{c}={total}>>{total} {what}."
-        else:
-            q = f"{who} packs {a} boxes with {b} {what} each and finds {c} more. How many {what} are there in all?"
-            total = a * b + c
-            steps = f"The boxes hold {a} * {b} = <<{a}*{b}={a * b}>>{a * b} {what}.\nWith the {c} found, there are {a * b} + {c} = <<{a * b}+{c}={total}>>{total} {what}."
-        out.append({'question': q, 'answer': f"{steps}\n#### {total}"})
-    return out
-
-def write_gsm8k_sample(path, n: int = 64, seed: int = 0) -> Path:
-    "`gsm8k_sample(n, seed)` as a JSON-lines file at `path` (the format of GSM8K's own files)."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(''.join(json.dumps(r) + '\n' for r in gsm8k_sample(n, seed)), encoding='utf-8')
-    return path

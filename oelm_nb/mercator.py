@@ -4,7 +4,7 @@
 
 # %% ../nbs/13_mercator.ipynb #92e13c9b
 from __future__ import annotations
-import math, os
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +34,12 @@ def _masked_mean(v: torch.Tensor, # (...) per-position values
     m = mask.to(torch.bool).expand_as(v)
     return torch.where(m, v, torch.zeros_like(v)).sum() / m.sum().clamp(min=1)  # where: garbage at padding never leaks (not even nan)
 
+# %% ../nbs/13_mercator.ipynb #237d81f3
 def cosine(student: torch.Tensor, teacher: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     "Per-position cosine similarity over the last dim, with the safe norm."
     return (student * teacher).sum(-1) / (safe_norm(student, eps) * safe_norm(teacher, eps))
 
+# %% ../nbs/13_mercator.ipynb #ed0042ee
 def mercator_loss(student: torch.Tensor, # (..., D) student vectors
                   teacher: torch.Tensor, # (..., D) teacher vectors (projected to the student's width)
                   alpha: float = 1.0, # weight of the direction term mean(1 - cos)
@@ -51,6 +53,7 @@ def mercator_loss(student: torch.Tensor, # (..., D) student vectors
     if beta: per = per + beta * (safe_norm(s).log() - safe_norm(t).log()).pow(2)
     return _masked_mean(per, mask)
 
+# %% ../nbs/13_mercator.ipynb #5a5c11ec
 def center(x: torch.Tensor, # (..., D) vectors of one layer (K or V)
            mask: torch.Tensor | None = None, # (...) True/1 at positions that count
           ) -> torch.Tensor:
@@ -61,6 +64,7 @@ def center(x: torch.Tensor, # (..., D) vectors of one layer (K or V)
     mean = torch.where(keep, flat, torch.zeros_like(flat)).sum(0) / keep.sum().clamp(min=1)
     return x - mean
 
+# %% ../nbs/13_mercator.ipynb #df2ea2c2
 def mse_loss(student: torch.Tensor, # (..., D) student vectors
              teacher: torch.Tensor, # (..., D) teacher vectors
              alpha: float = 1.0, # weight of the loss
@@ -119,6 +123,7 @@ class MercatorConfig(ConfigBase):
         "Multiplier of the student's learning rate (the Trainer's lr; the Mercator guide: 5e-5) for the projector's parameter groups."
         return self.lr_projector / lr_student
 
+# %% ../nbs/13_mercator.ipynb #a0cca56a
 MERCATOR_PRESETS = {
     'pure-direction': dict(beta=0.0),
     'weak': dict(beta=0.01),
@@ -148,6 +153,7 @@ class ElasticBottleneck(nn.Module):
 
     def forward(self, x): return self.net(x)  # (..., d_in) -> (..., d_out)
 
+# %% ../nbs/13_mercator.ipynb #43f6fc45
 class KVProjector(nn.Module):
     "One `ElasticBottleneck` per (K or V, student layer) that is distilled."
     def __init__(self, d_in: int, d_out: int, n_layers: int, # student layers distilled
@@ -171,6 +177,7 @@ def cosine_stage(c: float) -> str:
     "The Mercator guide's progress stage of a KV cosine similarity."
     return STAGES[stage_index(c)]
 
+# %% ../nbs/13_mercator.ipynb #c1e8cfea
 def centered_cosine(student: torch.Tensor, # (..., D) one layer's student vectors
                     teacher: torch.Tensor, # (..., D) the projected teacher's
                     mask: torch.Tensor | None = None, # (...) positions that count
@@ -189,6 +196,7 @@ def pass_label(c: float) -> str:
     "The Mercator guide's verdict on a final KV cosine: excellent >= 0.95, good >= 0.90, pass >= 0.80, else below pass."
     return PASS_LABELS[sum(c >= b for b in PASS_LINES)]
 
+# %% ../nbs/13_mercator.ipynb #578ff125
 COLLAPSE_GAP = 0.1  # a run whose raw cosine exceeds its centered one by more than this has collapsed
 
 def collapsed(raw: float, centered: float, gap: float = COLLAPSE_GAP) -> bool:
@@ -203,6 +211,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module): return model
         model = inner
 
+# %% ../nbs/13_mercator.ipynb #6896a0b5
 def gpt_kv(model: nn.Module, # a GPT of this package (possibly wrapped)
            idx: torch.Tensor, # (B, T) token ids
           ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -219,6 +228,7 @@ def gpt_kv(model: nn.Module, # a GPT of this package (possibly wrapped)
         for h in hooks: h.remove()
     return logits, [(caught[i, 'k'], caught[i, 'v']) for i in range(len(blocks))]
 
+# %% ../nbs/13_mercator.ipynb #8c8f650c
 def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     "Per-layer (k, v) of a HF cache: DynamicCache with `.layers` (transformers >= 4.56), `.key_cache` (older), or tuples."
     if hasattr(cache, 'layers'): return [(l.keys, l.values) for l in cache.layers]
@@ -233,10 +243,12 @@ def hf_kv(model: nn.Module, # a transformers causal LM
     out = model(input_ids=idx, attention_mask=attention_mask, use_cache=True)
     return out.logits, cache_layers(out.past_key_values)
 
+# %% ../nbs/13_mercator.ipynb #9119189a
 def extract_kv(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor | None = None):
     "`gpt_kv` for a GPT of this package, `hf_kv` for anything else."
     return gpt_kv(model, idx) if isinstance(_unwrap(model), GPT) else hf_kv(model, idx, attention_mask)
 
+# %% ../nbs/13_mercator.ipynb #41bb7805
 def flatten_heads(kv: torch.Tensor) -> torch.Tensor:
     "(B, H, T, hd) -> (B, T, H*hd): one vector per token."
     B, H, T, hd = kv.shape
@@ -263,6 +275,7 @@ def layer_map(n_teacher: int, # teacher layers
 class ModelLoadError(OSError):
     "A causal LM could not be loaded: the message says from where and how to fix it."
 
+# %% ../nbs/13_mercator.ipynb #ca1849f9
 def load_causal_lm(name_or_path: str | Path, # a local directory with config.json, or a hub name
                    local_files_only: bool = True, # never touch the network (the HF cache still counts)
                    **kwargs, # passed to AutoModelForCausalLM.from_pretrained (e.g. dtype)
@@ -292,6 +305,25 @@ def _freeze_teacher(teacher: nn.Module) -> nn.Module:
     for p in teacher.parameters(): p.requires_grad_(False)
     return teacher
 
+# %% ../nbs/13_mercator.ipynb #b1d1c362
+def _kv_terms(projector: KVProjector, lmap: list[int], cfg: MercatorConfig, loss_fn,
+              s_kv, t_kv, mask, student_moves: bool) -> tuple:
+    "(KV loss, raw cosine, centered cosine), each the mean over the mapped layers and K/V (the student's side detached unless it moves)."
+    kv_loss, cos, ccos = 0.0, 0.0, 0.0
+    for i, ti in enumerate(lmap):
+        for j, kind in enumerate('kv'):
+            s = flatten_heads(s_kv[i][j]).float()
+            if not student_moves: s = s.detach()
+            t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)
+            scored = (center(s, mask), center(t, mask)) if cfg.centered else (s, t)
+            kv_loss = kv_loss + loss_fn(*scored, cfg.alpha, cfg.beta, mask)
+            with torch.no_grad():
+                cos += _masked_mean(cosine(s, t), mask).item()
+                ccos += centered_cosine(s, t, mask).item()
+    n = 2 * len(lmap)
+    return kv_loss / n, cos / n, ccos / n
+
+# %% ../nbs/13_mercator.ipynb #0b043da7
 def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF causal LM)
                  projector: KVProjector, # teacher KV width -> student KV width, one bottleneck per mapped layer and K/V
                  layer_map: list[int], # teacher layer of each student layer
@@ -309,22 +341,6 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
     _freeze_teacher(teacher)
     lmap, loss_fn = list(layer_map), cfg.loss_fn
 
-    def kv_terms(s_kv, t_kv, mask, student_moves: bool):
-        "(KV loss, raw cosine, centered cosine), each the mean over the mapped layers and K/V."
-        kv_loss, cos, ccos = 0.0, 0.0, 0.0
-        for i, ti in enumerate(lmap):
-            for j, kind in enumerate('kv'):
-                s = flatten_heads(s_kv[i][j]).float()
-                if not student_moves: s = s.detach()
-                t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)
-                scored = (center(s, mask), center(t, mask)) if cfg.centered else (s, t)
-                kv_loss = kv_loss + loss_fn(*scored, cfg.alpha, cfg.beta, mask)
-                with torch.no_grad():
-                    cos += _masked_mean(cosine(s, t), mask).item()
-                    ccos += centered_cosine(s, t, mask).item()
-        n = 2 * len(lmap)
-        return kv_loss / n, cos / n, ccos / n
-
     def hook(model: nn.Module, batch: tuple, step: int | None = None) -> tuple[torch.Tensor, dict]:
         x, y, _ = batch
         mask = None if pad_id is None else (x != pad_id)
@@ -335,7 +351,7 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
         if len(s_kv) != len(lmap): raise ConfigError(f"layer_map has {len(lmap)} entries but the student has {len(s_kv)} layers; use layer_map({len(t_kv)}, {len(s_kv)})")
         warming = step is not None and step < warmup_steps
         ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
-        kv_loss, cos, ccos = kv_terms(s_kv, t_kv, mask, train_student and not warming)
+        kv_loss, cos, ccos = _kv_terms(projector, lmap, cfg, loss_fn, s_kv, t_kv, mask, train_student and not warming)
         logs = {'ce_loss': ce.item(), 'kv_loss': kv_loss.item(), 'kv_cos': cos, 'kv_cos_centered': ccos, 'kv_stage': stage_index(cos)}
         if warming:  # the projector alone; the cross-entropy counts in the value (not the gradient), so the loss stays on one scale
             return ce.detach() + (weight or 1.0) * kv_loss, logs
@@ -346,6 +362,7 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
         return loss, logs
     return hook
 
+# %% ../nbs/13_mercator.ipynb #2fc3c0b0
 def kv_projector(teacher: nn.Module, student: nn.Module, cfg: MercatorConfig | None = None) -> KVProjector:
     "A `KVProjector` sized from the teacher's and student's KV widths and the student's depth."
     cfg = cfg or MercatorConfig()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/13a_mercator_study.ipynb #33e94be1
 from __future__ import annotations
-import json, math, os
+import json, math
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -14,23 +14,25 @@ import torch.nn.functional as F
 from .core import ConfigError, ModelConfig, check
 from .device import set_seed, pick_device
 from .experiment import (start_run, Study, Variant, RunSpec, train_run, prepare_run, write_summary, TRAIN_PRESETS, DATA_PRESETS)
-from .rundir import read_json, write_json, run_name
+from .rundir import read_json, run_name
 from .model import GPT, model_config
 from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,
-                             cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, COLLAPSE_GAP, extract_kv, flatten_heads, _freeze_teacher, _masked_mean, _unwrap)
+                             cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, extract_kv, flatten_heads, _freeze_teacher, _unwrap)
+from .gsm8k import gsm8k_accuracy
 
 # %% auto #0
 __all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR_STUDY',
            'MercatorSettings', 'teacher_model', 'resolve_checkpoint', 'resolve_dataset', 'record_text', 'load_records',
            'load_texts', 'DocBatches', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'nf4_unavailable',
-           'check_teacher_dtype', 'teacher_load_kwargs', 'gsm8k_accuracy', 'task_records', 'mercator_run',
-           'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants']
+           'check_teacher_dtype', 'teacher_load_kwargs', 'task_records', 'mercator_run', 'fine_tune_steps',
+           'fine_tune_schedule', 'mercator_common', 'mercator_variants']
 
 # %% ../nbs/13a_mercator_study.ipynb #01cbcafb
 ROLES = ('teacher', 'pretrain', 'student')
 TEACHER_DTYPES = ('auto', 'float32', 'bfloat16', 'float16', 'nf4')
 STARTS = ('pretrain', 'scratch')
 
+# %% ../nbs/13a_mercator_study.ipynb #c9e35e67
 @dataclass
 class MercatorSettings(MercatorConfig):
     "A run of the Mercator study: the loss and projector (a MercatorConfig) plus the run's role, teacher and data."
@@ -89,6 +91,7 @@ def _hub_snapshot(name: str, repo_type: str = 'model') -> Path | None:
     try: return Path(snapshot_download(name, repo_type=repo_type, local_files_only=True))
     except Exception: return None
 
+# %% ../nbs/13a_mercator_study.ipynb #ab351b8a
 def resolve_checkpoint(name: str, # a local checkpoint directory, or a hub name already in the HF cache
                        flag: str = '--teacher', # the option, for the message
                       ) -> str:
@@ -105,6 +108,7 @@ def resolve_checkpoint(name: str, # a local checkpoint directory, or a hub name 
                       f"downloaded here. On a machine with network run `huggingface-cli download {name} --local-dir DIR`, "
                       f"copy DIR here and pass {flag} DIR")
 
+# %% ../nbs/13a_mercator_study.ipynb #23964214
 def resolve_dataset(name: str, # local .jsonl/.txt/.json file, or `hub_name[:config]` already in the HF cache
                    ) -> tuple[str, str | None]:
     "(local file or cached snapshot directory, config name) of `--dataset`; a clear `ConfigError` otherwise."
@@ -130,41 +134,50 @@ def record_text(rec: dict, field: str | None = None) -> str:
         if all(k in rec for k in keys): return '\n'.join(str(rec[k]) for k in keys)
     raise ConfigError(f"cannot tell which field holds the text among {sorted(rec)}; set --set extra.text_field=NAME")
 
+# %% ../nbs/13a_mercator_study.ipynb #0f0d6bbc
+def _file_records(p: Path) -> list[dict]:
+    "The records of a local file: {'text': document} per document of a .txt, the JSON objects of a .jsonl or .json."
+    if p.suffix == '.txt':
+        from oelm_nb.data import read_documents
+        return [{'text': d} for d in read_documents(p)]
+    lines = [l for l in p.read_text(encoding='utf-8').splitlines() if l.strip()]
+    try: recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
+    except json.JSONDecodeError as e: raise ConfigError(f"--dataset {p}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+        raise ConfigError(f"--dataset {p}: expected JSON objects (one per line in .jsonl, a list of them in .json)")
+    return recs
+
+# %% ../nbs/13a_mercator_study.ipynb #0b936684
+def _dataset_records(path: str, config: str | None) -> tuple[list[dict] | None, tuple | None]:
+    "A saved or cached HF data set: (None, (train, val)) with a validation or test split, else (train records, None)."
+    try: import datasets
+    except ImportError: raise ConfigError("--dataset with a data set directory needs `datasets`: pip install 'oelm_nb[hf]'") from None
+    ds = datasets.load_dataset(path, config)
+    val_name = next((s for s in ('validation', 'test') if s in ds), None)
+    splits = (list(ds['train']), list(ds[val_name])) if val_name else None
+    return None if splits else list(ds['train']), splits
+
+# %% ../nbs/13a_mercator_study.ipynb #9fe2fd2d
 def load_records(dataset: str, # --dataset (see resolve_dataset)
                  val_fraction: float = 0.05, # share held out when the data set has no validation/test split
                  seed: int = 0,
                 ) -> tuple[list[dict], list[dict]]:
     "(train, val) records of a local file or a cached HF data set; a .txt file gives {'text': document} records."
     path, config = resolve_dataset(dataset)
-    p = Path(path)
-    if p.is_file() and p.suffix == '.txt':
-        from oelm_nb.data import read_documents
-        recs, splits = [{'text': d} for d in read_documents(p)], None
-    elif p.is_file():
-        lines = [l for l in p.read_text(encoding='utf-8').splitlines() if l.strip()]
-        try: recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
-        except json.JSONDecodeError as e: raise ConfigError(f"--dataset {p}: not valid JSON ({e.msg}, line {e.lineno})") from None
-        if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
-            raise ConfigError(f"--dataset {p}: expected JSON objects (one per line in .jsonl, a list of them in .json)")
-        splits = None
-    else:
-        try: import datasets
-        except ImportError: raise ConfigError("--dataset with a data set directory needs `datasets`: pip install 'oelm_nb[hf]'") from None
-        ds = datasets.load_dataset(path, config)
-        val_name = next((s for s in ('validation', 'test') if s in ds), None)
-        splits = (list(ds['train']), list(ds[val_name])) if val_name else None
-        recs = None if splits else list(ds['train'])
+    recs, splits = (_file_records(Path(path)), None) if Path(path).is_file() else _dataset_records(path, config)
     if splits: return splits
     if len(recs) < 2: raise ConfigError(f"--dataset {dataset}: {len(recs)} record(s); need at least 2 to hold some out for validation")
     perm = np.random.default_rng(seed).permutation(len(recs))
     n_val = min(max(1, round(len(recs) * val_fraction)), len(recs) - 1)
     return [recs[i] for i in sorted(perm[n_val:])], [recs[i] for i in sorted(perm[:n_val])]
 
+# %% ../nbs/13a_mercator_study.ipynb #5fda2b1f
 def load_texts(dataset: str, field: str | None = None, val_fraction: float = 0.05, seed: int = 0) -> tuple[list[str], list[str]]:
     "(train, val) texts of `load_records`, one per record (`record_text`)."
     train, val = load_records(dataset, val_fraction, seed)
     return [record_text(r, field) for r in train], [record_text(r, field) for r in val]
 
+# %% ../nbs/13a_mercator_study.ipynb #cd284c6e
 class DocBatches:
     "Tokenized documents served as right-padded (x, y, None) batches; y = -1 where there is no next token."
     def __init__(self, docs: list[list[int]], # token ids per document (each at least 2 tokens)
@@ -196,6 +209,42 @@ class DocBatches:
     def max_len(self) -> int: return max(map(len, self.docs))
 
 # %% ../nbs/13a_mercator_study.ipynb #9155d196
+def _eval_kv(student, teacher, projector, lmap: list[int], batches: list[tuple], pad_id: int | None, with_ce: bool):
+    "Per (layer, kind) the student's and projected teacher's vectors at real tokens of `batches`; the summed CE and tokens."
+    dev = next(student.parameters()).device
+    S, P = {}, {}  # (layer, kind) -> list of (N, D) student / projected teacher vectors
+    loss_sum, n_tok = 0.0, 0
+    for x, y, *_ in batches:
+        x, y = x.to(dev), y.to(dev)
+        mask = None if pad_id is None else (x != pad_id)
+        am = None if mask is None else mask.long()
+        _, t_kv = extract_kv(teacher, x, am)
+        logits, s_kv = extract_kv(student, x, am)
+        if with_ce:
+            loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction='sum').item()
+            n_tok += int((y != -1).sum())
+        keep = torch.ones(x.shape, dtype=torch.bool, device=dev) if mask is None else mask
+        for i, ti in enumerate(lmap):
+            for j, kind in enumerate('kv'):
+                s = flatten_heads(s_kv[i][j]).float()[keep]
+                t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)[keep]
+                S.setdefault((i, kind), []).append(s.cpu()); P.setdefault((i, kind), []).append(t.cpu())
+    return S, P, loss_sum, n_tok
+
+# %% ../nbs/13a_mercator_study.ipynb #192e78f0
+def _kv_agreement(S: dict, P: dict, n_layers: int) -> dict:
+    "Raw and centered cosine per layer (K and V averaged) and over all layers, and the raw one's stage (`_eval_kv`'s vectors)."
+    raw, cen = [], []
+    for i in range(n_layers):
+        r = [cosine(torch.cat(S[i, k]), torch.cat(P[i, k])).mean().item() for k in 'kv']
+        c = [centered_cosine(torch.cat(S[i, k]), torch.cat(P[i, k])).item() for k in 'kv']
+        raw.append(sum(r) / 2); cen.append(sum(c) / 2)
+    out = {'val_kv_cos': sum(raw) / len(raw), 'val_kv_cos_centered': sum(cen) / len(cen),
+           'val_kv_cos_layers': raw, 'val_kv_cos_centered_layers': cen}
+    out['val_kv_stage'] = stage_index(out['val_kv_cos'])
+    return out
+
+# %% ../nbs/13a_mercator_study.ipynb #9412f0a6
 @torch.no_grad()
 def distill_eval(student: nn.Module, teacher: nn.Module, projector: KVProjector, lmap: list[int],
                  batches: list[tuple], # (x, y, _) batches of the fixed validation sample
@@ -205,35 +254,10 @@ def distill_eval(student: nn.Module, teacher: nn.Module, projector: KVProjector,
     "Validation KV agreement (raw and centered cosine, overall and per layer) and optionally the student's loss and PPL."
     was_s, was_p = student.training, projector.training
     student.eval(); projector.eval(); teacher.eval()
-    dev = next(student.parameters()).device
-    S, P, M = {}, {}, []  # (layer, kind) -> list of (N, D) student / projected teacher vectors; masks
-    loss_sum, n_tok = 0.0, 0
-    try:
-        for x, y, *_ in batches:
-            x, y = x.to(dev), y.to(dev)
-            mask = None if pad_id is None else (x != pad_id)
-            am = None if mask is None else mask.long()
-            _, t_kv = extract_kv(teacher, x, am)
-            logits, s_kv = extract_kv(student, x, am)
-            if with_ce:
-                loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction='sum').item()
-                n_tok += int((y != -1).sum())
-            keep = torch.ones(x.shape, dtype=torch.bool, device=dev) if mask is None else mask
-            for i, ti in enumerate(lmap):
-                for j, kind in enumerate('kv'):
-                    s = flatten_heads(s_kv[i][j]).float()[keep]
-                    t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)[keep]
-                    S.setdefault((i, kind), []).append(s.cpu()); P.setdefault((i, kind), []).append(t.cpu())
+    try: S, P, loss_sum, n_tok = _eval_kv(student, teacher, projector, lmap, batches, pad_id, with_ce)
     finally:
         student.train(was_s); projector.train(was_p)
-    raw, cen = [], []
-    for i in range(len(lmap)):
-        r = [cosine(torch.cat(S[i, k]), torch.cat(P[i, k])).mean().item() for k in 'kv']
-        c = [centered_cosine(torch.cat(S[i, k]), torch.cat(P[i, k])).item() for k in 'kv']
-        raw.append(sum(r) / 2); cen.append(sum(c) / 2)
-    out = {'val_kv_cos': sum(raw) / len(raw), 'val_kv_cos_centered': sum(cen) / len(cen),
-           'val_kv_cos_layers': raw, 'val_kv_cos_centered_layers': cen}
-    out['val_kv_stage'] = stage_index(out['val_kv_cos'])
+    out = _kv_agreement(S, P, len(lmap))
     if with_ce and n_tok:
         out['val_loss'] = loss_sum / n_tok; out['val_ppl'] = math.exp(min(out['val_loss'], 50.0))
     return out
@@ -264,11 +288,12 @@ def teacher_checkpoint(run_dir: Path) -> Path:
     raise ConfigError(f"teacher run {run_dir} has no checkpoints/best or checkpoints/final with model.safetensors; "
                       "did it complete? (run the `teacher` variant first, or pass --teacher-run DIR of a finished run)")
 
+# %% ../nbs/13a_mercator_study.ipynb #168b2818
 def _teacher_dir(spec: RunSpec, ds: MercatorSettings) -> Path:
     return Path(ds.teacher_run) if ds.teacher_run else spec.upstream_dir('teacher')
 
 def _load_gpt_teacher(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, Path, dict]:
-    from oelm_nb.train import load_weights
+    from oelm_nb.checkpoint import load_weights
     tdir = _teacher_dir(spec, ds)
     tspec = RunSpec.load_json(tdir / 'config.json')
     if tspec.model.vocab_size != spec.model.vocab_size:
@@ -298,6 +323,7 @@ def _student_summary(spec, ds, summary, ev, lmap, teacher_info, extra) -> dict:
             'collapsed': collapsed(ev['val_kv_cos'], cen),
             **teacher_info, **extra}
 
+# %% ../nbs/13a_mercator_study.ipynb #332747cf
 def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad_id, eval_extra=None, progress=None, kd_vocab=None):
     "Build the projector and the hook, train the student through the Trainer; returns (summary, final eval, projector, layer map)."
     from oelm_nb.train import Trainer
@@ -330,11 +356,12 @@ def _gpt_lm_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     summary = train_run(spec, progress)
     return {**summary, 'role': ds.role, 'kv_layers': spec.model.n_layer, 'kv_width': spec.model.n_embd, 'val_loss': summary.get('final_val_loss')}
 
+# %% ../nbs/13a_mercator_study.ipynb #614f1160
 def _initial_student(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, dict]:
     "The student before distillation: the batch's pre-trained student (same seed), or a random init; and what it was."
     student = GPT(spec.model, init_seed=spec.train.seed)  # with start='scratch': the same initial student in every variant of this seed
     if ds.start == 'scratch': return student, {'start': 'scratch'}
-    from oelm_nb.train import load_weights
+    from oelm_nb.checkpoint import load_weights
     pdir = spec.upstream_dir('pretrain')
     if not (pdir / 'config.json').exists():
         raise ConfigError(f"the student fine-tunes the pre-trained student {pdir}, which does not exist; run the `pretrain` variant first "
@@ -347,6 +374,7 @@ def _initial_student(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, dict]:
     return load_weights(student, ckpt, 'model'), {'start': 'pretrain', 'start_dir': str(pdir.resolve()), 'start_checkpoint': str(ckpt),
                                                   'start_val_ppl': ps.get('best_val_ppl'), 'start_recall_acc': ps.get('recall_acc')}
 
+# %% ../nbs/13a_mercator_study.ipynb #ffb6a5ea
 def _gpt_student_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     from oelm_nb.train import evaluate, eval_starts
     from oelm_nb.data import batch as make_batch
@@ -380,6 +408,7 @@ def check_teacher_dtype(dtype: str):
         raise ConfigError(f"--teacher-dtype nf4 loads the teacher in 4 bits through bitsandbytes, which needs a CUDA GPU, and {why}; "
                           "use --teacher-dtype bfloat16 (or float32) here, or run on a GPU machine")
 
+# %% ../nbs/13a_mercator_study.ipynb #8c8ce4f5
 def teacher_load_kwargs(dtype: str, device: torch.device) -> dict:
     "`from_pretrained` keyword arguments of the teacher's dtype: a torch dtype, or a 4-bit NF4 quantization (the Mercator guide's)."
     if dtype == 'nf4':
@@ -389,6 +418,7 @@ def teacher_load_kwargs(dtype: str, device: torch.device) -> dict:
         return {'quantization_config': q, 'device_map': {'': device.index or 0}}
     return {'dtype': torch.bfloat16 if device.type == 'cuda' else torch.float32} if dtype == 'auto' else {'dtype': getattr(torch, dtype)}
 
+# %% ../nbs/13a_mercator_study.ipynb #02750174
 def _hf_pair(spec: RunSpec, ds: MercatorSettings, device) -> tuple:
     "Teacher and student causal LMs and the student's tokenizer, checked to share a vocabulary."
     from transformers import AutoTokenizer
@@ -410,6 +440,7 @@ def _hf_pair(spec: RunSpec, ds: MercatorSettings, device) -> tuple:
     if pad_id is None: raise ConfigError(f"the tokenizer of {s_path} has neither a pad nor an eos token; add one (tokenizer.pad_token = ...)")
     return teacher, student, tok, pad_id, t_path, s_path
 
+# %% ../nbs/13a_mercator_study.ipynb #f9ae89d7
 def _hf_data(spec: RunSpec, ds: MercatorSettings, tok, pad_id: int) -> tuple['DocBatches', 'DocBatches']:
     if ds.dataset: train_t, val_t = load_texts(ds.dataset, ds.text_field, spec.data.val_fraction, spec.data.seed)
     else:
@@ -421,30 +452,6 @@ def _hf_data(spec: RunSpec, ds: MercatorSettings, tok, pad_id: int) -> tuple['Do
             DocBatches(enc(val_t), spec.train.batch_size, pad_id, spec.train.seed))
 
 # %% ../nbs/13a_mercator_study.ipynb #ac73e91f
-@torch.no_grad()
-def gsm8k_accuracy(model: nn.Module, # a transformers causal LM
-                   tokenizer, # its tokenizer
-                   records: list[dict], # {'question', 'answer'} records (GSM8K format)
-                   max_new_tokens: int = 256, # greedy tokens per question
-                   n_examples: int = 3, # (question, continuation, correct) kept for the report
-                  ) -> dict:
-    "Exact-match accuracy of greedy answers to GSM8K-format questions: task_acc, task_n and a few examples."
-    from oelm_nb.data import gsm8k_correct
-    was = model.training; model.eval()
-    dev = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    hits, examples = 0, []
-    try:
-        for rec in records:
-            ids = tokenizer(str(rec['question']) + '\n', return_tensors='pt', add_special_tokens=False)['input_ids'].to(dev)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            ok = gsm8k_correct(text, str(rec['answer']))
-            hits += ok
-            if len(examples) < n_examples: examples.append({'question': str(rec['question']), 'output': text, 'correct': ok})
-    finally: model.train(was)
-    return {'task': 'gsm8k', 'task_acc': hits / len(records) if records else None, 'task_n': len(records), 'task_examples': examples}
-
 def task_records(spec: RunSpec, ds: MercatorSettings) -> list[dict]:
     "The validation records the task is scored on: the first `task_eval` with question and answer fields ([] when none or off)."
     if not ds.dataset or not ds.task_eval: return []
@@ -476,6 +483,7 @@ def _hf_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     return _student_summary(spec, ds, summary, ev, lmap, {**info, 'teacher_val_ppl': ts.get('best_val_ppl'), 'teacher_task_acc': ts.get('task_acc'),
                             'student_dir': str(run_dir / 'student')}, {'start': 'student_hf', **score(student)})
 
+# %% ../nbs/13a_mercator_study.ipynb #f9d70177
 def mercator_run(spec: RunSpec, # the run's specification (study 'mercator')
                  progress: bool | None = None, # progress bar (None: spec.train.progress)
                 ) -> dict:
@@ -499,6 +507,7 @@ MERCATOR_TRAIN = {  # the pre-training schedules of the teacher and the student,
     'gpt2-124m': TRAIN_PRESETS['gpt2-124m'], 'gpt2-124m-1024': TRAIN_PRESETS['gpt2-124m']}
 PROJECTOR_RATIO = 20  # the Mercator guide's projector / student learning rates, 1e-3 / 5e-5
 
+# %% ../nbs/13a_mercator_study.ipynb #55f52c02
 def fine_tune_steps(steps: int) -> int:
     "Optimizer steps of a student's distillation (our family): half the pre-training's."
     return max(1, steps // 2)
@@ -510,6 +519,7 @@ def fine_tune_schedule(steps: int, preset: str = 'tiny') -> dict:
     return {'train.lr': lr, 'train.min_lr': lr / 10, 'train.grad_clip': 0.5, 'settings.lr_projector': float(f'{PROJECTOR_RATIO * lr:.6g}'),
             'train.max_steps': f, 'train.warmup_steps': max(1, f // 20), 'train.eval_every': max(1, f // 4), 'train.log_every': max(1, f // 40)}
 
+# %% ../nbs/13a_mercator_study.ipynb #ab902be7
 def mercator_common(options: dict, # the flags given: teacher, student, dataset, teacher_run, teacher_dtype
                     preset: str) -> dict:
     "Overrides every run of the batch shares, from `oelm run mercator` flags (checked here, before anything runs)."
@@ -544,6 +554,7 @@ STUDENTS = {  # variant -> settings of a student: what each one adds to the fine
     'mercator-warmup': dict(beta=0.01),                       # + the projector alone for the first fifth of the steps
 }
 
+# %% ../nbs/13a_mercator_study.ipynb #98f87b5a
 def mercator_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
     "The teacher, the student's pre-training (our family) and the students of `STUDENTS`, fine-tuned from it."
     common = mercator_common(options, preset)

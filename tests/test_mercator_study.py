@@ -214,8 +214,8 @@ def _qwen2(path, n_layers, n_heads, n_kv, head_dim, hidden, vocab, seed):
 
 def test_hf_mode_teacher_and_student_runs(tmp_path):
     pytest.importorskip('transformers')
-    from oelm_nb.data import write_gsm8k_sample, gsm8k_correct
-    data = write_gsm8k_sample(tmp_path / 'gsm8k_like.jsonl', 60, seed=1)  # the data chapter's GSM8K-format file
+    from oelm_nb.gsm8k import write_gsm8k_sample, gsm8k_correct
+    data = write_gsm8k_sample(tmp_path / 'gsm8k_like.jsonl', 60, seed=1)  # the GSM8K chapter's GSM8K-format file
     recs = [json.loads(l) for l in data.read_text().splitlines()]
     tok = _tokenizer([r['question'] + '\n' + r['answer'] for r in recs])
     t_dir, s_dir = tmp_path / 'teacher', tmp_path / 'student'
@@ -266,7 +266,7 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
 def test_hf_mode_batch_through_the_cli_reports_gsm8k_accuracy(tmp_path):
     "`oelm run mercator --teacher --student --dataset` end to end (papermill runs, report) on tiny Qwen2 checkpoints and a GSM8K-format file."
     pytest.importorskip('transformers')
-    from oelm_nb.data import write_gsm8k_sample
+    from oelm_nb.gsm8k import write_gsm8k_sample
     data = write_gsm8k_sample(tmp_path / 'gsm8k.jsonl', 40, seed=2)
     recs = [json.loads(l) for l in data.read_text().splitlines()]
     tok = _tokenizer([r['question'] + '\n' + r['answer'] for r in recs])

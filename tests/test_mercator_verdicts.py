@@ -1,4 +1,4 @@
-"""The Mercator report's tables and verdicts (`oelm_nb.mercator_study`) on small fake batch directories.
+"""The Mercator report's tables and verdicts (`oelm_nb.mercator_report`) on small fake batch directories.
 
 Each test writes a batch the way the runner does (batch.json, per-run summary.json and metrics.jsonl) and checks
 the sentences the report would print. Expected intervals are recomputed here with scipy, not taken from
@@ -13,10 +13,9 @@ import pytest
 from scipy import stats
 
 from oelm_nb.rundir import write_json
-from oelm_nb.mercator_analysis import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, alignment, batch_line, cause_sentence,
-                                    collapse_guard, failed_runs_note, headline, mercator_runs, mse_sentence, mse_table, ppl_table,
-                                    protocol_text, runs_table, student_variants, style_acc, style_agreement, style_ppl, style_runs_table,
-                                    verdict)
+from oelm_nb.mercator_report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, alignment, batch_line, cause_sentence,
+                                     collapse_guard, failed_runs_note, headline, mercator_runs, mse_sentence, mse_table, ppl_table,
+                                     protocol_text, runs_table, student_variants, style_acc, style_agreement, style_ppl, style_runs_table)
 
 
 def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | None = None, name: str = 'batch',
@@ -62,30 +61,36 @@ def t_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
 
 
 def verdict_of(tmp_path, ppl, **kw) -> str:
-    return verdict(mercator_runs(fake_batch(tmp_path, ppl, **kw)))
+    "The report's answer (`headline`, which also gives the PPL verdict) on a fake batch."
+    return headline(mercator_runs(fake_batch(tmp_path, ppl, **kw)))
+
+
+Q = '**Does any distillation variant beat `no-distill`?** '
+NO_ACC = "on task accuracy, cannot say (no distilled student has a run paired with the baseline's)"
 
 
 # ------------------------------------------------------------------ did distillation help? one seed
 def test_one_seed_helped_has_no_interval(tmp_path):
     v = verdict_of(tmp_path, {'mercator-b0': [30.0], 'mse': [33.0], BASELINE: [32.0]})
-    assert v == ("**Distillation helped:** 1 of 2 distilled students (mercator-b0) reached a lower validation perplexity than the "
-                 "no-distillation baseline (32.000); the best, `mercator-b0`, reached 30.000 (-6.25%); the other 1 (mse +3.12%) were worse "
-                 "than the baseline" + ONE_SEED_NOTE + '.')
+    assert v == (Q + "On validation PPL, untested: better for 1 of 2 (mercator-b0) in a single paired seed, the best `mercator-b0` at -6.25% "
+                 "(1 seed: needs >= 2 seeds)" + ONE_SEED_NOTE + '; ' + NO_ACC + '.')
     assert 'CI' not in v and 'not tested against seed-to-seed noise' in v and 'needs >= 2 seeds' in v
+    ppl = ppl_table(mercator_runs(tmp_path / 'batch'))
+    assert ppl.loc[['mercator-b0', 'mse', BASELINE], 'best val PPL'].tolist() == [30.0, 33.0, 32.0]
+    assert ppl.loc['mse', 'vs no-distill'] == pytest.approx(33 / 32 - 1)  # the other one is worse (+3.12%)
 
 
 def test_one_seed_did_not_help(tmp_path):
     v = verdict_of(tmp_path, {'mercator-b0': [34.0], 'mse': [33.0], BASELINE: [32.0]})
-    assert v.startswith("**Distillation did not help:** none of the 2 distilled students reached a lower validation perplexity than the "
-                        "no-distillation baseline (32.000); the closest, `mse`, reached 33.000 (+3.12%)")
-    assert v.endswith(ONE_SEED_NOTE + '.') and 'CI' not in v
+    assert v.startswith(Q + "On validation PPL, no: even the best, `mse` at +3.12% (1 seed: needs >= 2 seeds), is not better")
+    assert v.endswith(ONE_SEED_NOTE + '; ' + NO_ACC + '.') and 'CI' not in v
 
 
 def test_one_seed_ppl_table_shows_no_interval(tmp_path):
     ppl = ppl_table(mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]})))
     assert np.isnan(ppl.loc['mercator-b0', 'low']) and ppl.loc['mercator-b0', 'paired seeds'] == 1
     html = style_ppl(ppl).to_html()
-    assert '-6.25%' in html and 'CI' not in html and 'baseline' in html
+    assert '-6.25% (1 seed: needs >= 2 seeds)' in html and 'CI' not in html and 'baseline' in html
 
 
 # ------------------------------------------------------------------ three seeds: intervals
@@ -93,10 +98,11 @@ def test_three_seeds_helped(tmp_path):
     a, b = [30.0, 30.5, 29.8], [32.0, 32.2, 31.9]
     v = verdict_of(tmp_path, {'mercator-b0': a, 'mse': [32.1, 31.8, 32.3], BASELINE: b})
     m, lo, hi = t_interval(a, b)
-    assert v.startswith("**Distillation helped:** 1 of 2 distilled students (mercator-b0) reached a lower validation perplexity than "
-                        "the no-distillation baseline (32.033) by more than seed-to-seed noise")
-    assert f"the best, `mercator-b0`, reached {np.mean(a):.3f} ({m:+.2%}, 95% CI {lo:+.2%} .. {hi:+.2%}, 3 paired seeds)." in v
+    assert v == (Q + f"On validation PPL, yes: 1 of 2 (mercator-b0) beat it beyond seed-to-seed noise, the best `mercator-b0` at "
+                 f"{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 3 seeds); " + NO_ACC + '.')
     assert 'resolvably worse' not in v and ONE_SEED_NOTE not in v
+    ppl = ppl_table(mercator_runs(tmp_path / 'batch'))
+    assert ppl.loc[BASELINE, 'best val PPL'] == pytest.approx(32.0333, abs=1e-4) and ppl.loc['mercator-b0', 'best val PPL'] == pytest.approx(30.1)
 
 
 def test_three_seeds_not_resolvably(tmp_path):
@@ -104,16 +110,18 @@ def test_three_seeds_not_resolvably(tmp_path):
     v = verdict_of(tmp_path, {'mercator-b0': a, BASELINE: b})
     m, lo, hi = t_interval(a, b)
     assert lo < 0 < hi and m < 0
-    assert v == ("**Distillation did not help resolvably:** 1 of 1 distilled students had a lower mean validation perplexity than the "
-                 f"baseline (32.000), but no difference exceeds seed-to-seed noise; the best, `mercator-b0`, reached 31.667 ({m:+.2%}, "
-                 f"95% CI {lo:+.2%} .. {hi:+.2%}, 3 paired seeds).")
+    assert v == (Q + "On validation PPL, not resolvably: better on average for 1 of 1 (mercator-b0) but within seed-to-seed noise, the best "
+                 f"`mercator-b0` at {m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 3 seeds); " + NO_ACC + '.')
+    ppl = ppl_table(mercator_runs(tmp_path / 'batch'))
+    assert ppl.loc[['mercator-b0', BASELINE], 'best val PPL'].tolist() == pytest.approx([31.6667, 32.0], abs=1e-4)
 
 
 def test_three_seeds_did_not_help_and_resolvably_worse(tmp_path):
     v = verdict_of(tmp_path, {'mercator-b0': [33.0, 34.0, 33.5], 'mse': [32.5, 31.0, 33.0], BASELINE: [32.0, 32.0, 32.0]})
-    assert v.startswith("**Distillation did not help:** no distilled student reached a lower validation perplexity than the baseline (32.000); "
-                        "the best, `mse`, reached 32.167")
-    assert v.endswith('3 paired seeds); 1 (mercator-b0) were resolvably worse.')
+    assert v.startswith(Q + "On validation PPL, no: even the best, `mse` at +0.52% (95% CI")
+    assert v.endswith('3 seeds), is not better, and resolvably worse: 1 of 2 (mercator-b0); ' + NO_ACC + '.')
+    ppl = ppl_table(mercator_runs(tmp_path / 'batch'))
+    assert ppl.loc[['mse', BASELINE], 'best val PPL'].tolist() == pytest.approx([32.1667, 32.0], abs=1e-4)
 
 
 def test_three_seeds_ppl_table_interval(tmp_path):
@@ -121,7 +129,7 @@ def test_three_seeds_ppl_table_interval(tmp_path):
     ppl = ppl_table(mercator_runs(fake_batch(tmp_path, {'mercator-b0': a, BASELINE: b})))
     m, lo, hi = t_interval(a, b)
     assert ppl.loc['mercator-b0', ['vs no-distill', 'low', 'high']].tolist() == pytest.approx([m, lo, hi])
-    assert f'{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%})' in style_ppl(ppl).to_html()
+    assert f'{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 3 seeds)' in style_ppl(ppl).to_html()
 
 
 # ------------------------------------------------------------------ failed runs
@@ -132,13 +140,13 @@ def test_failed_student_run_is_listed_and_left_out(tmp_path):
     assert failed_runs_note(runs) == '**1 run(s) did not complete:** `mercator-b0-s0` (failed: RuntimeError: CUDA out of memory)'
     assert 'fde0dd' in style_runs_table(tab).to_html()
     assert 'mercator-b0' not in ppl_table(runs).index and 'mercator-b0' not in agreement_table(runs).index
-    assert verdict(runs).startswith('**Distillation helped:** 1 of 1 distilled students (mse)')
+    assert headline(runs).startswith(Q + 'On validation PPL, untested: better for 1 of 1 (mse) in a single paired seed')
     assert mse_sentence(mse_table(runs)) == 'The comparison needs completed `mse` and Mercator runs.'
 
 
 def test_failed_baseline_cannot_say(tmp_path):
     runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], 'mse': [31.0], BASELINE: [None]}))
-    assert verdict(runs) == '**Cannot say whether distillation helped:** the no-distillation baseline did not complete.'
+    assert headline(runs) == Q + 'Cannot say: the `no-distill` baseline did not complete.'
     assert alignment(agreement_table(runs)) == ''
     assert 'no-distill-s0' in failed_runs_note(runs)
 
@@ -162,7 +170,7 @@ def test_missing_centered_metric(tmp_path):
     assert agree.loc['mercator-b0', 'centered per layer'] == '' and agree.loc['mercator-b0', 'stage (centered)'] == ''
     assert collapse_guard(agree) == "**Collapse guard:** no completed student recorded a centered cosine; the guard cannot be checked."
     style_agreement(agree).to_html()
-    assert verdict(runs).startswith('**Distillation helped:**')
+    assert headline(runs).startswith(Q + 'On validation PPL, untested: better for 1 of 1 (mercator-b0)')
 
 
 def test_collapse_guard_fires(tmp_path):
@@ -192,7 +200,7 @@ def test_mercator_against_mse(tmp_path):
                                     centered={'mercator-b0': 0.7, 'mercator-b0.1': 0.5, 'mse': 0.6, BASELINE: 0.4}))
     mm = mse_table(runs)
     m, lo, hi = t_interval([30.0, 30.2], [31.0, 31.1])
-    assert mm.loc['mercator-b0', 'PPL vs MSE'] == f'{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%})'
+    assert mm.loc['mercator-b0', 'PPL vs MSE'] == f'{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 2 seeds)'
     m2 = np.mean([33 / 31 - 1, 33.4 / 31.1 - 1])
     assert mse_sentence(mm) == (f"**1 of 2 Mercator variants reached a lower validation perplexity than MSE** (mercator-b0 {m:+.2%}, "
                                 f"mercator-b0.1 {m2:+.2%}), and 1 of 2 a higher centered KV cosine (MSE 0.600).")
@@ -206,21 +214,22 @@ def test_empty_batch(tmp_path):
     assert style_runs_table(runs_table(runs)).to_html()
     assert failed_runs_note(runs) == ''
     assert agreement_table(runs).empty and ppl_table(runs).empty and mse_table(runs).empty
-    assert verdict(runs) == '**Cannot say whether distillation helped:** the no-distillation baseline did not complete.'
+    assert headline(runs) == Q + 'Cannot say: the `no-distill` baseline did not complete.'
     assert alignment(agreement_table(runs)) == ''
     assert mse_sentence(mse_table(runs)) == 'The comparison needs completed `mse` and Mercator runs.'
     assert batch_line(out, runs).endswith('variants ; seeds [0]; steps per run n/a.')
 
 
 def test_single_paired_seed_of_one_variant_gives_no_interval(tmp_path):
-    "Two of mse's three seeds failed: the verdict names it and prints no interval for anyone."
+    "Two of mse's three seeds failed: the answer names it, and gives an interval only where there are paired seeds for one."
     v = verdict_of(tmp_path, {'mercator-b0': [30.0, 30.5, 29.8], 'mse': [31.0, None, None], BASELINE: [32.0, 32.2, 31.9]})
-    assert v.startswith('**Distillation helped:** 2 of 2 distilled students (mercator-b0, mse)')
-    assert 'CI' not in v and '(one paired seed for mse: the differences are not tested against seed-to-seed noise' in v
+    assert v.startswith(Q + 'On validation PPL, yes: 1 of 2 (mercator-b0) beat it beyond seed-to-seed noise')
+    assert v.count('CI') == 1 and '3 seeds) (one paired seed for mse: the differences are not tested against seed-to-seed noise' in v
+    ppl = ppl_table(mercator_runs(tmp_path / 'batch'))
+    assert ppl.loc['mse', 'vs no-distill'] < 0 and np.isnan(ppl.loc['mse', 'low'])  # lower, untested
 
 
 # ------------------------------------------------------------------ the headline and the cause (the new protocol)
-Q = '**Does any distillation variant beat `no-distill`?** '
 
 
 def diff_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -239,13 +248,13 @@ def test_headline_mercator_beats_no_distill(tmp_path):
     am, alo, ahi = diff_interval(acc_a, acc_b)
     assert lo < hi < 0 and alo > 0
     assert headline(runs) == (Q + f"On validation PPL, yes: 1 of 2 (mercator-b0) beat it beyond seed-to-seed noise, the best `mercator-b0` at "
-                              f"{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 3 paired seeds); on recall accuracy, yes: 1 of 2 (mercator-b0) beat it "
-                              f"beyond seed-to-seed noise, the best `mercator-b0` at {100 * am:+.1f} points (95% CI {100 * alo:+.1f} .. "
-                              f"{100 * ahi:+.1f}, 3 paired seeds).")
+                              f"{m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 3 seeds); on recall accuracy, yes: 1 of 2 (mercator-b0) beat it "
+                              f"beyond seed-to-seed noise, the best `mercator-b0` at {100 * am:+.1f} points (95% CI {100 * alo:+.1f} points .. "
+                              f"{100 * ahi:+.1f} points, 3 seeds).")
     assert cause_sentence(runs) == ''  # a Mercator student wins: nothing to explain
     tab = acc_table(runs)
     assert tab.loc['mercator-b0', ['vs no-distill', 'low', 'high']].tolist() == pytest.approx([100 * am, 100 * alo, 100 * ahi])
-    assert f'{100 * am:+.1f} points (95% CI {100 * alo:+.1f} .. {100 * ahi:+.1f})' in style_acc(tab, 'recall accuracy').to_html()
+    assert f'{100 * am:+.1f} points (95% CI {100 * alo:+.1f} points .. {100 * ahi:+.1f} points, 3 seeds)' in style_acc(tab, 'recall accuracy').to_html()
 
 
 def test_all_lose_and_collapsed(tmp_path):
@@ -259,11 +268,11 @@ def test_all_lose_and_collapsed(tmp_path):
     m, lo, hi = t_interval(a2, b)
     am, alo, ahi = diff_interval([0.1, 0.12], [0.15, 0.14])
     assert headline(runs).startswith(Q + f"On validation PPL, no: even the best, `mercator-b0.01` at {m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, "
-                                     "2 paired seeds), is not better; on recall accuracy, no")
+                                     "2 seeds), is not better; on recall accuracy, no")
     s = cause_sentence(runs)
-    assert s.startswith(f"**No Mercator student beats `no-distill`:** the best, `mercator-b0.01`, loses: {m:+.2%} PPL (95% CI {lo:+.2%} .. "
-                        f"{hi:+.2%}, 2 paired seeds) and {100 * am:+.1f} points of recall accuracy (95% CI {100 * alo:+.1f} .. {100 * ahi:+.1f}, "
-                        "2 paired seeds); checked in order, (a) collapse: 4 of 4 Mercator runs are collapsed (raw - centered > 0.1); (b) projector: ")
+    assert s.startswith(f"**No Mercator student beats `no-distill`:** the best, `mercator-b0.01`, loses: PPL {m:+.2%} (95% CI {lo:+.2%} .. "
+                        f"{hi:+.2%}, 2 seeds) and recall accuracy {100 * am:+.1f} points (95% CI {100 * alo:+.1f} points .. {100 * ahi:+.1f} "
+                        "points, 2 seeds); checked in order, (a) collapse: 4 of 4 Mercator runs are collapsed (raw - centered > 0.1); (b) projector: ")
     assert "final training cross-entropy 2.450 against 2.000 for `no-distill` (+0.450 nats, higher in 2 of 2 paired seeds)" in s
     assert s.endswith(': this points to collapse (also consistent with a conflict between the KV term and cross-entropy).')
     tab = runs_table(runs).set_index(['variant', 'seed'])
@@ -298,13 +307,13 @@ def test_headline_one_seed_has_no_interval(tmp_path):
     runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [34.0], 'mse': [33.0], BASELINE: [32.0]},
                                     acc={'mercator-b0': [0.1], 'mse': [0.3], BASELINE: [0.2]}))
     h = headline(runs)
-    assert h == (Q + "On validation PPL, no: even the best, `mse` at +3.12% (1 paired seed: no interval, which needs >= 2 seeds), is not better; "
-                 "on recall accuracy, untested: the best, `mse` at +10.0 points (1 paired seed: no interval, which needs >= 2 seeds), is better in "
-                 "its single paired seed.")
+    assert h == (Q + "On validation PPL, no: even the best, `mse` at +3.12% (1 seed: needs >= 2 seeds), is not better" + ONE_SEED_NOTE + "; "
+                 "on recall accuracy, untested: better for 1 of 2 (mse) in a single paired seed, the best `mse` at +10.0 points (1 seed: needs "
+                 ">= 2 seeds).")
     assert 'CI' not in h
     s = cause_sentence(runs)
-    assert s.startswith("**No Mercator student beats `no-distill`:** the best, `mercator-b0`, loses: +6.25% PPL (1 paired seed: no interval, "
-                        "which needs >= 2 seeds) and -10.0 points of recall accuracy (1 paired seed")
+    assert s.startswith("**No Mercator student beats `no-distill`:** the best, `mercator-b0`, loses: PPL +6.25% (1 seed: needs >= 2 seeds) "
+                        "and recall accuracy -10.0 points (1 seed: needs >= 2 seeds)")
     assert 'CI' not in s
 
 
@@ -318,8 +327,8 @@ def test_gsm8k_label_comes_from_the_task(tmp_path):
     runs = mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]}, task='gsm8k',
                                     acc={'mercator-b0': [0.25], BASELINE: [0.25]}))
     assert 'GSM8K exact-match accuracy' in runs_table(runs).columns
-    assert headline(runs).endswith('on GSM8K exact-match accuracy, no: even the best, `mercator-b0` at +0.0 points (1 paired seed: no interval, '
-                                   'which needs >= 2 seeds), is not better.')
+    assert headline(runs).endswith('on GSM8K exact-match accuracy, no: even the best, `mercator-b0` at +0.0 points (1 seed: needs >= 2 seeds), '
+                                   'is not better.')
     assert 'recall accuracy' not in headline(runs)
 
 
