@@ -8,10 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from oelm_nb.core import ConfigError
-from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, DIVERSITY_DESCRIPTIONS, alpha_progression, build_context_cache,
-                          combined_loss, convergence_verdict, cvfp_config, cvfp_convergence_check, cvfp_loss, effective_rank, fit_power_law,
-                          identity_check, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, odcm_cov_loss, phase2_batch_size, train_phase1,
-                          train_phase2, val_effective_rank, context_spread, effective_rank_check, final_diff_grade, context_scan)
+from oelm_nb.rundir import write_json
+from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, build_context_cache, combined_loss, cvfp_config, cvfp_loss,
+                          effective_rank, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, odcm_cov_loss, phase2_batch_size,
+                          train_phase1, train_phase2, val_effective_rank, context_scan)
+from oelm_nb.cvfp_study import (DIVERSITY_DESCRIPTIONS, convergence_verdict, cvfp_convergence_check, identity_check, context_spread,
+                                effective_rank_check, final_diff_grade)
+from oelm_nb.cvfp_alpha import alpha_progression, fit_power_law
 
 SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)  # two layers: the per-layer cache is exercised
 
@@ -300,8 +303,9 @@ def test_alpha_progression_windows(tmp_path):
     prog = alpha_progression(sizes, ppl, window=4)
     assert [w['samples'] for w in prog.windows] == [[50, 400], [100, 800]]
     assert prog.alpha_change < 0 and prog.trend.startswith('IMPROVING')
-    d = json.loads(prog.to_json(tmp_path / 'alpha_progression.json'))
-    assert d == json.loads((tmp_path / 'alpha_progression.json').read_text()) and len(d['windows']) == 2
+    write_json(tmp_path / 'alpha_progression.json', prog.to_dict())
+    d = json.loads((tmp_path / 'alpha_progression.json').read_text())
+    assert d['windows'] == prog.windows and d['trend'] == prog.trend and len(d['windows']) == 2
     with pytest.raises(ValueError, match='window'): alpha_progression(sizes, ppl, window=6)
 
 

@@ -28,14 +28,14 @@ TOO_MANY = 1000  # stories: the tiny corpus has 300, so this run fails
 # ====================================================================== the shared batch
 @pytest.fixture(scope='module')
 def batch(tmp_path_factory):
-    "`oelm run cvfp --algorithms MCDL --samples 2 4 1000 --sequential --seeds 0 --jobs 2` on tiny data: (dir, rc, stdout, stderr)."
+    "`oelm run cvfp --algorithms MCDL --samples 2 4 1000 --phase1 sequential --seeds 0 --jobs 2` on tiny data: (dir, rc, stdout, stderr)."
     root = tmp_path_factory.getbasetemp()
     if os.environ.get('PYTEST_XDIST_WORKER'): root = root.parent
     out, done = root / 'oelm-cvfp-batch', root / 'oelm-cvfp-batch.result.json'
     with open(root / 'oelm-cvfp-batch.lock', 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            res = subprocess.run(oelm('run', 'cvfp', '--algorithms', 'MCDL', '--samples', *map(str, (*SAMPLES, TOO_MANY)), '--sequential',
+            res = subprocess.run(oelm('run', 'cvfp', '--algorithms', 'MCDL', '--samples', *map(str, (*SAMPLES, TOO_MANY)), '--phase1', 'sequential',
                                       '--seeds', '0', '--jobs', '2', '--out', str(out), *TINY, *SMALL_CVFP), capture_output=True, text=True, timeout=TIMEOUT)
             done.write_text(json.dumps({'rc': res.returncode, 'stdout': res.stdout, 'stderr': res.stderr}))
         r = read_json(done)
@@ -74,7 +74,7 @@ def test_batch_runs_and_failure(batch):
     for name in names: assert (out / name / 'summary.json').is_file(), name
     b = read_json(out / 'batch.json')
     assert b['study'] == 'cvfp' and sorted(b['variants']) == sorted(n[:-3] for n in names) and b['seeds'] == [0]
-    assert b['options']['sequential'] is True and b['options']['algorithms'] == ['MCDL']
+    assert b['options']['phase1'] == 'sequential' and b['options']['algorithms'] == ['MCDL']
     assert all(b['plan'][v]['overrides']['settings.parallel'] is False for v in b['variants'])
     bad = read_json(out / f'MCDL-n{TOO_MANY}-s0' / 'summary.json')
     assert bad['status'] == 'failed' and f'{TOO_MANY} stories asked for, the split has 300' in bad['error']
@@ -98,7 +98,7 @@ def test_cvfp_run_summaries(batch):
         d = out / f'MCDL-n{n}-s0'
         s = read_json(d / 'summary.json')
         assert s['status'] == 'completed' and (s['algorithm'], s['samples']) == ('MCDL', n)
-        assert s['parallel'] is False  # --sequential reached the run
+        assert s['parallel'] is False  # --phase1 sequential reached the run
         assert read_json(d / 'config.json')['settings']['parallel'] is False
         assert s['train_tokens'] == story_tokens(data_dir, n)
         assert (s['val_tokens'], s['check_tokens']) == (600, 200)
@@ -224,16 +224,17 @@ def test_flags_reach_the_plan_and_the_runs():
     from oelm_nb.experiment import resolve_spec
     from oelm_nb.studies import get_study
     st = get_study('cvfp')
-    a = parse('--sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
-    assert a.opt_sequential is True and a.opt_parallel is None and a.concurrent is True  # the runner's flag is --concurrent here
+    a = parse('--phase1', 'sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
+    assert a.opt_phase1 == 'sequential' and a.concurrent is True  # Phase 1's version and the runner's concurrency: two flags
     variants, over, opts = study_plan(st, a)
     assert variants is None and over == {} and st.planned('tiny', 400, opts) == ['embed', 'phase1-speed', 'ODCM-n8', 'ODCM-n3']
     spec = resolve_spec('cvfp', 'ODCM-n3', 'tiny', 0, None, '/tmp/x/ODCM-n3-s0', 'synthetic', None, over, options=opts)
     cfg = spec.settings.config(spec.train.seed)
     assert (cfg.parallel, cfg.dist_reg_weight, cfg.diversity, spec.settings.samples) == (False, 0.5, 'ODCM', 3)
-    b = parse('--parallel')
-    assert b.opt_parallel is True and b.concurrent is False
+    b = parse('--phase1', 'parallel')
+    assert b.opt_phase1 == 'parallel' and b.concurrent is False
     assert st.variant('embed', options=study_plan(st, b)[2]).overrides['settings.parallel'] is True
+    assert 'settings.parallel' not in st.variant('embed', options=study_plan(st, parse())[2]).overrides  # no --phase1: parallel
     # defaults: both algorithms over init * 2^i, i < window + windows - 1
     v = st.planned('tiny', 400, study_plan(st, parse())[2])
     assert sorted(v[2:]) == sorted(f'{alg}-n{n}' for alg in ('MCDL', 'ODCM') for n in (20, 40, 80, 160, 320))
@@ -248,7 +249,6 @@ def test_flags_reach_the_plan_and_the_runs():
 
 @pytest.mark.parametrize('argv,message', [
     (['--algorithms', 'WMSE'], "unknown ['WMSE']"),
-    (['--parallel', '--sequential'], 'exclude each other'),
     (['--samples', '0', '4'], 'must be positive'),
     (['--samples', '4', '--init-samples', '2'], 'drop --init-samples'),
     (['--dist-reg-weight', '1.5'], 'must be in [0, 1]'),
@@ -262,6 +262,15 @@ def test_bad_flags_are_clear_errors(argv, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and 'oelm run: error:' in err and message in err, err
     assert not (tmp_path / 'b' / 'batch.json').exists()  # nothing ran
+
+
+def test_phase1_takes_a_version(tmp_path, capsys):
+    "--phase1 parallel|sequential picks Phase 1's version; anything else is refused by the parser, naming the choices."
+    from oelm_nb.cli import main
+    with pytest.raises(SystemExit) as e: main(['run', 'cvfp', '--out', str(tmp_path / 'b'), '--phase1', 'both'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --phase1: invalid choice: 'both' (choose from 'parallel', 'sequential')" in err, err
+    assert not (tmp_path / 'b').exists()
 
 
 # ====================================================================== embeddings from a path

@@ -1,4 +1,4 @@
-"""The CVFP report's tables, verdicts and sentences (oelm_nb.cvfp_study) on small fake batch directories.
+"""The CVFP report's tables, verdicts and sentences (oelm_nb.cvfp_report) and alpha fits (oelm_nb.cvfp_alpha) on small fake batch directories.
 
 `make_batch` writes what `oelm run cvfp` leaves behind (batch.json, one summary.json per run, the CVFP runs'
 phase1.jsonl and metrics.jsonl) with round numbers, so every expected value here is worked out by hand. Run
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from oelm_nb.rundir import write_json
-from oelm_nb import cvfp_study as cs
+from oelm_nb import cvfp_report as cr, cvfp_alpha as ca
 
 RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 (GOOD) and verdict CONVERGED or CONVERGING',
          'effective_rank': 'guidelines bands'}
@@ -91,49 +91,49 @@ def batch(tmp_path): return make_batch(tmp_path / 'b')
 
 def test_runs_are_read_from_summaries_not_names(tmp_path):
     b = make_batch(tmp_path / 'b', algs=('ODCM', 'MCDL'), samples=(40, 10))
-    got = [(r.name, r.summary['algorithm'], r.summary['samples']) for r in cs.cvfp_runs(b)]
+    got = [(r.name, r.summary['algorithm'], r.summary['samples']) for r in cr.cvfp_runs(b)]
     # labels in planning order: ODCM-40 run0, MCDL-40 run1, ODCM-10 run2, MCDL-10 run3; embed (texts in `samples`) and speed left out
     assert got == [('run3-s0', 'MCDL', 10), ('run1-s0', 'MCDL', 40), ('run2-s0', 'ODCM', 10), ('run0-s0', 'ODCM', 40)]
 
 
 def test_normal_batch_tables(batch):
-    assert cs.runs_sentence(batch) == 'All 8 runs completed.'
-    assert cs.embed_table(batch).loc[0].tolist() == ['run e', '64 x 16', True, 400, '7.83']
-    p1 = cs.phase1_table(batch)
+    assert cr.runs_sentence(batch) == 'All 8 runs completed.'
+    assert cr.embed_table(batch).loc[0].tolist() == ['run e', '64 x 16', True, 400, '7.83']
+    p1 = cr.phase1_table(batch)
     assert list(p1.index) == ['run0-s0', 'run2-s0', 'run4-s0', 'run1-s0', 'run3-s0', 'run5-s0']
     assert p1.loc['run4-s0'].tolist() == ['MCDL', 40, 'sequential', '10.0% (400/4,000 tokens)', '100.0% (128/128 tokens)', '8.00/16 (50.0%)',
                                           '6.40/16 (40.0%)', '0.062500', '3.000e-06', '4/10', 'max_iterations', '3']
-    assert cs.phase1_sentence(batch).startswith('Validation ER on the first 640 validation tokens; validation convergence and the checks on the '
+    assert cr.phase1_sentence(batch).startswith('Validation ER on the first 640 validation tokens; validation convergence and the checks on the '
                                                 'first 128. Dist-reg weight 0.9, context dim 16, embedding dim 16, 2 layer(s). MCDL: ')
-    p2 = cs.phase2_table(batch)
+    p2 = cr.phase2_table(batch)
     assert p2.loc['run0-s0'].tolist() == ['MCDL', 10, '1,000', f'{ppl("MCDL", 10):.2f}', f'{2 * ppl("MCDL", 10):.2f}', '12.50%', '30', '32', 'cpu budget']
-    assert cs.timing_table(batch).loc['run1-s0'].tolist() == ['1,000', '1.2', '2.2', '0.8', '3.0', '6.0']
-    c1 = cs.phase1_curves(batch)
+    assert cr.timing_table(batch).loc['run1-s0'].tolist() == ['1,000', '1.2', '2.2', '0.8', '3.0', '6.0']
+    c1 = cr.phase1_curves(batch)
     assert len(c1) == 6 and c1.iloc[0].tolist() == ['run0-s0', 'MCDL', 1, 41.0, 30.0, 0.5]
-    assert cs.phase2_curves(batch)[['tokens', 'val_ppl']].values.tolist() == [[500, 40.0]] * 6
+    assert cr.phase2_curves(batch)[['tokens', 'val_ppl']].values.tolist() == [[500, 40.0]] * 6
 
 
 def test_speed(tmp_path):
     fast, slow = make_batch(tmp_path / 'fast', speedup=12.5), make_batch(tmp_path / 'slow', speedup=8.0)
-    t = cs.speed_table(fast)
+    t = cr.speed_table(fast)
     assert t.loc[(0, 'sequential')].tolist() == ['6,400', 10, '20.00', '9.60/16 (60.0%)', '4.80/16 (30.0%)', '1.0% (64/6,400 tokens)']
     assert t.loc[(0, 'parallel'), 'seconds'] == '1.60'
-    assert cs.speed_sentences(fast) == ['**Seed 0: parallel Phase 1 is 12.5x faster** than sequential on 6,400 tokens (20.00 s vs 1.60 s, '
+    assert cr.speed_sentences(fast) == ['**Seed 0: parallel Phase 1 is 12.5x faster** than sequential on 6,400 tokens (20.00 s vs 1.60 s, '
                                         '10 iterations each; meets the 10x target). Effective rank, sequential vs parallel: training '
                                         '9.60/16 (60.0%) vs 8.00/16 (50.0%), validation 4.80/16 (30.0%) vs 4.00/16 (25.0%).']
-    assert 'is 8.0x faster** ' in cs.speed_sentences(slow)[0] and 'misses the 10x target' in cs.speed_sentences(slow)[0]
+    assert 'is 8.0x faster** ' in cr.speed_sentences(slow)[0] and 'misses the 10x target' in cr.speed_sentences(slow)[0]
 
 
 def test_checks(batch):
-    t = cs.checks_table(batch)
+    t = cr.checks_table(batch)
     assert list(t.columns) == ['algorithm', C1, C2, C3]
     assert t.loc['run0-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'FAIL (DIVERGING, final diff GOOD)']
     assert t.loc['run4-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'PASS (CONVERGING, final diff GOOD)']
-    assert cs.checks_counts(batch) == {C1: (0, 6), C2: (6, 6), C3: (4, 6)}
-    assert cs.checks_summary(batch) == (f"Rules. {C1}: {RULES['effective_rank']}; {C2}: {RULES['identity']}; {C3}: {RULES['convergence']}. "
+    assert cr.checks_counts(batch) == {C1: (0, 6), C2: (6, 6), C3: (4, 6)}
+    assert cr.checks_summary(batch) == (f"Rules. {C1}: {RULES['effective_rank']}; {C2}: {RULES['identity']}; {C3}: {RULES['convergence']}. "
                                         f"{C1} passed in 0 of 6 runs, {C2} passed in 6 of 6 runs, {C3} passed in 4 of 6 runs "
                                         "(6 run(s) between the failure line and the New-LLM guidelines' effective-rank band).")
-    d = cs.check_details(batch).reset_index()
+    d = cr.check_details(batch).reset_index()
     r0 = d[d.run == 'run0-s0']
     assert r0[['check', 'criterion', 'value', 'band', 'verdict']].values.tolist() == [
         [C1, 'validation effective rank (%)', '40.00', 'PASS >= 81', 'BELOW BAND'], [C1, 'spread', '0.7500', 'global attractor (FAIL) < 0.1', 'PASS'],
@@ -146,64 +146,64 @@ def test_checks(batch):
 
 def test_against_the_guidelines(batch, tmp_path):
     # the fake runs have 2 layers and no speed-run layer count: every CVFP run breaks the rule, by name
-    s = cs.layers_sentence(batch)
+    s = cr.layers_sentence(batch)
     assert s.startswith("**6 of 7 run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely do not change\"): `run0-s0` (2 layers)")
     one = make_batch(tmp_path / 'one', summaries={(a, n, 0): {**cvfp_summary(a, n), 'num_layers': 1} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)})
-    assert cs.layers_sentence(one) == "All 7 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
-    assert cs.phase1_settings_sentence(batch).startswith('**Phase 1 differs from the New-LLM guidelines:** minimum iterations n/a (guidelines 5) in 6 run(s); '
+    assert cr.layers_sentence(one) == "All 7 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
+    assert cr.phase1_settings_sentence(batch).startswith('**Phase 1 differs from the New-LLM guidelines:** minimum iterations n/a (guidelines 5) in 6 run(s); '
                                                          'maximum iterations 10 (guidelines 40) in 6 run(s); Adam learning rate n/a (guidelines 0.002) in 6 run(s); '
                                                          'validation tokens 640 (guidelines 10,000) in 6 run(s).')
-    assert 'Stopping rule: not recorded;' in cs.phase1_settings_sentence(batch)
+    assert 'Stopping rule: not recorded;' in cr.phase1_settings_sentence(batch)
     like = {(a, n, 0): {**cvfp_summary(a, n), 'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000, 'iterations': 40,
                         'val_tokens_requested': 10_000, 'best_iteration': 20 + n // 10, 'stop_reason': 'max_iterations', 'val_patience': 0}
             for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
-    assert cs.phase1_settings_sentence(make_batch(tmp_path / 'like', summaries=like)) == (
+    assert cr.phase1_settings_sentence(make_batch(tmp_path / 'like', summaries=like)) == (
         'Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation effective rank on 10,000 tokens. '
         'Stopping rule: no early stopping, every run runs all its iterations; stopped early by validation effective rank: 0 of 6 runs; 6 kept the weights '
         "of an earlier iteration with a higher validation effective rank, chosen from the minimum iterations on (Phase 1 table: 'weights of iteration').")
-    dt = cs.document_table(batch, cs.report_alpha(batch))
+    dt = cr.document_table(batch, ca.report_alpha(batch))
     assert dt.loc[('ODCM', 'ours (40 stories, 1 seed(s))')].tolist() == ['50.0', '40.0', '0.062500', '10.0', '100.0', f"{2 * ppl('ODCM', 40):.2f}",
                                                                         f"{ppl('ODCM', 40):.2f}", '12.5', '-0.300']
     assert dt.loc[('MCDL', 'the New-LLM guidelines')].tolist() == ['n/a', '82.7', 'n/a', 'n/a', 'n/a', '289.1', 'n/a', '20.3', '-0.423']
     hi = {(a, n, 0): {**cvfp_summary(a, n), 'val_er_percent': 40.0 + (5 if a == 'ODCM' and n > 10 else 0)} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
-    assert cs.odcm_sentence(make_batch(tmp_path / 'hi', summaries=hi)) == (
+    assert cr.odcm_sentence(make_batch(tmp_path / 'hi', summaries=hi)) == (
         '**Our ODCM raises the validation effective rank above MCDL at only 2 of 3 sample sizes**, where the New-LLM guidelines found it higher: ODCM 43.3% vs '
         'MCDL 40.0% (mean over 3 sample size(s), +3.3 points; higher at 2 of 3); training effective rank ODCM 50.0% vs MCDL 50.0% (higher at 0 of 3). '
         'The New-LLM guidelines: 86.7% vs 82.7% (+4.0 points).')
-    assert cs.odcm_sentence(batch).startswith('**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines')
+    assert cr.odcm_sentence(batch).startswith('**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines')
 
 
 def test_alpha(batch):
-    a = cs.report_alpha(batch)
+    a = ca.report_alpha(batch)
     assert a['window'] == 2 and (batch / 'alpha_progression.json').exists()
-    t = cs.alpha_table(a)
+    t = ca.alpha_table(a)
     assert t.index.tolist() == [(alg, w) for alg in ('MCDL', 'ODCM') for w in ('all points', '1', '2')]
     assert t.loc[('ODCM', 'all points')].tolist() == ['10-40', '1,000-4,000', '-0.30000', '1.1e+03', '1.0000']  # the final epoch's PPL, twice the best here
     assert a['ppl'] == 'final_val_ppl' and a['protocols']['best_val_ppl']['ODCM']['overall']['A'] == pytest.approx(550)
-    s = cs.alpha_sentences(a)
+    s = ca.alpha_sentences(a)
     assert len(s) == 2 and s[1].startswith('**ODCM**: alpha -0.30000 (R^2 1.0000) over 3 sample sizes; window alpha -0.30000 -> -0.30000 (change ')
 
 
 def test_one_seed_one_window(tmp_path):
     b = make_batch(tmp_path / 'b', algs=('MCDL',), samples=(10, 20), window=None)
-    a = cs.report_alpha(b)
+    a = ca.report_alpha(b)
     assert a['window'] == 4
-    assert cs.alpha_sentences(a) == ['**MCDL**: alpha -0.30000 (R^2 1.0000) over 2 sample sizes; one window of 2 points (no change to report).']
-    assert cs.checks_summary(b).endswith(f"{C1} passed in 0 of 2 runs, {C2} passed in 2 of 2 runs, {C3} passed in 1 of 2 runs "
+    assert ca.alpha_sentences(a) == ['**MCDL**: alpha -0.30000 (R^2 1.0000) over 2 sample sizes; one window of 2 points (no change to report).']
+    assert cr.checks_summary(b).endswith(f"{C1} passed in 0 of 2 runs, {C2} passed in 2 of 2 runs, {C3} passed in 1 of 2 runs "
                                          "(2 run(s) between the failure line and the New-LLM guidelines' effective-rank band).")
-    assert 'ODCM' not in cs.phase1_sentence(b)
+    assert 'ODCM' not in cr.phase1_sentence(b)
 
 
 def test_failed_run_is_listed_and_left_out(tmp_path):
     b = make_batch(tmp_path / 'b', seeds=(0, 1), failed={('ODCM', 20, 1)})
-    assert cs.runs_sentence(b) == '**1 of 16 run(s) did not complete:** `run3-s1` (failed: RuntimeError: boom)'
-    rt = cs.runs_table(b)
+    assert cr.runs_sentence(b) == '**1 of 16 run(s) did not complete:** `run3-s1` (failed: RuntimeError: boom)'
+    rt = cr.runs_table(b)
     assert rt[rt.status != 'completed'].values.tolist() == [['run3', 1, 'failed', '', 'RuntimeError: boom']]
-    assert 'run3-s1' not in cs.phase1_table(b).index and len(cs.phase2_table(b)) == 11
-    assert cs.checks_counts(b)[C2] == (11, 11)
-    a = cs.batch_alpha(b, 2)
+    assert 'run3-s1' not in cr.phase1_table(b).index and len(cr.phase2_table(b)) == 11
+    assert cr.checks_counts(b)[C2] == (11, 11)
+    a = ca.batch_alpha(b, 2)
     assert a['algorithms']['ODCM']['points'][1]['runs'] == ['run3-s0']
-    assert len(cs.speed_sentences(b)) == 2 and cs.embed_table(b).index.tolist() == [0, 1]
+    assert len(cr.speed_sentences(b)) == 2 and cr.embed_table(b).index.tolist() == [0, 1]
 
 
 def test_missing_run_and_metrics(tmp_path):
@@ -211,17 +211,17 @@ def test_missing_run_and_metrics(tmp_path):
     no_checks = {k: v for k, v in cvfp_summary('ODCM', 20).items() if k not in ('checks', 'val_er', 'stop_reason')}
     b = make_batch(tmp_path / 'b', samples=(10, 20, 40), summaries={('MCDL', 20, 0): no_ppl, ('ODCM', 20, 0): no_checks})
     write_json(b / 'batch.json', {**json.loads((b / 'batch.json').read_text()), 'variants': ['embed', 'phase1-speed', 'run0', 'ghost']})
-    assert '`ghost-s0` (missing: never ran)' in cs.runs_sentence(b)
-    assert cs.phase2_table(b).loc['run2-s0', 'best val PPL'] == 'n/a'
-    row = cs.checks_table(b).loc['run3-s0']
+    assert '`ghost-s0` (missing: never ran)' in cr.runs_sentence(b)
+    assert cr.phase2_table(b).loc['run2-s0', 'best val PPL'] == 'n/a'
+    row = cr.checks_table(b).loc['run3-s0']
     assert row.tolist() == ['ODCM', 'n/a', 'n/a', 'n/a']
-    assert cs.check_details(b).loc['run3-s0'].values.tolist() == [['n/a', 'n/a', 'n/a']] * 3
-    assert cs.checks_counts(b) == {C1: (0, 5), C2: (5, 5), C3: (3, 5)}
-    p1 = cs.phase1_table(b).loc['run3-s0']
+    assert cr.check_details(b).loc['run3-s0'].values.tolist() == [['n/a', 'n/a', 'n/a']] * 3
+    assert cr.checks_counts(b) == {C1: (0, 5), C2: (5, 5), C3: (3, 5)}
+    p1 = cr.phase1_table(b).loc['run3-s0']
     assert (p1['val ER'], p1['stopped by']) == ('n/a', 'n/a')
-    a = cs.batch_alpha(b, 2)  # the run without a PPL is no alpha point
+    a = ca.batch_alpha(b, 2)  # the run without a PPL is no alpha point
     assert [p['samples'] for p in a['algorithms']['MCDL']['points']] == [10, 40]
-    assert cs.alpha_table(a).loc[('MCDL', 'all points'), 'stories'] == '10-40'
+    assert ca.alpha_table(a).loc[('MCDL', 'all points'), 'stories'] == '10-40'
 
 
 def test_alpha_per_seed_with_mean_and_spread(tmp_path):
@@ -232,7 +232,7 @@ def test_alpha_per_seed_with_mean_and_spread(tmp_path):
     alphas = {0: -0.30, 1: -0.36}
     b = make_batch(tmp_path / 'b', algs=('MCDL',), samples=(10, 20, 40), seeds=(0, 1),
                    summaries={('MCDL', n, sd): with_alpha('MCDL', n, sd, al) for n in (10, 20, 40) for sd, al in alphas.items()})
-    a = cs.report_alpha(b)
+    a = ca.report_alpha(b)
     m = a['algorithms']['MCDL']
     assert {k: round(v['alpha'], 9) for k, v in m['seeds'].items()} == {'0': -0.3, '1': -0.36}
     sa = m['seed_alpha']
@@ -241,19 +241,19 @@ def test_alpha_per_seed_with_mean_and_spread(tmp_path):
     # the fit on the mean PPL over seeds is another number than the mean of the seeds' alphas
     toks, mean_ppl = [1000, 2000, 4000], [(500 * t ** -0.3 + 500 * t ** -0.36) / 2 for t in (1000, 2000, 4000)]
     assert m['overall']['alpha'] == pytest.approx(np.polyfit(np.log(toks), np.log(mean_ppl), 1)[0])
-    t = cs.alpha_seed_table(a)
-    assert t.loc[('MCDL', cs.ALPHA_PPL['final_val_ppl'])].tolist()[1:] == ['-0.3000', '-0.3600', '-0.3300', f'{0.06 / math.sqrt(2):.4f}', '0.0600']
-    assert t.loc[('MCDL', cs.ALPHA_PPL['common_val_ppl']), 'seed 1'] == '-0.3600'  # 3x the PPL: the same slope
-    assert cs.alpha_sentences(a)[0].endswith('Per seed: -0.30000 (seed 0), -0.36000 (seed 1); mean -0.33000, sd 0.04243, range 0.06000.')
-    assert cs.document_table(b, a).loc[('MCDL', 'ours (40 stories, 2 seed(s))'), 'alpha'] == '-0.330 ± 0.042 (2 seeds)'
+    t = ca.alpha_seed_table(a)
+    assert t.loc[('MCDL', ca.ALPHA_PPL['final_val_ppl'])].tolist()[1:] == ['-0.3000', '-0.3600', f'-0.3300 ± {0.06 / math.sqrt(2):.4f}', '0.0600']
+    assert t.loc[('MCDL', ca.ALPHA_PPL['common_val_ppl']), 'seed 1'] == '-0.3600'  # 3x the PPL: the same slope
+    assert ca.alpha_sentences(a)[0].endswith('Per seed: -0.30000 (seed 0), -0.36000 (seed 1); over seeds -0.33000 ± 0.04243 (mean ± sd), range 0.06000.')
+    assert cr.document_table(b, a).loc[('MCDL', 'ours (40 stories, 2 seed(s))'), 'alpha'] == '-0.330 ± 0.042 (2 seeds)'
 
 
 def test_coverage_and_embedding_without_records(batch):
     "Runs from before the coverage rule and without --train-embedding say so instead of failing."
-    assert cs.coverage_sentence(batch) == 'The runs recorded no validation coverage (they predate the coverage rule).'
-    assert cs.coverage_table(batch).loc['run0-s0', 'rule holds'] == 'n/a'
-    assert cs.embedding_sentence(batch).startswith('No run trained the embedding (run the batch with `--train-embedding` for the comparison).')
-    assert len(cs.embedding_table(batch)) == 0
+    assert cr.coverage_sentence(batch) == 'The runs recorded no validation coverage (they predate the coverage rule).'
+    assert cr.coverage_table(batch).loc['run0-s0', 'rule holds'] == 'n/a'
+    assert cr.embedding_sentence(batch).startswith('No run trained the embedding (run the batch with `--train-embedding` for the comparison).')
+    assert len(cr.embedding_table(batch)) == 0
 
 
 def test_embedding_pairs(tmp_path):
@@ -263,30 +263,30 @@ def test_embedding_pairs(tmp_path):
     for (a, n) in (('MCDL', 10), ('MCDL', 40)):
         d = b / f'tw{a}{n}-s0'; d.mkdir(); write_json(d / 'summary.json', trained(a, n, 0))
     write_json(b / 'batch.json', {**json.loads((b / 'batch.json').read_text()), 'variants': json.loads((b / 'batch.json').read_text())['variants'] + ['twMCDL10', 'twMCDL40']})
-    t = cs.embedding_table(b)
+    t = cr.embedding_table(b)
     assert t.index.tolist() == [('MCDL', 10, 0), ('MCDL', 40, 0)]
     f10, t10 = 2 * ppl('MCDL', 10), 3 * ppl('MCDL', 10)
     assert t.loc[('MCDL', 10, 0), ['frozen: val PPL', 'trained: val PPL', 'frozen vs trained (%)']].tolist() == [f'{f10:.2f}', f'{t10:.2f}', f'{100 * (f10 - t10) / t10:+.1f}']
-    s = cs.embedding_sentence(b)
+    s = cr.embedding_sentence(b)
     assert s.startswith('**The frozen embedding gives the lower validation PPL in 1 of 2 pairs**') and 'lower in 1 of 2' in s
-    assert len(cs.phase1_table(b)) == 4 and len(cs.cvfp_runs(b, None)) == 6  # the trained twins stay out of the other tables
+    assert len(cr.phase1_table(b)) == 4 and len(cr.cvfp_runs(b, None)) == 6  # the trained twins stay out of the other tables
 
 
 def test_empty_batch(tmp_path):
     for b in (tmp_path / 'bare', tmp_path / 'asked'):
         b.mkdir()
     write_json(tmp_path / 'asked' / 'batch.json', {'study': 'cvfp', 'variants': ['embed'], 'seeds': [0]})
-    assert cs.batch_runs(tmp_path / 'bare') == [] and cs.runs_sentence(tmp_path / 'bare') == '**No runs in this batch directory.**'
-    assert cs.runs_sentence(tmp_path / 'asked') == '**1 of 1 run(s) did not complete:** `embed-s0` (missing: never ran)'
+    assert cr.batch_runs(tmp_path / 'bare') == [] and cr.runs_sentence(tmp_path / 'bare') == '**No runs in this batch directory.**'
+    assert cr.runs_sentence(tmp_path / 'asked') == '**1 of 1 run(s) did not complete:** `embed-s0` (missing: never ran)'
     for b in (tmp_path / 'bare', tmp_path / 'asked'):
-        assert cs.cvfp_runs(b) == []
-        for f in (cs.embed_table, cs.speed_table, cs.phase1_table, cs.checks_table, cs.check_details, cs.phase2_table, cs.timing_table,
-                  cs.phase1_curves, cs.phase2_curves):
+        assert cr.cvfp_runs(b) == []
+        for f in (cr.embed_table, cr.speed_table, cr.phase1_table, cr.checks_table, cr.check_details, cr.phase2_table, cr.timing_table,
+                  cr.phase1_curves, cr.phase2_curves):
             assert len(f(b)) == 0, f
-        assert cs.speed_sentences(b) == []
-        assert (cs.phase1_sentence(b), cs.checks_summary(b)) == ('No completed CVFP run.', 'No completed CVFP run to check.')
-        a = cs.report_alpha(b)
-        assert len(cs.alpha_table(a)) == 0 and cs.alpha_sentences(a) == ['No algorithm has completed runs to fit.']
-    assert cs.checks_counts([]) == {C1: (0, 0), C2: (0, 0), C3: (0, 0)}
-    assert cs.layers_sentence(tmp_path / 'bare') == cs.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
-    assert cs.batch_sentence(tmp_path / 'bare').endswith(': study `None`, preset `None`, data `None`, seeds None, flags none, overrides {}.')
+        assert cr.speed_sentences(b) == []
+        assert (cr.phase1_sentence(b), cr.checks_summary(b)) == ('No completed CVFP run.', 'No completed CVFP run to check.')
+        a = ca.report_alpha(b)
+        assert len(ca.alpha_table(a)) == 0 and ca.alpha_sentences(a) == ['No algorithm has completed runs to fit.']
+    assert cr.checks_counts([]) == {C1: (0, 0), C2: (0, 0), C3: (0, 0)}
+    assert cr.layers_sentence(tmp_path / 'bare') == cr.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
+    assert cr.batch_sentence(tmp_path / 'bare').endswith(': study `None`, preset `None`, data `None`, seeds None, flags none, overrides {}.')
