@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from .report import load_runs, mean_sd
 from .rundir import read_json
-from .train import read_metrics
+from .metrics import read_metrics
 from .cvfp_study import DIVERSITY_DESCRIPTIONS, pass_fail
 
 # %% auto #0

@@ -23,7 +23,7 @@ __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'ER_BANDS', 'ER_FAI
            'EffectiveRankCheck', 'er_verdict', 'effective_rank_check', 'IdentityCheck', 'identity_check',
            'final_diff_grade', 'ConvergenceVerdict', 'convergence_verdict', 'ConvergenceCheck',
            'cvfp_convergence_check', 'pass_fail', 'phase1_evaluation', 'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp',
-           'sample_schedule', 'sample_sizes', 'common_settings', 'cvfp_variants']
+           'sample_schedule', 'sample_sizes', 'common_settings', 'cvfp_variants', 'load_cvfp_model']
 
 # %% ../nbs/12a_cvfp_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -120,7 +120,7 @@ def load_embedding(path, # run directory of this package, local HF model directo
     if not p.exists(): raise ConfigError(f'embeddings path {str(path)!r} does not exist; {hint}')
     if p.is_dir() and (p / 'checkpoints').is_dir() and (p / 'config.json').exists():
         from oelm_nb.model import GPT
-        from oelm_nb.train import load_weights
+        from oelm_nb.checkpoint import load_weights
         ck = next((p / 'checkpoints' / t for t in ('best', 'final', 'latest') if (p / 'checkpoints' / t).exists()), None)
         if ck is None: raise ConfigError(f'{p}/checkpoints has no best, final or latest checkpoint')
         gpt = load_weights(GPT(RunSpec.load_json(p / 'config.json').model, init_seed=0), ck, 'model')
@@ -564,8 +564,16 @@ def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
                 out[f'{a}-n{n}-train-emb'] = Variant({**out[f'{a}-n{n}'].overrides, 'settings.phase2_train_embedding': True}, ('embed',))
     return out
 
+# %% ../nbs/12a_cvfp_study.ipynb #c5bda94d
+def load_cvfp_model(spec: RunSpec, find_checkpoint):
+    "None (a plain GPT) for the embedding run; a `ConfigError` that names the run to sample instead for every other run."
+    if spec.name == 'embed': return None
+    raise ConfigError(f"{spec.out_dir} is a CVFP run ({spec.name}): its model is a context block and a token block, not a GPT "
+                      "that samples text; sample the batch's embedding run instead (embed-s<seed>)")
+
 # %% ../nbs/12a_cvfp_study.ipynb #ed82c37d
 CVFP_STUDY = Study(
+    load_model=load_cvfp_model,
     name='cvfp',
     description='CVFP fixed-point learning: MCDL vs ODCM over sample sizes, parallel vs sequential Phase 1, alpha scaling (the New-LLM guidelines)',
     settings=CVFPSettings,

@@ -62,9 +62,6 @@ def load_run_model(run_dir, # one run's directory
     if not (run_dir / 'config.json').exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json); pass one run's folder, e.g. runs/qk-freeze/gpt-s0")
     spec = RunSpec.load_json(run_dir / 'config.json')
-    if spec.study == 'cvfp' and spec.name not in ('embed',):
-        raise ConfigError(f"{run_dir} is a CVFP run ({spec.name}): its model is a context block and a token block, not a GPT that "
-                          "samples text; sample the batch's embedding run instead (embed-s<seed>)")
     hook = get_study(spec.study).load_model  # a study whose runs are not a plain GPT says how to rebuild them
     found = hook(spec, lambda: find_checkpoint(run_dir, checkpoint)) if hook else None
     if found is None:

@@ -12,7 +12,7 @@ SMALL = ['--set', 'train.dtype=float32', '--no-report', '--jobs', '1']
 BATCHES = {
     'qk-freeze': ['--preset', 'tiny', '--seeds', '0', '--variants', 'gpt,oelm-freeze', '--steps', '60'],
     'pca': ['--preset', 'tiny', '--seeds', '0', '--ks', '8', '--steps', '60'],
-    'cvfp': ['--preset', 'tiny', '--seeds', '0', '--algorithms', 'MCDL', 'ODCM', '--samples', '2', '--sequential',
+    'cvfp': ['--preset', 'tiny', '--seeds', '0', '--algorithms', 'MCDL', 'ODCM', '--samples', '2', '--phase1', 'sequential',
              '--set', 'settings.val_tokens=600', '--set', 'settings.check_tokens=200', '--set', 'settings.tokens=400',
              '--set', 'settings.phase1_max_iterations=3', '--set', 'settings.phase1_min_iterations=2',
              '--set', 'settings.speed_iterations=3', '--set', 'settings.phase2_epochs=2'],
@@ -20,7 +20,13 @@ BATCHES = {
 }
 # words in a key that mark a number that differs by nature between two identical runs
 VOLATILE = ('time', 'second', 'elapsed', 'date', 'started', 'finished', 'tok_per', 'tokens_per', 'per_s', 'pid', 'host',
-            'mem', 'commit', 'version', 'duration', 'wall', 'mfu', 'throughput', 'ms')
+            'mem', 'commit', 'version', 'duration', 'wall', 'mfu', 'throughput', 'ms', 'speedup')
+
+
+def volatile(key: str) -> bool:
+    "A field that differs by nature between two identical runs: a timing, a date, a host, a version."
+    k = key.lower()
+    return any(w in k for w in VOLATILE) or k.endswith('_s') or '_s.' in k
 
 
 def numbers(obj, prefix=''):
@@ -32,7 +38,7 @@ def numbers(obj, prefix=''):
         for i, v in enumerate(obj): out.update(numbers(v, f'{prefix}{i}.'))
     elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
         key = prefix[:-1]
-        if not any(w in key.lower() for w in VOLATILE): out[key] = float(obj)
+        if not volatile(key): out[key] = float(obj)
     return out
 
 
@@ -54,6 +60,8 @@ def compare(before, after, tol=1e-6):
     bad = []
     for run in sorted(set(before) | set(after)):
         b, a = before.get(run), after.get(run)
+        b = b and {k: v for k, v in b.items() if not volatile(k)}
+        a = a and {k: v for k, v in a.items() if not volatile(k)}
         if b is None or a is None:
             bad.append(f'{run}: only {"after" if b is None else "before"}'); continue
         for k in sorted(set(b) & set(a)):

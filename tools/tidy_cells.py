@@ -53,7 +53,9 @@ def _docstring_fix(code: str) -> str:
     out = []
     for line in code.split('\n'):
         m = re.match(r'^(\s*)"((?:[^"\\]|\\.)*)"\s*$', line)
-        if len(line) > MAX and m and '"""' not in line:
+        prev = next((l.strip() for l in reversed(out) if l.strip()), '')
+        after_def = prev.endswith(':') and prev.startswith(('def ', 'class ', 'async def ')) or prev.endswith(('):', ') -> None:'))
+        if len(line) > MAX and m and '"""' not in line and after_def:  # a docstring: whitespace in it is free
             ind, text = m.group(1), m.group(2)
             body = textwrap.wrap(text, MAX - len(ind) - 3, break_on_hyphens=False, break_long_words=False)
             out.append(f'{ind}"""{body[0]}')
@@ -107,7 +109,7 @@ def wrap_long(code: str) -> str:
         for span in _spans(code, i)[:3]:
             try: new = black.format_str(code, mode=MODE, lines=[span]).rstrip('\n')
             except Exception: continue
-            if new != code and len(new.split('\n')) - len(lines) <= GROWTH: code = new; break
+            if new != code and len(new.split('\n')) - len(lines) <= GROWTH and _same(code, new): code = new; break
         else: failed.add(lines[i - 1])
         if code.split('\n') == lines: failed.add(lines[i - 1])
 
@@ -117,6 +119,12 @@ def _norm(tree):
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str): n.value = ' '.join(n.value.split())
     return ast.dump(tree, include_attributes=False)
+
+
+def _same(a: str, b: str) -> bool:
+    "Whether two pieces of code have the same syntax tree (string whitespace aside)."
+    try: return _norm(ast.parse(a)) == _norm(ast.parse(b))
+    except SyntaxError: return False
 
 
 def exported_code(cells) -> str:
