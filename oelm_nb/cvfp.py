@@ -43,6 +43,7 @@ def _cov_term(xc: torch.Tensor) -> torch.Tensor:  # (n, d) centered -> sum of sq
     cov = xc.T @ xc / (n - 1)  # (d, d)
     return (cov ** 2).sum().sub((torch.diagonal(cov) ** 2).sum()) / d
 
+# %% ../nbs/12_cvfp.ipynb #be7b0c5c
 def odcm_loss(x: torch.Tensor, # (n, d) contexts, n >= 2
               cov_weight: float = 0.04, # VICReg's weight of the covariance term relative to the variance term
               eps: float = 1e-4, # added to the variance under the square root
@@ -61,6 +62,7 @@ def odcm_cov_loss(x: torch.Tensor, # (n, d) contexts, n >= 2
 # %% ../nbs/12_cvfp.ipynb #a49526d8
 DIVERSITY_LOSSES: dict[str, Callable] = {'MCDL': mcdl_loss, 'ODCM': odcm_loss, 'ODCM-cov': odcm_cov_loss}
 
+# %% ../nbs/12_cvfp.ipynb #2e8b05b1
 def combined_loss(cvfp: torch.Tensor, # CVFP loss
                   diversity: torch.Tensor, # diversity loss
                   dist_reg_weight: float = 0.9, # w: share of the diversity term
@@ -96,19 +98,28 @@ class CVFPConfig(ConfigBase):
     vocab_size: int = 256 # rows of the (frozen) token embedding
     context_dim: int = 64 # C: width of the context vector
     embed_dim: int = 64 # E: width of the token embedding
-    num_layers: int = 1 # layers of the ContextBlock and of the TokenBlock (the same number); the New-LLM guidelines: fixed at 1, "absolutely do not change"
+    # layers of the ContextBlock and of the TokenBlock (the same number); the New-LLM guidelines: fixed at 1,
+    # "absolutely do not change"
+    num_layers: int = 1
     diversity: str = 'MCDL' # a key of DIVERSITY_LOSSES
     dist_reg_weight: float = 0.9 # w in (1 - w) * cvfp + w * diversity
     phase1_lr: float = 2e-3 # Adam learning rate of Phase 1 (the New-LLM guidelines: 0.002)
-    phase1_min_iterations: int = 5 # never stop before this many iterations (the New-LLM guidelines: 5; iteration 1's rate is trivially high)
+    # never stop before this many iterations (the New-LLM guidelines: 5; iteration 1's rate is trivially high)
+    phase1_min_iterations: int = 5
     phase1_max_iterations: int = 40 # stop after this many iterations (the New-LLM guidelines: 40)
     convergence_threshold: float = 1e-3 # a token has converged when its mean squared change is below this
     convergence_target: float = 0.95 # stop early once this share of tokens has converged
-    phase1_val_patience: int = 0 # with validation tokens: stop after this many iterations (from phase1_min_iterations on) without a higher validation ER (0: never; every iteration runs)
-    phase1_restore_best: bool = True # with validation tokens: end with the weights of the iteration with the highest validation ER among those from phase1_min_iterations on
+    # with validation tokens: stop after this many iterations (from phase1_min_iterations on) without a higher
+    # validation ER (0: never; every iteration runs)
+    phase1_val_patience: int = 0
+    # with validation tokens: end with the weights of the iteration with the highest validation ER among those from
+    # phase1_min_iterations on
+    phase1_restore_best: bool = True
     parallel: bool = True # Phase 1 iterations >= 1 in parallel (token i reads previous_contexts[i-1])
     phase2_lr: float = 1e-3 # AdamW learning rate of Phase 2
-    phase2_train_embedding: bool = False # Phase 2 trains the tied token embedding (= output head) too; the New-LLM guidelines freeze it (frozen 334 vs trained 1189 val PPL at 500 samples)
+    # Phase 2 trains the tied token embedding (= output head) too; the New-LLM guidelines freeze it (frozen 334 vs
+    # trained 1189 val PPL at 500 samples)
+    phase2_train_embedding: bool = False
     phase2_epochs: int = 3 # passes over the cached positions
     phase2_batch_size: int | None = None # tokens per Phase 2 step (None: from the memory budget)
     phase2_min_batch_size: int = 16 # clamp of the memory-derived batch size
@@ -152,6 +163,7 @@ CVFP_PRESETS = {
     'seed': dict(vocab_size=50257, context_dim=768, embed_dim=768),
 }
 
+# %% ../nbs/12_cvfp.ipynb #875ae577
 def cvfp_config(preset: str = 'cpu', # a key of CVFP_PRESETS
                 **overrides) -> CVFPConfig:
     "The `CVFPConfig` of a preset with some fields overridden."
@@ -211,7 +223,8 @@ class CVFPModel(nn.Module):
         self.cfg = cfg
         set_seed(cfg.seed)
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-        nn.init.normal_(self.embedding.weight, std=cfg.embed_dim ** -0.5)  # unit-norm rows: tied logits start near std 1
+        # unit-norm rows: tied logits start near std 1
+        nn.init.normal_(self.embedding.weight, std=cfg.embed_dim ** -0.5)
         if embedding is not None:
             shape = (cfg.vocab_size, cfg.embed_dim)
             check(tuple(embedding.shape) == shape, 'CVFPConfig', 'vocab_size/embed_dim', shape,
@@ -243,7 +256,8 @@ class CVFPModel(nn.Module):
 # %% ../nbs/12_cvfp.ipynb #0967a033
 @contextmanager
 def one_thread():
-    "One intra-op CPU thread inside: per-token vector ops gain nothing from more, and on a shared CPU each op would wait for the busiest core."
+    """One intra-op CPU thread inside: per-token vector ops gain nothing from more, and on a shared CPU each op would
+    wait for the busiest core."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try: yield
@@ -251,13 +265,16 @@ def one_thread():
 
 # %% ../nbs/12_cvfp.ipynb #7f9f513b
 @torch.no_grad()
-def context_scan(block: ContextBlock, e: torch.Tensor, # (N, E) token inputs (`model.embed(ids)`)
-                 start: torch.Tensor, # (1, C) context before the first token
-                ) -> list[torch.Tensor]:  # L x (N, C)
+def context_scan(
+    block: ContextBlock,
+    e: torch.Tensor,  # (N, E) token inputs (`model.embed(ids)`)
+    start: torch.Tensor,  # (1, C) context before the first token
+) -> list[torch.Tensor]:  # L x (N, C)
     "`block` over the tokens one by one without gradient, carrying the final-layer context; the token half of each first Linear is computed for all tokens at once."
     C = start.shape[-1]
     layers = list(block.layers)
-    pre = [F.linear(e, L.fnn[0].weight[:, C:], L.fnn[0].bias) for L in layers]  # (N, H) per layer: W_token @ e_t + b for every t
+    # (N, H) per layer: W_token @ e_t + b for every t
+    pre = [F.linear(e, L.fnn[0].weight[:, C:], L.fnn[0].bias) for L in layers]
     w1 = [L.fnn[0].weight[:, :C] for L in layers]
     w2, b2 = [L.fnn[2].weight for L in layers], [L.fnn[2].bias for L in layers]
     norm = [(L.norm.weight, L.norm.bias, L.norm.eps) for L in layers]
@@ -301,15 +318,18 @@ class Phase1Result:
     parallel: bool
     seconds: float # wall time of the training iterations (validation passes excluded)
     stop_reason: str = 'max_iterations' # 'max_iterations' | 'converged' | 'val_effective_rank'
-    best_iteration: int | None = None # with validation tokens and phase1_restore_best: the iteration whose weights were kept
+    # with validation tokens and phase1_restore_best: the iteration whose weights were kept
+    best_iteration: int | None = None
     @property
     def contexts(self) -> torch.Tensor: return self.layer_outputs[-1]
     @property
     def convergence_rate(self) -> float: return self.converged_tokens / self.n_tokens
     def summary(self) -> str:
         er = effective_rank(self.contexts)
-        return (f"{'parallel' if self.parallel else 'sequential'}: {self.iterations} iterations in {self.seconds:.2f} s, "
-                f"convergence {100 * self.convergence_rate:.1f}% ({self.converged_tokens}/{self.n_tokens} tokens), ER {er}")
+        return (
+            f"{'parallel' if self.parallel else 'sequential'}: {self.iterations} iterations in {self.seconds:.2f} s, "
+            f"convergence {100 * self.convergence_rate:.1f}% ({self.converged_tokens}/{self.n_tokens} tokens), ER {er}"
+        )
 
 # %% ../nbs/12_cvfp.ipynb #4b23d402
 def _sequential_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, grad: bool) -> list[torch.Tensor]:
@@ -329,8 +349,7 @@ def _parallel_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, pr
     with torch.set_grad_enabled(grad): return block(shifted, e)
 
 # %% ../nbs/12_cvfp.ipynb #120497e2
-def val_effective_rank(model: CVFPModel, ids: torch.Tensor, # (N,) validation tokens
-                      ) -> EffectiveRank:
+def val_effective_rank(model: CVFPModel, ids: torch.Tensor) -> EffectiveRank:  # (N,) validation tokens
     "Effective rank of the final-layer contexts of one sequential pass from a zero context: the one validation ER (early stopping and final evaluation)."
     return effective_rank(build_context_cache(model, ids)[-1])
 
@@ -351,7 +370,8 @@ def _phase1_step(opt: torch.optim.Optimizer, cfg: CVFPConfig,
 
 # %% ../nbs/12_cvfp.ipynb #1ef63f12
 class _ValidationRank:
-    "Phase 1's validation ER per learning iteration: the best from phase1_min_iterations on, iterations since it, time taken."
+    """Phase 1's validation ER per learning iteration: the best from phase1_min_iterations on, iterations since it, time
+    taken."""
     def __init__(self, model: CVFPModel, ids: torch.Tensor):
         self.model, self.ids, self.best, self.since, self.seconds = model, ids, -1.0, 0, 0.0
     def measure(self, rec: dict, # the iteration's history record: gets 'val_effective_rank'
@@ -399,12 +419,14 @@ def train_phase1(model: CVFPModel,
             rec.update(terms); converged = terms['converged']
         if track_rank: rec['effective_rank'] = effective_rank(ctx).percent
         rec['seconds'] = time.perf_counter() - t0
-        eligible = learn and it + 1 >= cfg.phase1_min_iterations  # stopping here is allowed, so is keeping these weights
+        # stopping here is allowed, so is keeping these weights
+        eligible = learn and it + 1 >= cfg.phase1_min_iterations
         if learn and val is not None: val.measure(rec, eligible)
         history.append(rec)
         if verbose: print(rec)
         previous, carry = ctx.detach(), ctx[-1:].detach()  # carry-over: never reset to zero
-        if val is not None and cfg.phase1_restore_best and eligible and val.since == 0:  # a new best validation ER: keep it all
+        # a new best validation ER: keep it all
+        if val is not None and cfg.phase1_restore_best and eligible and val.since == 0:
             best = (it, {k: v.detach().clone() for k, v in block.state_dict().items()}, previous, carry, converged)
         if eligible and (reason := _stop_reason(cfg, converged / n, val)): stop = reason; break
     seconds = time.perf_counter() - t_start - (0.0 if val is None else val.seconds)
@@ -536,7 +558,8 @@ def train_phase2(model: CVFPModel,
     cfg = model.cfg
     freeze_context_block(model)
     if cache is None: cache = build_context_cache(model, ids)
-    val_cache = None if val_ids is None else build_context_cache(model, val_ids)  # both caches through the embedding the ContextBlock was trained with
+    # both caches through the embedding the ContextBlock was trained with
+    val_cache = None if val_ids is None else build_context_cache(model, val_ids)
     model.embedding.weight.requires_grad_(cfg.phase2_train_embedding)  # tied: the output head trains with it
     dev = model.embedding.weight.device
     sizing = phase2_batch_size(cfg, dev, cpu_budget_bytes)

@@ -26,12 +26,14 @@ class PowerLawFit:
     alpha: float
     r2: float # of the log-log fit
 
+# %% ../nbs/12c_cvfp_alpha.ipynb #768c2198
 def fit_power_law(tokens, # token counts (> 0)
                   ppl, # perplexities (> 0), same length, >= 2 points
                  ) -> PowerLawFit:
     "Least-squares fit of log(ppl) = log(A) + alpha * log(tokens)."
     x, y = np.log(np.asarray(tokens, float)), np.log(np.asarray(ppl, float))
-    if len(x) < 2 or len(x) != len(y): raise ValueError(f'need >= 2 (tokens, ppl) pairs of equal length, got {len(x)} and {len(y)}')
+    if len(x) < 2 or len(x) != len(y):
+        raise ValueError(f'need >= 2 (tokens, ppl) pairs of equal length, got {len(x)} and {len(y)}')
     alpha, logA = np.polyfit(x, y, 1)
     ss_res, ss_tot = float(((y - (logA + alpha * x)) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
     return PowerLawFit(float(math.exp(logA)), float(alpha), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
@@ -47,7 +49,8 @@ class AlphaProgression:
         return self.windows[-1]['alpha'] - self.windows[0]['alpha'] if len(self.windows) > 1 else None
     @property
     def alpha_change_percent(self) -> float | None:
-        "The change from the first window's alpha to the last's, in % of |first alpha| (negative: alpha became more negative)."
+        """The change from the first window's alpha to the last's, in % of |first alpha| (negative: alpha became more
+        negative)."""
         a0 = self.windows[0]['alpha'] if self.windows else 0.0
         return None if self.alpha_change is None or a0 == 0 else 100.0 * self.alpha_change / abs(a0)
     @property
@@ -64,7 +67,8 @@ def alpha_progression(sample_sizes, # samples per point, increasing
                      ) -> AlphaProgression:
     "Fit alpha in each window of `window` consecutive points (R^2, A, token range)."
     tokens = list(sample_sizes if tokens is None else tokens)
-    if not 2 <= window <= len(ppls): raise ValueError(f'window={window} must be in 2..{len(ppls)} (the number of points)')
+    if not 2 <= window <= len(ppls):
+        raise ValueError(f'window={window} must be in 2..{len(ppls)} (the number of points)')
     out = []
     for k in range(len(ppls) - window + 1):
         sl = slice(k, k + window)
@@ -76,16 +80,20 @@ def alpha_progression(sample_sizes, # samples per point, increasing
 # %% ../nbs/12c_cvfp_alpha.ipynb #492d346d
 ALPHA_PPL = {'final_val_ppl': "final epoch's validation PPL (the run's validation tokens)",
              'common_val_ppl': 'final PPL on the common set (the first validation tokens, the same for every run)',
-             'best_val_ppl': "best epoch's validation PPL (chosen on the same data: the previous protocol)"} # summary key -> what it is
+             # summary key -> what it is
+             'best_val_ppl': "best epoch's validation PPL (chosen on the same data: the previous protocol)"}
 
 # %% ../nbs/12c_cvfp_alpha.ipynb #09f20ec1
 def _alpha_points(batch_dir, ppl: str = 'final_val_ppl') -> dict:
-    "algorithm -> samples -> [(train tokens, PPL, run folder, seed)] of the completed CVFP runs (frozen embedding) of a batch."
+    """algorithm -> samples -> [(train tokens, PPL, run folder, seed)] of the completed CVFP runs (frozen embedding) of
+    a batch."""
     pts = {}
     for r in cvfp_runs(batch_dir):
         s = r.summary
         if s.get(ppl) is None: continue
-        pts.setdefault(s['algorithm'], {}).setdefault(int(s['samples']), []).append((s['train_tokens'], s[ppl], r.name, r.seed))
+        pts.setdefault(s['algorithm'], {}).setdefault(int(s['samples']), []).append(
+            (s['train_tokens'], s[ppl], r.name, r.seed)
+        )
     return pts
 
 # %% ../nbs/12c_cvfp_alpha.ipynb #b5cc90a7
@@ -93,8 +101,10 @@ def _fit(points: list, window: int) -> dict:
     "Fit over all points and the sliding windows; points are dicts with samples, tokens and ppl."
     toks, ppl = [p['tokens'] for p in points], [p['ppl'] for p in points]
     f = fit_power_law(toks, ppl)
-    return {'overall': {'alpha': f.alpha, 'A': f.A, 'r2': f.r2, 'tokens': [toks[0], toks[-1]]},
-            'progression': alpha_progression([p['samples'] for p in points], ppl, min(window, len(points)), toks).to_dict()}
+    return {
+        'overall': {'alpha': f.alpha, 'A': f.A, 'r2': f.r2, 'tokens': [toks[0], toks[-1]]},
+        'progression': alpha_progression([p['samples'] for p in points], ppl, min(window, len(points)), toks).to_dict(),
+    }
 
 # %% ../nbs/12c_cvfp_alpha.ipynb #dc805aaa
 def _spread(values: dict) -> dict:
@@ -135,7 +145,8 @@ def batch_alpha(batch_dir, # a batch directory of `oelm run cvfp`
 
 # %% ../nbs/12c_cvfp_alpha.ipynb #3173fe7a
 def report_alpha(batch_dir) -> dict:
-    "`batch_alpha` on the final-epoch PPL with the batch's window size, plus every ALPHA_PPL's overall and per-seed alphas; written to alpha_progression.json."
+    """`batch_alpha` on the final-epoch PPL with the batch's window size, plus every ALPHA_PPL's overall and per-seed
+    alphas; written to alpha_progression.json."""
     opts = (read_json(Path(batch_dir) / 'batch.json') or {}).get('options') or {}
     w = int(opts.get('window_size') or 4)
     a = batch_alpha(batch_dir, w)
@@ -146,7 +157,8 @@ def report_alpha(batch_dir) -> dict:
 
 # %% ../nbs/12c_cvfp_alpha.ipynb #a67ca11a
 def alpha_seed_table(alpha: dict) -> pd.DataFrame:
-    "Per algorithm and PPL: the alpha of the fit on the seed means, each seed's alpha, and their mean, standard deviation and range."
+    """Per algorithm and PPL: the alpha of the fit on the seed means, each seed's alpha, and their mean, standard
+    deviation and range."""
     rows = []
     for p, algs in (alpha.get('protocols') or {alpha.get('ppl', 'final_val_ppl'): alpha['algorithms']}).items():
         for alg, a in algs.items():
@@ -165,7 +177,9 @@ def alpha_table(alpha: dict) -> pd.DataFrame:
     for alg, a in alpha['algorithms'].items():
         if 'overall' not in a: continue
         o = a['overall']
-        fits = [('all points', [a['points'][0]['samples'], a['points'][-1]['samples']], o)] + [(str(w['window']), w['samples'], w) for w in a['progression']['windows']]
+        fits = [('all points', [a['points'][0]['samples'], a['points'][-1]['samples']], o)] + [
+            (str(w['window']), w['samples'], w) for w in a['progression']['windows']
+        ]
         rows += [{'algorithm': alg, 'window': name, 'stories': f'{n[0]}-{n[1]}', 'tokens': f"{f['tokens'][0]:,}-{f['tokens'][1]:,}",
                   'alpha': f"{f['alpha']:.5f}", 'A': f"{f['A']:.3g}", 'R^2': f"{f['r2']:.4f}"} for name, n, f in fits]
     return pd.DataFrame(rows).set_index(['algorithm', 'window']) if rows else pd.DataFrame()

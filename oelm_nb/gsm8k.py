@@ -17,6 +17,7 @@ __all__ = ['gsm8k_number', 'gsm8k_correct', 'gsm8k_sample', 'write_gsm8k_sample'
 # %% ../nbs/13c_gsm8k.ipynb #e7e0a0f4
 _NUMBER = re.compile(r'-?\$?\d[\d,]*(?:\.\d+)?')
 
+# %% ../nbs/13c_gsm8k.ipynb #976db6df
 def _as_decimal(token: str):
     from decimal import Decimal, InvalidOperation
     try: return Decimal(token.replace(',', '').replace('$', ''))
@@ -26,7 +27,8 @@ def _as_decimal(token: str):
 def gsm8k_number(text: str, # a GSM8K answer or a model's continuation
                  strict: bool = False, # True: only a number after '####' counts
                 ):
-    "The final answer of a GSM8K-style text as a Decimal: the first number after the first '####', else (unless strict) the last number; None if there is none."
+    """The final answer of a GSM8K-style text as a Decimal: the first number after the first '####', else (unless
+    strict) the last number; None if there is none."""
     text = str(text).replace('\u2212', '-')  # a typographic minus reads as one
     head, sep, tail = text.partition('####')
     found = _NUMBER.findall(tail) if sep else []
@@ -91,6 +93,8 @@ def gsm8k_accuracy(model: nn.Module, # a transformers causal LM
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             ok = gsm8k_correct(text, str(rec['answer']))
             hits += ok
-            if len(examples) < n_examples: examples.append({'question': str(rec['question']), 'output': text, 'correct': ok})
-    finally: model.train(was)
+            if len(examples) < n_examples:
+                examples.append({'question': str(rec['question']), 'output': text, 'correct': ok})
+    finally:
+        model.train(was)
     return {'task': 'gsm8k', 'task_acc': hits / len(records) if records else None, 'task_n': len(records), 'task_examples': examples}

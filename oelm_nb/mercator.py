@@ -27,12 +27,14 @@ def safe_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     "Smooth L2 norm over the last dim, sqrt(|x|^2 + eps^2): finite gradient at x = 0."
     return (x.pow(2).sum(-1) + eps * eps).sqrt()
 
+# %% ../nbs/13_mercator.ipynb #d9329362
 def _masked_mean(v: torch.Tensor, # (...) per-position values
                  mask: torch.Tensor | None, # broadcastable to v; True/1 = keep
                 ) -> torch.Tensor:
     if mask is None: return v.mean()
     m = mask.to(torch.bool).expand_as(v)
-    return torch.where(m, v, torch.zeros_like(v)).sum() / m.sum().clamp(min=1)  # where: garbage at padding never leaks (not even nan)
+    # where: garbage at padding never leaks (not even nan)
+    return torch.where(m, v, torch.zeros_like(v)).sum() / m.sum().clamp(min=1)
 
 # %% ../nbs/13_mercator.ipynb #237d81f3
 def cosine(student: torch.Tensor, teacher: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -54,12 +56,14 @@ def mercator_loss(student: torch.Tensor, # (..., D) student vectors
     return _masked_mean(per, mask)
 
 # %% ../nbs/13_mercator.ipynb #5a5c11ec
-def center(x: torch.Tensor, # (..., D) vectors of one layer (K or V)
-           mask: torch.Tensor | None = None, # (...) True/1 at positions that count
-          ) -> torch.Tensor:
+def center(
+    x: torch.Tensor,  # (..., D) vectors of one layer (K or V)
+    mask: torch.Tensor | None = None,  # (...) True/1 at positions that count
+) -> torch.Tensor:
     "`x` minus its mean vector over the (unmasked) positions: what is left once the direction every token shares is removed."
     flat = x.reshape(-1, x.shape[-1])
-    if mask is None: return x - flat.mean(0)
+    if mask is None:
+        return x - flat.mean(0)
     keep = mask.to(torch.bool).expand(x.shape[:-1]).reshape(-1, 1)
     mean = torch.where(keep, flat, torch.zeros_like(flat)).sum(0) / keep.sum().clamp(min=1)
     return x - mean
@@ -95,6 +99,7 @@ def logit_kd_loss(student_logits: torch.Tensor, # (..., V) student logits
 # %% ../nbs/13_mercator.ipynb #fcd91d99
 LOSSES = {'mercator': mercator_loss, 'mse': mse_loss}
 
+# %% ../nbs/13_mercator.ipynb #b80898ec
 @dataclass
 class MercatorConfig(ConfigBase):
     "How KV distillation is scored and how large the projector is."
@@ -103,8 +108,10 @@ class MercatorConfig(ConfigBase):
     mlp_ratio: float = 1.0 # projector hidden width / max(d_in, d_out)
     dropout: float = 0.1 # dropout in the projector
     loss: str = 'mercator' # a key of LOSSES: mercator | mse
-    lr_projector: float = 1e-3 # projector learning rate (the Mercator guide: 1e-3, 20x its student's 5e-5, which is the Trainer's lr)
-    centered: bool = False # score K/V after subtracting each layer's mean vector (`center`): no credit for a shared direction
+    # projector learning rate (the Mercator guide: 1e-3, 20x its student's 5e-5, which is the Trainer's lr)
+    lr_projector: float = 1e-3
+    # score K/V after subtracting each layer's mean vector (`center`): no credit for a shared direction
+    centered: bool = False
 
     def __post_init__(self):
         c = 'MercatorConfig'
@@ -120,7 +127,8 @@ class MercatorConfig(ConfigBase):
     def loss_fn(self): return LOSSES[self.loss]
 
     def projector_lr_scale(self, lr_student: float = 5e-5) -> float:
-        "Multiplier of the student's learning rate (the Trainer's lr; the Mercator guide: 5e-5) for the projector's parameter groups."
+        """Multiplier of the student's learning rate (the Trainer's lr; the Mercator guide: 5e-5) for the projector's
+        parameter groups."""
         return self.lr_projector / lr_student
 
 # %% ../nbs/13_mercator.ipynb #a0cca56a
@@ -134,6 +142,7 @@ MERCATOR_PRESETS = {
     'centered': dict(beta=0.01, centered=True),
 }
 
+# %% ../nbs/13_mercator.ipynb #ff6517ee
 def mercator_config(preset: str = 'weak', # a key of MERCATOR_PRESETS
                     **overrides) -> MercatorConfig:
     "The `MercatorConfig` of a preset with some fields overridden."
@@ -169,10 +178,12 @@ class KVProjector(nn.Module):
 STAGES = ('Adapting', 'Learning', 'Good', 'Great', 'Excellent')
 STAGE_BOUNDS = (0.5, 0.7, 0.9, 0.95)  # lower bounds of Learning, Good, Great, Excellent
 
+# %% ../nbs/13_mercator.ipynb #d971285b
 def stage_index(c: float) -> int:
     "Index into STAGES of cosine `c`."
     return sum(c >= b for b in STAGE_BOUNDS)
 
+# %% ../nbs/13_mercator.ipynb #edc6a0c6
 def cosine_stage(c: float) -> str:
     "The Mercator guide's progress stage of a KV cosine similarity."
     return STAGES[stage_index(c)]
@@ -192,6 +203,7 @@ def centered_cosine(student: torch.Tensor, # (..., D) one layer's student vector
 PASS_LINES = (0.80, 0.90, 0.95)  # the Mercator guide's acceptance: pass, good, excellent
 PASS_LABELS = ('below pass', 'pass', 'good', 'excellent')
 
+# %% ../nbs/13_mercator.ipynb #ab9c9e4d
 def pass_label(c: float) -> str:
     "The Mercator guide's verdict on a final KV cosine: excellent >= 0.95, good >= 0.90, pass >= 0.80, else below pass."
     return PASS_LABELS[sum(c >= b for b in PASS_LINES)]
@@ -199,8 +211,10 @@ def pass_label(c: float) -> str:
 # %% ../nbs/13_mercator.ipynb #578ff125
 COLLAPSE_GAP = 0.1  # a run whose raw cosine exceeds its centered one by more than this has collapsed
 
+# %% ../nbs/13_mercator.ipynb #56685309
 def collapsed(raw: float, centered: float, gap: float = COLLAPSE_GAP) -> bool:
-    "The collapse rule: the raw KV cosine exceeds the centered one by more than `gap`, so most of the agreement is one shared direction."
+    """The collapse rule: the raw KV cosine exceeds the centered one by more than `gap`, so most of the agreement is one
+    shared direction."""
     return bool(raw - centered > gap)
 
 # %% ../nbs/13_mercator.ipynb #14507f47
@@ -230,11 +244,13 @@ def gpt_kv(model: nn.Module, # a GPT of this package (possibly wrapped)
 
 # %% ../nbs/13_mercator.ipynb #8c8f650c
 def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    "Per-layer (k, v) of a HF cache: DynamicCache with `.layers` (transformers >= 4.56), `.key_cache` (older), or tuples."
+    """Per-layer (k, v) of a HF cache: DynamicCache with `.layers` (transformers >= 4.56), `.key_cache` (older), or
+    tuples."""
     if hasattr(cache, 'layers'): return [(l.keys, l.values) for l in cache.layers]
     if hasattr(cache, 'key_cache'): return list(zip(cache.key_cache, cache.value_cache))
     return [(k, v) for k, v, *_ in cache]
 
+# %% ../nbs/13_mercator.ipynb #391c0239
 def hf_kv(model: nn.Module, # a transformers causal LM
           idx: torch.Tensor, # (B, T) token ids
           attention_mask: torch.Tensor | None = None, # (B, T) 1 = real token
@@ -254,6 +270,7 @@ def flatten_heads(kv: torch.Tensor) -> torch.Tensor:
     B, H, T, hd = kv.shape
     return kv.transpose(1, 2).reshape(B, T, H * hd)
 
+# %% ../nbs/13_mercator.ipynb #2dcaf299
 def kv_width(model: nn.Module) -> tuple[int, int]:
     "(number of layers, per-token KV width n_kv_heads * head_dim) of a GPT of this package or a HF causal LM."
     m = _unwrap(model)
@@ -263,12 +280,14 @@ def kv_width(model: nn.Module) -> tuple[int, int]:
     return c.num_hidden_layers, (getattr(c, 'num_key_value_heads', None) or c.num_attention_heads) * head_dim
 
 # %% ../nbs/13_mercator.ipynb #7fca41fd
-def layer_map(n_teacher: int, # teacher layers
-              n_student: int, # student layers
-             ) -> list[int]:
+def layer_map(n_teacher: int, n_student: int) -> list[int]:  # teacher layers  # student layers
     "Teacher layer for each student layer: evenly spaced, first -> first, last -> last."
-    if n_teacher < 1 or n_student < 1: raise ConfigError(f"layer_map needs at least one layer on each side; got n_teacher={n_teacher}, n_student={n_student}")
-    if n_student == 1: return [n_teacher - 1]
+    if n_teacher < 1 or n_student < 1:
+        raise ConfigError(
+            f"layer_map needs at least one layer on each side; got n_teacher={n_teacher}, n_student={n_student}"
+        )
+    if n_student == 1:
+        return [n_teacher - 1]
     return [round(i * (n_teacher - 1) / (n_student - 1)) for i in range(n_student)]
 
 # %% ../nbs/13_mercator.ipynb #1795f274
@@ -287,7 +306,8 @@ def load_causal_lm(name_or_path: str | Path, # a local directory with config.jso
     if p.exists() and not (p / 'config.json').exists():
         raise ModelLoadError(f"{p} exists but has no config.json; pass the directory that save_pretrained (or huggingface-cli download --local-dir) wrote")
     offline = local_files_only or os.environ.get('HF_HUB_OFFLINE', '').lower() in ('1', 'true', 'yes', 'on')
-    if not p.exists() and offline:  # resolve the name in the local cache ourselves: from_pretrained may still probe the hub (adapter files)
+    # resolve the name in the local cache ourselves: from_pretrained may still probe the hub (adapter files)
+    if not p.exists() and offline:
         from huggingface_hub import snapshot_download
         try: p = Path(snapshot_download(str(name_or_path), local_files_only=True))
         except Exception as e:
@@ -306,14 +326,16 @@ def _freeze_teacher(teacher: nn.Module) -> nn.Module:
     return teacher
 
 # %% ../nbs/13_mercator.ipynb #b1d1c362
-def _kv_terms(projector: KVProjector, lmap: list[int], cfg: MercatorConfig, loss_fn,
-              s_kv, t_kv, mask, student_moves: bool) -> tuple:
+def _kv_terms(
+    projector: KVProjector, lmap: list[int], cfg: MercatorConfig, loss_fn, s_kv, t_kv, mask, student_moves: bool
+) -> tuple:
     "(KV loss, raw cosine, centered cosine), each the mean over the mapped layers and K/V (the student's side detached unless it moves)."
     kv_loss, cos, ccos = 0.0, 0.0, 0.0
     for i, ti in enumerate(lmap):
         for j, kind in enumerate('kv'):
             s = flatten_heads(s_kv[i][j]).float()
-            if not student_moves: s = s.detach()
+            if not student_moves:
+                s = s.detach()
             t = projector(flatten_heads(t_kv[ti][j]).float(), kind, i)
             scored = (center(s, mask), center(t, mask)) if cfg.centered else (s, t)
             kv_loss = kv_loss + loss_fn(*scored, cfg.alpha, cfg.beta, mask)
@@ -336,7 +358,8 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
                  kd_vocab: int | None = None, # the shared tokenizer's size (logits beyond it are padding rows)
                  warmup_steps: int = 0, # optimizer steps in which the projector trains alone
                 ):
-    "A `Trainer` loss hook: student cross-entropy + weight x Mercator (or MSE) loss on mapped layers' K and V (+ kd_weight x logit KD)."
+    """A `Trainer` loss hook: student cross-entropy + weight x Mercator (or MSE) loss on mapped layers' K and V (+
+    kd_weight x logit KD)."""
     cfg = cfg or MercatorConfig()
     _freeze_teacher(teacher)
     lmap, loss_fn = list(layer_map), cfg.loss_fn
@@ -353,7 +376,8 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
         ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
         kv_loss, cos, ccos = _kv_terms(projector, lmap, cfg, loss_fn, s_kv, t_kv, mask, train_student and not warming)
         logs = {'ce_loss': ce.item(), 'kv_loss': kv_loss.item(), 'kv_cos': cos, 'kv_cos_centered': ccos, 'kv_stage': stage_index(cos)}
-        if warming:  # the projector alone; the cross-entropy counts in the value (not the gradient), so the loss stays on one scale
+        # the projector alone; the cross-entropy counts in the value (not the gradient), so the loss stays on one scale
+        if warming:
             return ce.detach() + (weight or 1.0) * kv_loss, logs
         loss = ce + weight * kv_loss
         if kd_weight:
