@@ -173,7 +173,7 @@ def test_distill_with_gpt_through_trainer(tmp_path):
     from oelm_nb.core import TrainConfig
     from oelm_nb.metrics import read_metrics
     from oelm_nb.train import Trainer
-    from tasks import copy_task_data
+    from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
     data = copy_task_data(n_seqs=64, seed=0)
     teacher = GPT(model_config('tiny', vocab_size=64, block_size=32, n_layer=3, n_head=4, n_embd=32, dropout=0.0), init_seed=0)
     student = GPT(model_config('tiny', vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0), init_seed=1)

@@ -30,7 +30,7 @@ from oelm_nb.model import GPT
 from oelm_nb.checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, read_checkpoint_meta
 from oelm_nb.metrics import MetricsError, read_metrics
 from oelm_nb.train import Trainer, TrainingDiverged, TrainingOutOfMemory, lm_loss, param_rms
-from tasks import copy_task_data
+from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

@@ -25,7 +25,7 @@ from oelm_nb.rundir import read_json
 from oelm_nb.model import GPT
 from oelm_nb.metrics import read_metrics
 from oelm_nb.train import Trainer, TrainingDiverged, lm_loss, lr_at
-from tasks import copy_task_data
+from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
 
 PKG = Path(oelm_nb.__file__).resolve().parent
 SUB_ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': '', 'PYTHONUNBUFFERED': '1'}
@@ -181,7 +181,7 @@ CHILD = textwrap.dedent('''
     spec = json.loads(Path(sys.argv[1]).read_text())
     out, kill_at = Path(sys.argv[2]), spec['kill_at']
     sys.path.insert(0, sys.argv[3])  # tests/, for the copy task
-    from tasks import copy_task_data
+    from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
     _orig = C.save_file
 
     def slow_save_file(tensors, filename, *a, **k):
