@@ -199,7 +199,7 @@ def test_site_is_self_contained_for_offline_viewing(site):
     assert not (site / 'core').is_dir()
     hosted = [p.name for p in site.rglob('*.html') if f'href="{BASE_URL}/' in p.read_text(encoding='utf-8')]
     assert not hosted, f'links to {BASE_URL} left on {hosted}'
-    assert 'href="model.html#gpt"' in page(site, 'bench.html')[0], 'a link to an API entry leads to its anchor'
+    assert 'href="model.html#gpt"' in page(site, 'memory.html')[0], 'a link to an API entry leads to its anchor'
     assert 'href="model.html#gpt"' in page(site, 'export.html')[0]
 
 

@@ -234,7 +234,7 @@ def test_report_shows_the_table_and_the_verdict(batch):
         if r is None: assert f'no gap vs {ref}: PCA-only is within' in text; continue
         m, ci = r
         assert ci is not None  # both seeds have a gap here (the one-seed case is the next test's)
-        assert f'{m:.1%}' in text and f'{ci[0]:.0%} .. {ci[1]:.0%}' in text and f'k=16 ({m:.0%}, 95% CI {ci[0]:.0%} .. {ci[1]:.0%})' in text
+        assert f'{m:.1%}' in text and f'{ci[0]:.0%} .. {ci[1]:.0%}' in text and f'k=16: {m:.0%} (95% CI {ci[0]:.0%} .. {ci[1]:.0%}, 2 seeds)' in text
     assert 'Against the baseline' in text and 'Against baseline-cont' in text
     assert 'no gap vs baseline' in text  # k = 64 = d: PCA-only is the baseline
     # the reconstruction metrics at k = 16 of the baseline's table, as the run recorded them
@@ -257,7 +257,7 @@ def test_report_renders_with_a_failed_run(batch, tmp_path):
     assert f"{mean:.3f} (2)" in text
     # k = 16 is left with one paired seed: a point value and 'needs >= 2 seeds', never an infinite interval
     m, ci = _recovery(dst, 16, 'baseline', seeds=(1,))
-    assert ci is None and f'k=16 ({m:.0%}, one seed: needs >= 2 seeds for an interval)' in text
+    assert ci is None and f'k=16: {m:.0%} (1 seed: needs >= 2 seeds)' in text
     assert '1 seed: needs >= 2 seeds' in text and 'inf%' not in text and 'nan%' not in text  # the paired PPL comparison too
 
 
