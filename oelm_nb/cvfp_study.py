@@ -15,6 +15,9 @@ from .device import pick_device
 from .experiment import start_run, Study, Variant, RunSpec, train_run, write_summary, TRAIN_PRESETS, DATA_PRESETS
 from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, CVFPModel, Phase1Result, effective_rank,
                           val_effective_rank, cvfp_loss, build_context_cache, train_phase1, train_phase2, evaluate_cached)
+from .model import GPT
+from .checkpoint import load_weights
+from .data import prepare_data, load_split
 
 # %% auto #0
 __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'ER_BANDS', 'ER_FAIL', 'ATTRACTOR_SPREAD', 'FINAL_DIFF_GOOD',
@@ -119,8 +122,6 @@ def load_embedding(path, # run directory of this package, local HF model directo
     hint = 'give a run directory of this package (config.json + checkpoints/), a local Hugging Face model directory or a .safetensors file'
     if not p.exists(): raise ConfigError(f'embeddings path {str(path)!r} does not exist; {hint}')
     if p.is_dir() and (p / 'checkpoints').is_dir() and (p / 'config.json').exists():
-        from oelm_nb.model import GPT
-        from oelm_nb.checkpoint import load_weights
         ck = next((p / 'checkpoints' / t for t in ('best', 'final', 'latest') if (p / 'checkpoints' / t).exists()), None)
         if ck is None: raise ConfigError(f'{p}/checkpoints has no best, final or latest checkpoint')
         gpt = load_weights(GPT(RunSpec.load_json(p / 'config.json').model, init_seed=0), ck, 'model')
@@ -346,7 +347,6 @@ def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor
 
 # %% ../nbs/12a_cvfp_study.ipynb #cbf19502
 def _data(spec: RunSpec):
-    from oelm_nb.data import prepare_data, load_split
     d = prepare_data(spec.data, spec.resolved_data_dir, progress=False)
     return load_split(d, 'train'), load_split(d, 'val')
 

@@ -19,6 +19,12 @@ from .model import GPT, model_config
 from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,
                              cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, extract_kv, flatten_heads, _freeze_teacher, _unwrap)
 from .gsm8k import gsm8k_accuracy
+from .data import read_documents
+from .checkpoint import load_weights
+from .train import Trainer
+from .train import evaluate, eval_starts
+from .data import batch as make_batch
+from .data import synthetic_splits
 
 # %% auto #0
 __all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR_STUDY',
@@ -138,7 +144,6 @@ def record_text(rec: dict, field: str | None = None) -> str:
 def _file_records(p: Path) -> list[dict]:
     "The records of a local file: {'text': document} per document of a .txt, the JSON objects of a .jsonl or .json."
     if p.suffix == '.txt':
-        from oelm_nb.data import read_documents
         return [{'text': d} for d in read_documents(p)]
     lines = [l for l in p.read_text(encoding='utf-8').splitlines() if l.strip()]
     try: recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
@@ -293,7 +298,6 @@ def _teacher_dir(spec: RunSpec, ds: MercatorSettings) -> Path:
     return Path(ds.teacher_run) if ds.teacher_run else spec.upstream_dir('teacher')
 
 def _load_gpt_teacher(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, Path, dict]:
-    from oelm_nb.checkpoint import load_weights
     tdir = _teacher_dir(spec, ds)
     tspec = RunSpec.load_json(tdir / 'config.json')
     if tspec.model.vocab_size != spec.model.vocab_size:
@@ -326,7 +330,6 @@ def _student_summary(spec, ds, summary, ev, lmap, teacher_info, extra) -> dict:
 # %% ../nbs/13a_mercator_study.ipynb #332747cf
 def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad_id, eval_extra=None, progress=None, kd_vocab=None):
     "Build the projector and the hook, train the student through the Trainer; returns (summary, final eval, projector, layer map)."
-    from oelm_nb.train import Trainer
     (n_t, _), (n_s, _) = kv_width(teacher), kv_width(student)
     lmap = layer_map(n_t, n_s)
     torch.manual_seed(spec.train.seed + 1)  # the projector's init: the same in every variant of this seed
@@ -361,7 +364,6 @@ def _initial_student(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, dict]:
     "The student before distillation: the batch's pre-trained student (same seed), or a random init; and what it was."
     student = GPT(spec.model, init_seed=spec.train.seed)  # with start='scratch': the same initial student in every variant of this seed
     if ds.start == 'scratch': return student, {'start': 'scratch'}
-    from oelm_nb.checkpoint import load_weights
     pdir = spec.upstream_dir('pretrain')
     if not (pdir / 'config.json').exists():
         raise ConfigError(f"the student fine-tunes the pre-trained student {pdir}, which does not exist; run the `pretrain` variant first "
@@ -376,8 +378,6 @@ def _initial_student(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, dict]:
 
 # %% ../nbs/13a_mercator_study.ipynb #ffb6a5ea
 def _gpt_student_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
-    from oelm_nb.train import evaluate, eval_starts
-    from oelm_nb.data import batch as make_batch
     run_dir, train_d, val_d = prepare_run(spec)
     teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
     student, start = _initial_student(spec, ds)
@@ -444,7 +444,6 @@ def _hf_pair(spec: RunSpec, ds: MercatorSettings, device) -> tuple:
 def _hf_data(spec: RunSpec, ds: MercatorSettings, tok, pad_id: int) -> tuple['DocBatches', 'DocBatches']:
     if ds.dataset: train_t, val_t = load_texts(ds.dataset, ds.text_field, spec.data.val_fraction, spec.data.seed)
     else:
-        from oelm_nb.data import synthetic_splits
         tr, va = synthetic_splits(spec.data.n_train_stories, spec.data.n_val_stories, spec.data.seed)
         train_t, val_t = [s.text for s in tr], [s.text for s in va]
     enc = lambda texts: [ids[:ds.max_length] for ids in tok(list(texts), add_special_tokens=False)['input_ids']]

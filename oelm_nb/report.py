@@ -12,7 +12,6 @@ import numpy as np
 import pandas as pd
 import matplotlib
 import matplotlib.pyplot as plt
-from scipy import stats
 
 from .rundir import read_json, parse_run_name, run_name
 from .metrics import read_metrics
@@ -155,6 +154,7 @@ def t_interval(values, confidence: float = 0.95) -> tuple[float, float | None, f
     m = float(v.mean())
     if len(v) < 2: return m, None, None
     if np.all(v == v[0]): return m, m, m  # no spread: the interval is the point (scipy would warn about precision)
+    from scipy import stats  # here, not at the top: 0.5 s per process, and every training process imports this module
     ci = stats.ttest_1samp(v, 0.0).confidence_interval(confidence)
     return m, float(ci.low), float(ci.high)
 

@@ -29,6 +29,7 @@ from .checkpoint import (CheckpointError, save_checkpoint, list_checkpoints, rea
 from .metrics import MetricsLog
 from .checkpoint import load_weights  # re-exported: chapters 11a, 12a and 13a import it from here
 from .metrics import read_metrics     # re-exported: chapters 08, 12a, 13 and nbs/experiments import it from here
+from .freeze import attention_layers
 
 # %% auto #0
 __all__ = ['LossFn', 'LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'lr_at', 'build_optimizer', 'set_lr',
@@ -67,7 +68,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
 
 # %% ../nbs/05_train.ipynb #975ef0e8
 def _qk_params(model, layer):
-    from oelm_nb.freeze import attention_layers
     a = attention_layers(model)[layer]
     return [p for p in (a.q_proj.weight, a.k_proj.weight) if isinstance(p, nn.Parameter)]
 
