@@ -77,9 +77,9 @@ def cmd_data_prepare(args) -> int:
 
 # %% ../nbs/10_cli.ipynb #9431c9f6
 def cmd_train(args) -> int:
-    from oelm_nb.experiment import RunSpec, train_run
+    from oelm_nb.experiment import RunSpec, run_spec
     spec = RunSpec.load_json(args.config)
-    summary = train_run(spec, progress=False if args.no_progress else None)
+    summary = run_spec(spec, progress=False if args.no_progress else None)  # under the run's lock
     from oelm_nb.train import init_distributed
     if init_distributed().is_main: print(json.dumps({k: v for k, v in summary.items() if k != 'samples'}, indent=1))
     return 0
@@ -159,7 +159,7 @@ def cluster_config(args):
 
 # %% ../nbs/10_cli.ipynb #d7021947
 def cmd_run(args) -> int:
-    from oelm_nb.runner import run_study, Batch, plan_batch, check_batch_flags
+    from oelm_nb.runner import run_study, open_batch
     from oelm_nb.studies import get_study
     from oelm_nb.cluster import ClusterBackend, detach, follow
     study = get_study(args.study)
@@ -167,14 +167,10 @@ def cmd_run(args) -> int:
     seeds, out = args.seeds or list(study.default_seeds), Path(args.out or f'runs/{args.study}')
     cluster = cluster_config(args)
     jobs = args.jobs or (1 if cluster is None else 64)
-    check_batch_flags(seeds, args.steps, overrides, variants)
-    # bad flags fail here, not in the background
-    plan_batch(
-        Batch(args.study, out, args.preset, args.data, args.steps, options, overrides), variants, log=lambda s: None
-    )
     backend = ClusterBackend(cluster, shlex.join(['oelm', *args.argv])) if cluster else None
     if backend: backend.check()
-    if args.detach:
+    if args.detach:  # bad flags fail here, not in the background
+        open_batch(args.study, out, args.preset, args.data, args.steps, options, overrides, variants, seeds, log=lambda s: None)
         argv = [a for a in args.argv if a != '--detach']
         p = detach(argv, out)
         time.sleep(1.0)

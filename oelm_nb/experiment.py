@@ -23,7 +23,8 @@ from .rundir import run_lock, check_same_run, fingerprint, child_env, run_name, 
 __all__ = ['Overrides', 'STUDIES', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings',
            'run_identity', 'RunSpec', 'Variant', 'Study', 'register_study', 'get_study', 'apply_overrides',
            'train_settings', 'resolve_spec', 'utc_now', 'provenance', 'record_provenance', 'write_summary',
-           'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run']
+           'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run',
+           'run_spec']
 
 # %% ../nbs/06_experiment.ipynb #172d917b
 @dataclass
@@ -361,13 +362,9 @@ def prepare_run(spec: RunSpec, info=None) -> tuple[Path, TokenData, TokenData]:
 
 # %% ../nbs/06_experiment.ipynb #5357c4c8
 def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
-    "Under the run directory's lock: prepare data, build the model, train it, and write config.json and summary.json."
+    """Prepare data, build the model, train it, and write config.json and summary.json (the caller holds the run's
+    lock: `run_spec`)."""
     info = init_distributed(spec.train.device)
-    with run_lock(spec.out_dir) if info.is_main else nullcontext():  # one writer per run directory
-        return _train_locked(spec, info, progress)
-
-# %% ../nbs/06_experiment.ipynb #e3e70989
-def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
     run_dir, train_d, val_d = prepare_run(spec, info)
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     model = GPT(spec.model, init_seed=spec.train.seed)
@@ -383,19 +380,28 @@ def _train_locked(spec: RunSpec, info, progress: bool | None) -> dict:
 
 # %% ../nbs/06_experiment.ipynb #52f6a572
 def launch_run(spec: RunSpec, nproc: int = 1, progress: bool | None = None) -> dict:
-    "Train `spec` in this process (nproc=1) or through torchrun with `nproc` processes; returns the summary."
+    """Train `spec` in this process (nproc=1) or through torchrun with `nproc` processes, which work under this
+    process's lock of the run (`run_spec`); returns the summary."""
     if nproc <= 1: return train_run(spec, progress)
     run_dir = Path(spec.out_dir)
-    with run_lock(run_dir):  # the torchrun processes work under this lock
-        check_same_run(run_dir, spec.to_dict())
-        prepare_data(spec.data, spec.resolved_data_dir, progress=False)
-        spec.save_json(run_dir / 'config.json')
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-               '-m', 'oelm_nb.cli', 'train', '--config', str(run_dir / 'config.json')]
-        res = subprocess.run(cmd, cwd=run_dir, capture_output=True, text=True, env=child_env())
-        (run_dir / 'torchrun.log').write_text(res.stdout + res.stderr)
+    check_same_run(run_dir, spec.to_dict())
+    prepare_data(spec.data, spec.resolved_data_dir, progress=False)
+    spec.save_json(run_dir / 'config.json')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+           '-m', 'oelm_nb.cli', 'train', '--config', str(run_dir / 'config.json')]
+    res = subprocess.run(cmd, cwd=run_dir, capture_output=True, text=True, env=child_env())
+    (run_dir / 'torchrun.log').write_text(res.stdout + res.stderr)
     if res.returncode != 0:
         raise RuntimeError(
             f"torchrun exited with {res.returncode}; see {run_dir / 'torchrun.log'}:\n{res.stderr[-2000:]}"
         )
     return read_json(run_dir / 'summary.json')
+
+# %% ../nbs/06_experiment.ipynb #4b80489e
+def run_spec(spec: RunSpec, study: Study | None = None, progress: bool | None = None, nproc: int = 1) -> dict:
+    """Run `spec` through `study` (default: the registered study it names) under the run directory's lock; `nproc` > 1
+    only for a study whose run trains through torchrun (`launch_run`)."""
+    st = study or get_study(spec.study)
+    kw = {'nproc': nproc} if nproc > 1 else {}
+    with run_lock(spec.out_dir) if init_distributed(spec.train.device).is_main else nullcontext():
+        return st.run(spec, progress=progress, **kw)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .core import ConfigError, TrainConfig
-from .experiment import Study, RunSpec, resolve_spec, train_settings, run_identity, COMMAND_ENV
+from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, run_identity, COMMAND_ENV
 from .rundir import write_json, read_json, run_name, parse_run_name
 from .studies import get_study
 from .data import prepare_data, read_meta
@@ -25,7 +25,7 @@ from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_w
 # %% auto #0
 __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
            'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'execute_inline', 'schedule',
-           'last_record', 'BatchProgress', 'BatchResult', 'with_upstream', 'plan_batch', 'check_memory',
+           'last_record', 'BatchProgress', 'BatchResult', 'with_upstream', 'plan_batch', 'open_batch', 'check_memory',
            'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary',
            'render_report']
 
@@ -109,6 +109,7 @@ class Batch:
     overrides: dict = field(default_factory=dict) # --set KEY=VALUE
     data_dir: Path | None = None # prepared data (default: <out>/data)
     data_vocab: int | None = None # the prepared data's vocabulary (meta.json), once known: the model takes it
+    _specs: dict = field(default_factory=dict, repr=False, compare=False) # resolved runs (see `spec`)
 
     @property
     def plan_steps(self) -> int:
@@ -122,9 +123,13 @@ class Batch:
         return get_study(self.study).variants(self.preset, self.plan_steps, dict(self.options))
 
     def spec(self, variant: str, seed: int = 0):
-        "The RunSpec of one run of the batch."
-        return resolve_spec(self.study, variant, self.preset, seed, self.steps, str(self.out / run_name(variant, seed)), self.data,
-                            str(self.data_dir or self.out / 'data'), self.overrides, data_vocab=self.data_vocab, options=self.options)
+        "The RunSpec of one run of the batch, resolved once (again only when the data's place or vocabulary is learnt)."
+        key = (variant, seed, str(self.data_dir), self.data_vocab)
+        if key not in self._specs:
+            self._specs[key] = resolve_spec(
+                self.study, variant, self.preset, seed, self.steps, str(self.out / run_name(variant, seed)), self.data,
+                str(self.data_dir or self.out / 'data'), self.overrides, data_vocab=self.data_vocab, options=self.options)
+        return self._specs[key]
 
 # %% ../nbs/07_runner.ipynb #ea258356
 PLACE_KEYS = {'out_dir': '--out', 'data_dir': '--out (the data lives in <out>/data) or --data DIR', 'name': '--variants',
@@ -175,9 +180,9 @@ def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, thread
 def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     # the notebook's summary is not final until papermill is done
     (job.run_dir / '.running').write_text(str(os.getpid()))
-    params = dict(study=batch.study, variant=job.variant, preset=batch.preset, data=batch.data, seed=job.seed, steps=batch.steps or 0,
-                  out_dir=str(job.run_dir.resolve()), data_dir=str(Path(batch.data_dir).resolve()), overrides=json.dumps(batch.overrides),
-                  options=json.dumps(batch.options), nproc=max(1, len(gpu_set or [])), progress=False)
+    config = job.run_dir / 'config.json'  # the run, resolved once: the notebook's one description of it
+    write_json(config, batch.spec(job.variant, job.seed).to_dict())
+    params = dict(config=str(config.resolve()), nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(batch.study).notebook)
     nb_out = job.run_dir / nb_in.name
     cmd = die_with_parent(['-m', 'papermill', str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
@@ -215,13 +220,13 @@ def execute_inline(job: Job, batch: Batch, gpu_set: list[str] | None = None, thr
     "Run `job` in this process through its study's run function (no notebook); returns the run's final status."
     if gpu_set and len(gpu_set) > 1: raise ConfigError(f"{job.name}: an inline run uses one device, not the GPU set {','.join(gpu_set)}")
     t0 = time.time()
-    with run_lock(job.run_dir):
-        try: get_study(batch.study).run(batch.spec(job.variant, job.seed), progress=False)
-        except Exception as e:
-            err = f'{type(e).__name__}: {e}'
-            write_json(job.run_dir / 'summary.json', {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
-                                                     'error': err, 'wall_time_s': time.time() - t0})
-            log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}'); return 'failed'
+    try: run_spec(batch.spec(job.variant, job.seed), get_study(batch.study), progress=False)  # under the run's lock
+    except RunLocked: raise  # another process writes this run: it is not failed
+    except Exception as e:
+        err = f'{type(e).__name__}: {e}'
+        write_json(job.run_dir / 'summary.json', {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
+                                                 'error': err, 'wall_time_s': time.time() - t0})
+        log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}'); return 'failed'
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
     return run_status(job.run_dir)
 
@@ -369,6 +374,17 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
     return names, plan
 
+# %% ../nbs/07_runner.ipynb #1dc8a444
+def open_batch(study: str, out: Path, preset: str = 'tiny', data: str = 'synthetic', steps: int | None = None,
+               options: dict | None = None, overrides: dict | None = None, variants: list[str] | None = None,
+               seeds=(0,), log=print) -> tuple[Batch, list[str], dict]:
+    """Check a batch's flags and plan it (`check_batch_flags`, `plan_batch`): the one place `oelm run` refuses bad
+    flags, before anything runs; returns (batch, variants in run order, plan)."""
+    check_batch_flags(seeds, steps, overrides, variants)
+    batch = Batch(study, Path(out), preset, data, steps, dict(options or {}), dict(overrides or {}))
+    names, plan = plan_batch(batch, variants, log)
+    return batch, names, plan
+
 # %% ../nbs/07_runner.ipynb #6012a85e
 def check_memory(batch: Batch, variants: list[str], concurrent: int = 1):
     """Refuse, before anything runs, CPU runs whose training step cannot fit in memory (`bench.check_step_memory`),
@@ -450,10 +466,8 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     """Run every (variant, seed) of a study (by default one papermill execution each), upstream runs first, under the
     batch's lock; then render its report."""
     out = Path(out_dir)
-    check_batch_flags(seeds, steps, overrides, variants)
     if jobs < 1: raise ConfigError(f"--jobs {jobs}: give at least 1 concurrent run")
-    batch = Batch(study, out, preset, data, steps, dict(options or {}), dict(overrides or {}))
-    names, plan = plan_batch(batch, variants, log)
+    batch, names, plan = open_batch(study, out, preset, data, steps, options, overrides, variants, seeds, log)
     sets = parse_gpu_sets(gpus); check_gpus(sets)
     workers = (sets if parallel else sets[:1]) if sets else [None] * jobs
     # on GPUs the trainer names an out-of-memory step (no CUDA context here)

@@ -23,7 +23,7 @@ from .device import set_seed, pick_device, autocast_dtype, autocast, precision_n
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
 from .data import TokenData, batch as make_batch
-from .rundir import run_lock, config_diff, describe_diff, RunMismatch
+from .rundir import config_diff, describe_diff, fingerprint, recorded_config, write_json, RunMismatch
 from .checkpoint import (CheckpointError, save_checkpoint, list_checkpoints, read_checkpoint, set_aside,
                                 prune_checkpoints, clean_leftovers, _point, _optimizer_from_flat, _set_rng_state)
 from .metrics import MetricsLog
@@ -35,7 +35,7 @@ from .freeze import attention_layers
 __all__ = ['LossFn', 'LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'lr_at', 'build_optimizer', 'set_lr',
            'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook', 'evaluate', 'DistInfo', 'init_distributed',
            'all_mean', 'TrainingDiverged', 'step_divergence', 'param_rms', 'param_divergence', 'TrainingOutOfMemory',
-           'oom_message', 'Trainer', 'runtime_info', 'copy_task_data']
+           'oom_message', 'Trainer', 'checkpoint_fingerprint', 'runtime_info', 'copy_task_data']
 
 # %% ../nbs/05_train.ipynb #df8a6e64
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -374,21 +374,36 @@ def resume(self: Trainer, ckpt: Path | str | None = None) -> bool:
     return True
 
 # %% ../nbs/05_train.ipynb #c0214961
+@patch(as_prop=True)
+def config(self: Trainer) -> dict:
+    "The configuration this trainer trains: the run's (`run_config`) with the training section it was given."
+    return {**self.run_config, 'train': self.cfg.to_dict()}
+
+# %% ../nbs/05_train.ipynb #8a09466e
+def checkpoint_fingerprint(meta: dict) -> str | None:
+    "The fingerprint of the configuration a checkpoint was trained with (older checkpoints carry the configuration)."
+    if 'config_fingerprint' in meta: return meta['config_fingerprint']
+    if 'train_config' in meta: return fingerprint({**(meta.get('run_config') or {}), 'train': meta['train_config']})
+    return None
+
+# %% ../nbs/05_train.ipynb #ae4d9a4b
 @patch
 def _check_same_config(self: Trainer, state: dict):
-    """Raise `RunMismatch` naming the fields when the checkpoint was trained with another configuration (see
-    `rundir.config_diff`)."""
-    meta = state['meta']
-    old = {**(meta.get('run_config') or {}), 'train': meta.get('train_config') or {}}
-    new = {**self.run_config, 'train': self.cfg.to_dict()}
-    diff = config_diff(old, new)
-    if diff: raise RunMismatch(f"{state['path']} was trained with another configuration ({describe_diff(diff)}); it is not resumed: "
-                               "train into another directory, or move this one away to train afresh")
+    """Raise `RunMismatch` when the checkpoint was trained with another configuration; the fields are named from the
+    run's config.json (`rundir.config_diff`) when that is the configuration the checkpoint was trained with."""
+    old, new = checkpoint_fingerprint(state['meta']), fingerprint(self.config)
+    if old == new: return
+    recorded = recorded_config(self.out_dir) if self.out_dir else None
+    if recorded is not None and fingerprint(recorded) == old: why = describe_diff(config_diff(recorded, self.config))
+    else: why = f'configuration fingerprint {old} -> {new}'
+    raise RunMismatch(f"{state['path']} was trained with another configuration ({why}); it is not resumed: "
+                      "train into another directory, or move this one away to train afresh")
 
 # %% ../nbs/05_train.ipynb #79a63b93
 @patch
 def _meta(self: Trainer) -> dict:
-    return {'tokens': self.tokens, 'best': self.best, 'train_config': self.cfg.to_dict(), 'run_config': self.run_config,
+    "What a checkpoint records besides tensors: counters, best step, divergence history and the configuration's fingerprint."
+    return {'tokens': self.tokens, 'best': self.best, 'config_fingerprint': fingerprint(self.config),
             'divergence': {'recent_losses': list(self._recent_losses), 'ref_rms': self._ref_rms}}
 
 # %% ../nbs/05_train.ipynb #c538c430
@@ -494,7 +509,10 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
     if self._ref_rms is None: self._ref_rms = param_rms(self._trained_params())
     self._wrap()
     self.raw.train()
-    if self.out_dir and self.dist.is_main: self.out_dir.mkdir(parents=True, exist_ok=True)
+    if self.out_dir and self.dist.is_main:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        # a trainer used on its own records what it trains (a study's run wrote its config.json already)
+        if recorded_config(self.out_dir) is None: write_json(self.out_dir / 'config.json', self.config)
     log = MetricsLog(self.out_dir if self.dist.is_main else None, cfg.loggers, self.run_name, self.run_config)
     log.truncate_after(self.step)  # a restart (with or without a checkpoint) never duplicates records
     if self.dist.is_main: print(f'[train] {self.run_name}: {self.device}, {precision_note(self.device, cfg.dtype)}, {torch.get_num_threads()} CPU threads', flush=True)
@@ -505,11 +523,9 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
 def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoint in out_dir, if any
         until: int | None = None, # stop after this step with a checkpoint (simulates an interruption)
        ) -> dict:
-    """Train to `max_steps` (resuming from the latest checkpoint if any) under the run directory's lock; returns the
-    summary."""
-    # one writer per run directory
-    with run_lock(self.out_dir) if self.out_dir and self.dist.is_main else nullcontext():
-        return self._fit(resume, until)
+    """Train to `max_steps` (resuming from the latest checkpoint if any); returns the summary. The caller owns out_dir:
+    a study's run holds its lock (`experiment.run_spec`)."""
+    return self._fit(resume, until)
 
 # %% ../nbs/05_train.ipynb #11091dd5
 @patch
