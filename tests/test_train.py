@@ -24,7 +24,8 @@ from oelm_nb.experiment import resolve_spec, train_run
 from oelm_nb.rundir import read_json
 from oelm_nb.model import GPT
 from oelm_nb.metrics import read_metrics
-from oelm_nb.train import Trainer, TrainingDiverged, lm_loss, lr_at
+from oelm_nb.train import Trainer, lm_loss, lr_at
+from oelm_nb.guards import TrainingDiverged
 from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
 
 PKG = Path(oelm_nb.__file__).resolve().parent
