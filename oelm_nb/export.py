@@ -39,13 +39,25 @@ def check_exportable(model: GPT, target: str):
     cfg = model.cfg
     if target == 'nanogpt':
         if not _no_scale_layers(model):
-            raise ConfigError(f"export to nanogpt: this model's token table is factorized (n_embd_wte={cfg.wte_dim}, n_embd={cfg.n_embd}); nanoGPT "
-                              "has one full table tied to its head. Export --to hf, which materializes the table and an untied head")
+            raise ConfigError(
+                f"export to nanogpt: this model's token table is factorized (n_embd_wte={cfg.wte_dim},"
+                f" n_embd={cfg.n_embd}); nanoGPT has one full table tied to its head. Export --to hf, which"
+                " materializes the table and an untied head"
+            )
         if not cfg.tie_embeddings:
-            raise ConfigError("export to nanogpt: nanoGPT's GPT always ties its output head to the token table (lm_head.weight = wte.weight); "
-                              "this model has an untied head (model.tie_embeddings=false). Export --to hf (tie_word_embeddings=False) instead")
-        if cfg.ff_dim != 4 * cfg.n_embd: raise ConfigError(f'export to nanogpt: its MLP is 4 x n_embd = {4 * cfg.n_embd} wide; this model has {cfg.ff_dim}')
-        if activation(model) != 'gelu': raise ConfigError("export to nanogpt: nanoGPT's MLP uses exact GELU; this model uses the tanh approximation")
+            raise ConfigError(
+                "export to nanogpt: nanoGPT's GPT always ties its output head to the token table (lm_head.weight ="
+                " wte.weight); this model has an untied head (model.tie_embeddings=false). Export --to hf"
+                " (tie_word_embeddings=False) instead"
+            )
+        if cfg.ff_dim != 4 * cfg.n_embd:
+            raise ConfigError(
+                f'export to nanogpt: its MLP is 4 x n_embd = {4 * cfg.n_embd} wide; this model has {cfg.ff_dim}'
+            )
+        if activation(model) != 'gelu':
+            raise ConfigError(
+                "export to nanogpt: nanoGPT's MLP uses exact GELU; this model uses the tanh approximation"
+            )
 
 # %% ../nbs/16_export.ipynb #ee328855
 def merged_copy(model: GPT) -> GPT:

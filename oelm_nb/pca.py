@@ -70,8 +70,11 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
                  ) -> GPT:
     "A copy of `model` with `n_embd_wte=k`: `wte = (E - mu) V_k`, `scale_up = V_k^T, mu`, `scale_down = V_k, 0`."
     cfg = model.cfg
-    if cfg.factorized: raise ConfigError(f'pca_factorize: model already has n_embd_wte={cfg.n_embd_wte} < n_embd={cfg.n_embd}; '
-                                         'pass the unfactorized baseline')
+    if cfg.factorized:
+        raise ConfigError(
+            f'pca_factorize: model already has n_embd_wte={cfg.n_embd_wte} < n_embd={cfg.n_embd}; '
+            'pass the unfactorized baseline'
+        )
     if not (isinstance(k, int) and 0 < k <= cfg.n_embd):
         raise ConfigError(f'pca_factorize: k={k!r} must be an integer in 1..n_embd={cfg.n_embd}')
     E = model.transformer.tok.wte.weight
@@ -81,7 +84,10 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
     if _no_scale_layers(new): attach_scale_layers_(new)  # k == n_embd: the model is not factorized by config
     sd = {n: t for n, t in model.state_dict().items() if not n.startswith('transformer.tok.') and n != 'lm_head.weight'}
     missing, unexpected = new.load_state_dict(sd, strict=False)
-    assert not unexpected and all(n.startswith('transformer.tok.') or n == 'lm_head.weight' for n in missing), (missing, unexpected)
+    assert not unexpected and all(n.startswith('transformer.tok.') or n == 'lm_head.weight' for n in missing), (
+        missing,
+        unexpected,
+    )
     Vk, mu = pca.V[:, :k], pca.mean
     tok.wte.weight.copy_(pca.codes(E, k))
     tok.scale_up.weight.copy_(Vk)
@@ -156,8 +162,13 @@ def save_pca_mats(model: GPT, # a factorized model (e.g. from `pca_factorize`)
     wte_path, mats_path = out_dir / f'wte_pca_k{k}.npy', out_dir / f'scale_mats_pca_k{k}.npz'
     np.save(wte_path, tok.wte.weight.detach().cpu().numpy())
     arrays = _layer_arrays(tok)
-    if names == 'document': arrays = {'scale_up': arrays['scale_up_weight'].T, 'scale_down': arrays['scale_down_weight'].T,
-                                      'scale_up_bias': arrays['scale_up_bias'], 'scale_down_bias': arrays['scale_down_bias']}
+    if names == 'document':
+        arrays = {
+            'scale_up': arrays['scale_up_weight'].T,
+            'scale_down': arrays['scale_down_weight'].T,
+            'scale_up_bias': arrays['scale_up_bias'],
+            'scale_down_bias': arrays['scale_down_bias'],
+        }
     np.savez(mats_path, **arrays)
     return wte_path, mats_path
 
@@ -185,12 +196,18 @@ def load_pca_mats(model: GPT, # a factorized model with n_embd_wte = k
     k = k or tok.wte.weight.shape[1]
     wte_path, mats_path = in_dir / f'wte_pca_k{k}.npy', in_dir / f'scale_mats_pca_k{k}.npz'
     for p in (wte_path, mats_path):
-        if not p.exists(): raise FileNotFoundError(f'load_pca_mats: {p} not found; write it with save_pca_mats(model, {str(in_dir)!r})')
+        if not p.exists():
+            raise FileNotFoundError(
+                f'load_pca_mats: {p} not found; write it with save_pca_mats(model, {str(in_dir)!r})'
+            )
     wte = np.load(wte_path, allow_pickle=False)
     with np.load(mats_path, allow_pickle=False) as z: mats = {n: z[n] for n in z.files}
     mats = _our_keys(mats, tok)  # the document's `scale_up` / `scale_down` (x @ W layout) read as ours
-    if set(mats) != set(_SCALE_KEYS): raise ValueError(f'load_pca_mats: {mats_path} holds {sorted(mats)}; expected {list(_SCALE_KEYS)} '
-                                                       "or the PCA document's scale_up, scale_down (with optional *_bias)")
+    if set(mats) != set(_SCALE_KEYS):
+        raise ValueError(
+            f'load_pca_mats: {mats_path} holds {sorted(mats)}; expected {list(_SCALE_KEYS)} '
+            'or the PCA document\'s scale_up, scale_down (with optional *_bias)'
+        )
     want = {'wte': tuple(tok.wte.weight.shape), **{n: tuple(t.shape) for n, t in _layer_arrays(tok).items()}}
     got = {'wte': wte.shape, **{n: a.shape for n, a in mats.items()}}
     if want != got:
@@ -244,7 +261,11 @@ def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GP
         )
     if abs(c.layer_norm_epsilon - 1e-5) > 1e-12:
         raise ConfigError(f'from_hf_gpt2: layer_norm_epsilon={c.layer_norm_epsilon} but our LayerNorm uses 1e-5')
-    if getattr(c, 'scale_attn_by_inverse_layer_idx', False) or getattr(c, 'reorder_and_upcast_attn', False) or not getattr(c, 'scale_attn_weights', True):
+    if (
+        getattr(c, 'scale_attn_by_inverse_layer_idx', False)
+        or getattr(c, 'reorder_and_upcast_attn', False)
+        or not getattr(c, 'scale_attn_weights', True)
+    ):
         raise ConfigError(
             'from_hf_gpt2: non-default GPT-2 attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx / '
             'reorder_and_upcast_attn) is not supported'
@@ -266,8 +287,13 @@ def from_hf_gpt2(path_or_model, # a local Hugging Face GPT-2 directory, or a `GP
         for i, name in enumerate(('q_proj', 'k_proj', 'v_proj')):
             lin = getattr(ours.attn, name)
             lin.weight.copy_(W[:, i * d:(i + 1) * d].T); lin.bias.copy_(b[i * d:(i + 1) * d])
-        for lin, conv in ((ours.attn.c_proj, theirs.attn.c_proj), (ours.mlp.mlp_up, theirs.mlp.c_fc), (ours.mlp.mlp_down, theirs.mlp.c_proj)):
-            lin.weight.copy_(conv.weight.T); lin.bias.copy_(conv.bias)
+        for lin, conv in (
+            (ours.attn.c_proj, theirs.attn.c_proj),
+            (ours.mlp.mlp_up, theirs.mlp.c_fc),
+            (ours.mlp.mlp_down, theirs.mlp.c_proj),
+        ):
+            lin.weight.copy_(conv.weight.T)
+            lin.bias.copy_(conv.bias)
     if _HF_ACT[c.activation_function]: use_tanh_gelu_(model)
     return model.train(hf.training)
 
@@ -361,10 +387,15 @@ def apply_lora(model: nn.Module,
     for name, m in found:
         if isinstance(m, (LoRALinear, LoRAEmbedding)):
             raise ConfigError(f'apply_lora: {name} already has a LoRA adapter')
-        if type(m) is nn.Linear:new = LoRALinear(m, rank, alpha, dropout)
-        elif type(m) is nn.Embedding:new = LoRAEmbedding(m, rank, alpha)
-        else: raise ConfigError(f'apply_lora: {name} is a {type(m).__name__}; LoRA supports plain nn.Linear and nn.Embedding '
-                                '(use variant="gpt", not an orthogonal-Q/K variant)')
+        if type(m) is nn.Linear:
+            new = LoRALinear(m, rank, alpha, dropout)
+        elif type(m) is nn.Embedding:
+            new = LoRAEmbedding(m, rank, alpha)
+        else:
+            raise ConfigError(
+                f'apply_lora: {name} is a {type(m).__name__}; LoRA supports plain nn.Linear and nn.Embedding '
+                '(use variant="gpt", not an orthogonal-Q/K variant)'
+            )
         _set_child(model, name, new); done.append(name)
         if isinstance(new, LoRAEmbedding):  # re-route a head tied to this table
             for hn, h in list(model.named_modules()):
@@ -404,7 +435,10 @@ def _lora_settings(model: nn.Module) -> dict:
     mods = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))}
     if not mods: raise ConfigError(f'{type(model).__name__} has no LoRA adapters (apply_lora first)')
     ranks = {(m.rank, m.scaling) for m in mods.values()}
-    if len(ranks) > 1: raise ConfigError(f'the adapters have several ranks / scalings {sorted(ranks)}; one file describes one rank and alpha')
+    if len(ranks) > 1:
+        raise ConfigError(
+            f'the adapters have several ranks / scalings {sorted(ranks)}; one file describes one rank and alpha'
+        )
     r, s = ranks.pop()
     drops = [m.lora_dropout.p for m in mods.values() if isinstance(m, LoRALinear)]
     return {'rank': r, 'alpha': r * s, 'dropout': drops[0] if drops else 0.0, 'modules': sorted(mods),
@@ -455,7 +489,11 @@ def load_lora_adapters(model: nn.Module, path) -> nn.Module:
         raise ConfigError('load_lora_adapters: the model\'s adapters are merged; unmerge_lora(model) first')
     own = lora_state(model)
     missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-    wrong = [f'{n}: model {tuple(own[n].shape)}, file {tuple(t.shape)}' for n, t in tensors.items() if n in own and own[n].shape != t.shape]
+    wrong = [
+        f'{n}: model {tuple(own[n].shape)}, file {tuple(t.shape)}'
+        for n, t in tensors.items()
+        if n in own and own[n].shape != t.shape
+    ]
     if missing or extra or wrong:
         raise ConfigError(f'load_lora_adapters: {f} does not fit this model (' + '; '.join(
             [f'missing from the file: {missing[:4]}'] * bool(missing) + [f'not in the model: {extra[:4]}'] * bool(extra) + wrong[:4]) + ')')

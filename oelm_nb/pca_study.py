@@ -84,8 +84,11 @@ def check_ks(ks, preset: str) -> list[int]:
     "The distinct ks in order; every k must be an integer in 1..n_embd of the preset."
     ks, d = list(dict.fromkeys(ks)), model_config(preset).n_embd
     bad = [k for k in ks if not (isinstance(k, int) and 0 < k <= d)]
-    if bad: raise ConfigError(f'--ks {" ".join(map(str, bad))}: k must be an integer in 1..n_embd={d} of preset {preset!r} '
-                              f'(the study default for it is {" ".join(map(str, default_ks(preset)))})')
+    if bad:
+        raise ConfigError(
+            f'--ks {" ".join(map(str, bad))}: k must be an integer in 1..n_embd={d} of preset {preset!r} '
+            f'(the study default for it is {" ".join(map(str, default_ks(preset)))})'
+        )
     return ks
 
 # %% ../nbs/11a_pca_study.ipynb #1bb54d77
@@ -108,12 +111,23 @@ def pca_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
     """The matrix for `options['ks']` (default: `default_ks(preset)`): baseline, baseline-cont, then lowrank, pca and
     pca-lora per k."""
     ks = check_ks(options.get('ks') or default_ks(preset), preset)
-    out = {'baseline': Variant({'settings.method': 'baseline'}),
-           'baseline-cont': Variant({'settings.method': 'baseline-cont', **finetune_schedule(preset, steps)}, ('baseline',))}
+    out = {
+        'baseline': Variant({'settings.method': 'baseline'}),
+        'baseline-cont': Variant(
+            {'settings.method': 'baseline-cont', **finetune_schedule(preset, steps)}, ('baseline',)
+        ),
+    }
     out |= {f'lowrank-k{k}': Variant({'model.n_embd_wte': k, 'settings.method': 'lowrank'}) for k in ks}
-    out |= {f'pca-k{k}': Variant({'model.n_embd_wte': k, 'model.dropout': 0.0, 'settings.method': 'pca'}, ('baseline',)) for k in ks}
-    out |= {f'pca-lora-k{k}': Variant({'model.n_embd_wte': k, 'settings.method': 'pca-lora', **lora_finetune(preset, steps)}, ('baseline',))
-            for k in ks}
+    out |= {
+        f'pca-k{k}': Variant({'model.n_embd_wte': k, 'model.dropout': 0.0, 'settings.method': 'pca'}, ('baseline',))
+        for k in ks
+    }
+    out |= {
+        f'pca-lora-k{k}': Variant(
+            {'model.n_embd_wte': k, 'settings.method': 'pca-lora', **lora_finetune(preset, steps)}, ('baseline',)
+        )
+        for k in ks
+    }
     return out
 
 # %% ../nbs/11a_pca_study.ipynb #c31af64a
@@ -205,7 +219,11 @@ def _continued_run(spec: RunSpec, progress) -> tuple[dict, GPT, dict]:
     model, ckpt = load_baseline(spec)
     start = _eval(model, spec, val_d)  # where it starts: the baseline's own best evaluation
     summary, model = _fit(spec, model, train_d, val_d, progress)
-    return {**summary, **_samples(model, spec, val_d)}, model, {'baseline_checkpoint': str(ckpt.resolve()), 'start_val_loss': start['val_loss']}
+    return (
+        {**summary, **_samples(model, spec, val_d)},
+        model,
+        {'baseline_checkpoint': str(ckpt.resolve()), 'start_val_loss': start['val_loss']},
+    )
 
 # %% ../nbs/11a_pca_study.ipynb #0409382d
 def _pca_model(spec: RunSpec, val_d) -> tuple[GPT, dict]:
@@ -244,7 +262,11 @@ def _lora_finetune(spec: RunSpec, model: GPT, train_d, val_d, progress) -> tuple
     merged = _eval(merge_lora(model), spec, val_d)  # merging must not change the model
     unmerge_lora(model)
     c = param_report(model).components
-    return summary, model, {'merged_val_loss': merged['val_loss'], 'params_lora': int(c.loc['lora', 'total']) if 'lora' in c.index else 0}
+    return (
+        summary,
+        model,
+        {'merged_val_loss': merged['val_loss'], 'params_lora': int(c.loc['lora', 'total']) if 'lora' in c.index else 0},
+    )
 
 # %% ../nbs/11a_pca_study.ipynb #a71f3667
 def pca_run(spec: RunSpec, # a run of the 'pca' study (resolve_spec('pca', variant, ...))
@@ -340,10 +362,15 @@ def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
             n = int(rec.notna().sum())
             row[f'recovered vs {m}'], row[f'95% CI vs {m}'] = mean, interval_text(mean, low, high, n, '{:.0%}', point=False)
             row[f'_ci {m}'], row[f'_n {m}'] = (low, high), n
-            if len(seeds) and not len(s): notes.append(f'{m} did not complete')
+            if len(seeds) and not len(s):
+                notes.append(f'{m} did not complete')
             elif len(s) and n < len(s):
                 no = [int(x) for x in rec.index[rec.isna()]]
-                notes.append(f'no gap vs {m}' + ('' if n == 0 else f' at seed(s) {no}') + f': PCA-only is within {GAP_TOL:g} nats of it or better')
+                notes.append(
+                    f'no gap vs {m}'
+                    + ('' if n == 0 else f' at seed(s) {no}')
+                    + f': PCA-only is within {GAP_TOL:g} nats of it or better'
+                )
         row['note'] = '; '.join(notes)
         rows.append(row)
     return pd.DataFrame(rows).set_index('k') if rows else pd.DataFrame()
@@ -365,8 +392,12 @@ def _classify(mean: float, ci) -> str:
     return 'open'
 
 # %% ../nbs/11a_pca_study.ipynb #fb347aa9
-_PHRASES = {'part': 'recovers part of the gap at', 'whole': "closes the whole gap (ends at or below the reference's loss) at",
-            'none': 'recovers none of the gap at', 'open': 'is not resolved (the interval includes 0% or 100%) at'}
+_PHRASES = {
+    'part': 'recovers part of the gap at',
+    'whole': "closes the whole gap (ends at or below the reference's loss) at",
+    'none': 'recovers none of the gap at',
+    'open': 'is not resolved (the interval includes 0% or 100%) at',
+}
 
 # %% ../nbs/11a_pca_study.ipynb #9b09a4d7
 def recovery_verdict(gaps: pd.DataFrame) -> str:
@@ -386,10 +417,17 @@ def recovery_verdict(gaps: pd.DataFrame) -> str:
             txt = interval_text(r[col], ci[0], ci[1], int(r[f'_n {m}']), '{:.0%}')
             by.setdefault(_classify(r[col], ci), []).append(f'k={k}: {txt}')
         said = '; it '.join(f"{_PHRASES[c]} {', '.join(v)}" for c, v in by.items() if c in _PHRASES)
-        ref = ("the baseline (PCA + LoRA trained its fine-tuning steps on top of it: not matched in compute)" if m == 'baseline'
-               else "baseline-cont (the baseline trained for the same extra steps: matched in steps and schedule)")
+        ref = (
+            "the baseline (PCA + LoRA trained its fine-tuning steps on top of it: not matched in compute)"
+            if m == 'baseline'
+            else "baseline-cont (the baseline trained for the same extra steps: matched in steps and schedule)"
+        )
         out.append(f"**Against {ref}, PCA + LoRA {said}.**")
-    return ' '.join(out) if out else "**No verdict:** no k has completed PCA, PCA + LoRA and reference runs with a gap to recover."
+    return (
+        ' '.join(out)
+        if out
+        else "**No verdict:** no k has completed PCA, PCA + LoRA and reference runs with a gap to recover."
+    )
 
 # %% ../nbs/11a_pca_study.ipynb #09a5041c
 def lora_vs_references(runs: pd.DataFrame) -> pd.DataFrame:
@@ -434,7 +472,11 @@ def params_table(runs: pd.DataFrame) -> pd.DataFrame:
         for m, label in PCA_METHOD_LABELS.items():
             d = ok[(ok.method == m) & (ok.k == k)]
             if not len(d): rows.append({'k': k, 'method': label, 'status': 'failed or missing'}); continue
-            emb, total, trainable = _first(d, 'params_embedding'), _first(d, 'params_total'), _first(d, 'params_trainable')
+            emb, total, trainable = (
+                _first(d, 'params_embedding'),
+                _first(d, 'params_total'),
+                _first(d, 'params_trainable'),
+            )
             rows.append({'k': k, 'method': label, 'status': 'completed', 'token-embedding params': emb,
                          'saving vs baseline': 1 - emb / base_emb if pd.notna(base_emb) else np.nan,
                          'total params': total, 'trainable params': trainable, 'trainable share': trainable / total})
@@ -449,9 +491,14 @@ def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
     for k in sorted(lr.k.dropna().unique()):
         d = lr[lr.k == k]
         s = (read_json(Path(d.run_dir.iloc[0]) / 'config.json') or {}).get('settings', {})
-        cols[f'k={int(k)}'] = {'LoRA params': f"{_first(d, 'params_lora'):,.0f}", 'rank': s.get('lora_rank'), 'alpha': s.get('lora_alpha'),
-                               'dropout': s.get('lora_dropout'), 'share of the model': f"{_first(d, 'params_lora') / _first(d, 'params_total'):.2%}",
-                               'fine-tuning steps': f"{_first(d, 'steps'):.0f}"}
+        cols[f'k={int(k)}'] = {
+            'LoRA params': f"{_first(d, 'params_lora'):,.0f}",
+            'rank': s.get('lora_rank'),
+            'alpha': s.get('lora_alpha'),
+            'dropout': s.get('lora_dropout'),
+            'share of the model': f"{_first(d, 'params_lora') / _first(d, 'params_total'):.2%}",
+            'fine-tuning steps': f"{_first(d, 'steps'):.0f}",
+        }
     return pd.DataFrame(cols).astype(str)
 
 # %% ../nbs/11a_pca_study.ipynb #b2fd8df4
@@ -477,8 +524,11 @@ def plot_vs_k(runs: pd.DataFrame):
     return fig
 
 # %% ../nbs/11a_pca_study.ipynb #60925bf3
-_CURVES = (('ratio', 'cumulative explained variance', True), ('relative_error', 'relative reconstruction error ||E - E_k|| / ||E||', False),
-           ('mean_cosine', 'mean cosine(E_i, reconstructed E_i)', False))
+_CURVES = (
+    ('ratio', 'cumulative explained variance', True),
+    ('relative_error', 'relative reconstruction error ||E - E_k|| / ||E||', False),
+    ('mean_cosine', 'mean cosine(E_i, reconstructed E_i)', False),
+)
 
 # %% ../nbs/11a_pca_study.ipynb #b4a1c4ad
 def plot_explained_variance(runs: pd.DataFrame):
@@ -551,8 +601,11 @@ def pca_verdicts(runs: pd.DataFrame) -> pd.DataFrame:
             mean = r.get(f'recovered vs {m}', np.nan)
             if pd.isna(mean): continue
             ci = r[f'_ci {m}']
-            rows[f'k={k} vs {m}'] = {'verdict': _classify(mean, ci), 'hypothesis': f'PCA + LoRA recovers the PCA-only gap to {m} at k={k}',
-                                     'evidence': f"recovered {mean:.0%} ({interval_text(mean, *ci, r[f'_n {m}'])}, {r[f'_n {m}']} seed(s))"}
+            rows[f'k={k} vs {m}'] = {
+                'verdict': _classify(mean, ci),
+                'hypothesis': f'PCA + LoRA recovers the PCA-only gap to {m} at k={k}',
+                'evidence': f"recovered {mean:.0%} ({interval_text(mean, *ci, r[f'_n {m}'])}, {r[f'_n {m}']} seed(s))",
+            }
     return pd.DataFrame(rows).T
 
 # %% ../nbs/11a_pca_study.ipynb #08737577

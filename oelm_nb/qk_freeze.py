@@ -30,14 +30,18 @@ def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
 def qk_variants(preset: str, steps: int, options: dict) -> dict[str, Variant]:
     "Every variant of the Q/K freeze study at `preset` for runs of `steps` steps (the study has no flags of its own)."
     n = model_config(preset).n_layer
-    return {'gpt': Variant({'model.variant': 'gpt'}),
-            'oelm': Variant({'model.variant': 'oelm'}),
-            'oelm-freeze': Variant({'model.variant': 'oelm-freeze'}),
-            'gauss': Variant({'model.variant': 'gauss'}),
-            'gauss-freeze': Variant({'model.variant': 'gauss-freeze'}),
-            'oelm-freeze-half': Variant({'model.variant': 'oelm-freeze', 'model.freeze_layers': n // 2}),
-            'oelm-progressive': Variant({'model.variant': 'oelm-freeze', 'model.unfreeze_at': progressive_unfreeze_steps(n, steps)}),
-            'oelm-learnable': Variant({'model.variant': 'oelm-learnable'})}
+    return {
+        'gpt': Variant({'model.variant': 'gpt'}),
+        'oelm': Variant({'model.variant': 'oelm'}),
+        'oelm-freeze': Variant({'model.variant': 'oelm-freeze'}),
+        'gauss': Variant({'model.variant': 'gauss'}),
+        'gauss-freeze': Variant({'model.variant': 'gauss-freeze'}),
+        'oelm-freeze-half': Variant({'model.variant': 'oelm-freeze', 'model.freeze_layers': n // 2}),
+        'oelm-progressive': Variant(
+            {'model.variant': 'oelm-freeze', 'model.unfreeze_at': progressive_unfreeze_steps(n, steps)}
+        ),
+        'oelm-learnable': Variant({'model.variant': 'oelm-learnable'}),
+    }
 
 # %% ../nbs/06a_qk_freeze.ipynb #d71624a6
 H1_TEXT = 'oelm-freeze has >= 15% fewer trainable parameters than oelm'
@@ -105,7 +109,10 @@ def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: d
     order = sorted(dict.fromkeys(variants), key=lambda v: v != 'oelm')  # ratios are relative to the first: oelm (H3)
     if len(order) < 2: return None
     spec = resolve_spec(QK_FREEZE, order[0], preset, 0, None, overrides=overrides)
-    log(f"[oelm run] timing {', '.join(order)} interleaved in one process ({steps} rounds after {warmup} warm-up) for H3")
+    log(
+        f"[oelm run] timing {', '.join(order)} interleaved in one process ({steps} rounds after {warmup} warm-up)"
+        " for H3"
+    )
     rows = bench(preset, order, steps, warmup, batch_size=spec.train.batch_size, reference=False, overrides=overrides, study=QK_FREEZE,
                  dtypes=(spec.train.dtype,), memory=False)
     (Path(batch_dir) / 'timing.json').write_text(json.dumps([asdict(r) for r in rows], indent=1))
@@ -147,8 +154,14 @@ def results_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
         show[f'vs {reference} (paired)'] = [
             '' if v == reference else gap_text(compare(runs, v, reference)) for v in vt.index
         ]
-    if 'recall_acc_mean' in vt: show['recall acc'] = [mean_sd(m, s, '{:.3f}', missing='n/a') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)]
-    if 'tokens_per_s_mean' in vt: show['tokens/s (concurrent runs)'] = [mean_sd(m, s, '{:,.0f}', missing='n/a') for m, s in zip(vt.tokens_per_s_mean, vt.tokens_per_s_std)]
+    if 'recall_acc_mean' in vt:
+        show['recall acc'] = [
+            mean_sd(m, s, '{:.3f}', missing='n/a') for m, s in zip(vt.recall_acc_mean, vt.recall_acc_std)
+        ]
+    if 'tokens_per_s_mean' in vt:
+        show['tokens/s (concurrent runs)'] = [
+            mean_sd(m, s, '{:,.0f}', missing='n/a') for m, s in zip(vt.tokens_per_s_mean, vt.tokens_per_s_std)
+        ]
     if 'ppl_per_M_trainable' in vt:
         show['PPL per M trainable'] = vt.ppl_per_M_trainable.map(lambda x: f'{x:.3f}' if pd.notna(x) else 'n/a')
     return show
@@ -197,11 +210,14 @@ def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') ->
         int(ok.tokens.max()) if 'tokens' in ok else tokens_per_run(preset, int(ok.steps.max()))
     )
     ref_tokens = tokens_per_run(reference)
-    return (f"**Scale.** These runs train the `{preset}` preset ({m.n_layer} layers, width {m.n_embd}, block {m.block_size}, "
-            f"{int(ok.params_total.max()):,} parameters) for {steps:,} steps, {tokens:,} tokens each. The Q/K freeze log trained "
-            f"`{reference}` ({r.n_layer} layers, width {r.n_embd}, {n_ref:,} parameters at its vocabulary) for "
-            f"{QK_TRAIN[reference]['max_steps']:,} steps, {ref_tokens:,} tokens: these runs saw {tokens / ref_tokens:.2%} of that with a "
-            f"{n_ref / int(ok.params_total.max()):.0f}x smaller model. The verdicts below describe these models, not the log's.")
+    return (
+        f"**Scale.** These runs train the `{preset}` preset ({m.n_layer} layers, width {m.n_embd}, block"
+        f" {m.block_size}, {int(ok.params_total.max()):,} parameters) for {steps:,} steps, {tokens:,} tokens each. The"
+        f" Q/K freeze log trained `{reference}` ({r.n_layer} layers, width {r.n_embd}, {n_ref:,} parameters at its"
+        f" vocabulary) for {QK_TRAIN[reference]['max_steps']:,} steps, {ref_tokens:,} tokens: these runs saw"
+        f" {tokens / ref_tokens:.2%} of that with a {n_ref / int(ok.params_total.max()):.0f}x smaller model. The"
+        " verdicts below describe these models, not the log's."
+    )
 
 # %% ../nbs/06a_qk_freeze.ipynb #d54873c0
 QK_FREEZE = Study(

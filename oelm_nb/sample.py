@@ -30,8 +30,11 @@ def find_checkpoint(run_dir, # one run's directory, e.g. runs/qk-freeze/gpt-s0
     "The checkpoint directory of `run_dir` that `which` names; a `ConfigError` that lists what exists otherwise."
     root = Path(run_dir) / 'checkpoints'
     cks = list_checkpoints(root)
-    if not cks: raise ConfigError(f"{run_dir} has no complete checkpoint under {root}: train the run first, or pass one run's "
-                                  "directory (e.g. runs/qk-freeze/gpt-s0), not its batch's")
+    if not cks:
+        raise ConfigError(
+            f"{run_dir} has no complete checkpoint under {root}: train the run first, or pass one run's "
+            "directory (e.g. runs/qk-freeze/gpt-s0), not its batch's"
+        )
     have = f"steps {', '.join(str(_step(p)) for p in cks)}"
     if str(which).isdigit():
         hit = [p for p in cks if _step(p) == int(which)]
@@ -60,7 +63,9 @@ def load_run_model(run_dir, # one run's directory
     directory."""
     run_dir = Path(run_dir)
     if not (run_dir / 'config.json').exists():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.json); pass one run's folder, e.g. runs/qk-freeze/gpt-s0")
+        raise ConfigError(
+            f"{run_dir} is not a run directory (no config.json); pass one run's folder, e.g. runs/qk-freeze/gpt-s0"
+        )
     spec = RunSpec.load_json(run_dir / 'config.json')
     hook = get_study(spec.study).load_model  # a study whose runs are not a plain GPT says how to rebuild them
     found = hook(spec, lambda: find_checkpoint(run_dir, checkpoint)) if hook else None
@@ -68,7 +73,8 @@ def load_run_model(run_dir, # one run's directory
         ckpt = find_checkpoint(run_dir, checkpoint)
         model = GPT(spec.model, init_seed=0)
         load_weights(model, ckpt, 'model')
-    else: model, ckpt = found
+    else:
+        model, ckpt = found
     return model.to(pick_device(device)).eval(), spec, ckpt
 
 # %% ../nbs/15_sample.ipynb #a44461fe

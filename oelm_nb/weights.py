@@ -27,7 +27,10 @@ def activation(model: GPT) -> str:
 def _ours_from_nanogpt(sd: dict, n_layer: int, d: int) -> dict:
     "nanoGPT's state dict renamed to ours (c_attn split into q/k/v); the inverse of `to_nanogpt_state`."
     sd = {k.removeprefix('_orig_mod.'): v for k, v in sd.items()}
-    out = {'transformer.tok.wte.weight': sd['transformer.wte.weight'], 'transformer.wpe.weight': sd['transformer.wpe.weight']}
+    out = {
+        'transformer.tok.wte.weight': sd['transformer.wte.weight'],
+        'transformer.wpe.weight': sd['transformer.wpe.weight'],
+    }
     def move(src, dst):
         for part in ('weight', 'bias'):
             if f'{src}.{part}' in sd: out[f'{dst}.{part}'] = sd[f'{src}.{part}']
@@ -54,7 +57,11 @@ def load_named_tensors(model: GPT, tensors: dict, source: str, hint: str = '') -
     own = {**dict(model.named_parameters(remove_duplicate=True)), **dict(model.named_buffers())}
     tensors, wte = dict(tensors), tensors.get('transformer.tok.wte.weight')
     head = tensors.get('lm_head.weight')
-    if 'lm_head.weight' not in own and head is not None and not (wte is not None and head.shape == wte.shape and torch.equal(head, wte)):
+    if (
+        'lm_head.weight' not in own
+        and head is not None
+        and not (wte is not None and head.shape == wte.shape and torch.equal(head, wte))
+    ):
         raise ConfigError(
             f'--init-from {source}: the checkpoint has an untied output head (lm_head.weight differs from the token'
             ' table) and this model ties them; train an untied model with --set model.tie_embeddings=false'
@@ -65,10 +72,17 @@ def load_named_tensors(model: GPT, tensors: dict, source: str, hint: str = '') -
     wrong = [(n, tuple(t.shape), tuple(tensors[n].shape)) for n, t in own.items() if n in tensors and t.shape != tensors[n].shape
              and not (n == 'transformer.wpe.weight' and tensors[n].shape[0] > t.shape[0] and tensors[n].shape[1:] == t.shape[1:])]
     if missing or wrong:
-        what = '; '.join([f'{n}: ours {a}, checkpoint {b}' for n, a, b in wrong[:6]] + [f'{n} missing from the checkpoint' for n in missing[:4]])
+        what = '; '.join(
+            [f'{n}: ours {a}, checkpoint {b}' for n, a, b in wrong[:6]]
+            + [f'{n} missing from the checkpoint' for n in missing[:4]]
+        )
         raise ConfigError(f'--init-from {source}: the checkpoint does not fit this model ({what}). {hint}'.strip())
     lost = [n for n, t in tensors.items() if n not in own and n.endswith('.bias') and t.abs().max() > 0]
-    if lost: raise ConfigError(f'--init-from {source}: the checkpoint has non-zero biases this model lacks ({lost[:3]}); set model.bias=true / model.attn_bias=true')
+    if lost:
+        raise ConfigError(
+            f'--init-from {source}: the checkpoint has non-zero biases this model lacks ({lost[:3]}); set'
+            ' model.bias=true / model.attn_bias=true'
+        )
     for n, t in own.items():
         if n in tensors:t.copy_(tensors[n][:t.shape[0]] if n == 'transformer.wpe.weight' else tensors[n])
         else: t.zero_()  # a bias the checkpoint does not have
@@ -83,14 +97,24 @@ def load_init_weights(model: GPT, path) -> GPT:
         src = from_hf_gpt2(path)
         c = src.cfg
         if activation(src) != activation(model):
-            warnings.warn(f'--init-from {path}: its MLP uses tanh-approximate GELU (GPT-2), this model exact GELU; outputs differ slightly at the start')
+            warnings.warn(
+                f'--init-from {path}: its MLP uses tanh-approximate GELU (GPT-2), this model exact GELU; outputs differ'
+                ' slightly at the start'
+            )
         hint = 'Match it with ' + _model_flags(vocab_size=c.vocab_size, block_size=c.block_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
                                                d_ff=c.ff_dim, bias='true', attn_bias='true', **({} if c.tie_embeddings else {'tie_embeddings': 'false'}))
         return load_named_tensors(model, {**dict(src.named_parameters()), **dict(src.named_buffers())}, str(path), hint)
     if not path.is_file():
-        raise ConfigError(f'--init-from {path}: neither a Hugging Face GPT-2 directory (with config.json) nor a nanoGPT ckpt.pt')
-    try:ck = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e: raise ConfigError(f'--init-from {path}: not a checkpoint torch can read with weights_only=True ({type(e).__name__}: {str(e)[:200]})') from None
+        raise ConfigError(
+            f'--init-from {path}: neither a Hugging Face GPT-2 directory (with config.json) nor a nanoGPT ckpt.pt'
+        )
+    try:
+        ck = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        raise ConfigError(
+            f'--init-from {path}: not a checkpoint torch can read with weights_only=True ({type(e).__name__}:'
+            f' {str(e)[:200]})'
+        ) from None
     if not (isinstance(ck, dict) and isinstance(ck.get('model'), dict) and isinstance(ck.get('model_args'), dict)):
         raise ConfigError(f"--init-from {path}: not a nanoGPT checkpoint (a dict with 'model' and 'model_args')")
     a = ck['model_args']
@@ -98,7 +122,10 @@ def load_init_weights(model: GPT, path) -> GPT:
         tensors = _ours_from_nanogpt(ck['model'], int(a['n_layer']), int(a['n_embd']))
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(f'--init-from {path}: its state dict is not in nanoGPT\'s layout ({e})') from None
-    hint = 'Match it with ' + _model_flags(**{k: a[k] for k in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd') if k in a}, d_ff=4 * int(a['n_embd']))
+    hint = 'Match it with ' + _model_flags(
+        **{k: a[k] for k in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd') if k in a},
+        d_ff=4 * int(a['n_embd']),
+    )
     return load_named_tensors(model, tensors, str(path), hint)
 
 # %% ../nbs/11b_weights.ipynb #9cc2a15e
