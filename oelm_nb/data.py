@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from .core import DataConfig, DataError
-from .tokenizer import EOT, GPT2_FILES, BPETokenizer, TiktokenTokenizer, _reachable, gpt2_tokenizer, load_tokenizer
+from .tokenizer import (
+    EOT, GPT2_FILES, BPETokenizer, TiktokenTokenizer, _reachable, gpt2_tokenizer, load_tokenizer)
 from .stories import NAMES, WORDS, Story, generate_stories, make_names, synthetic_splits
 
 _all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic_splits',  # the story corpus,
-         'EOT', 'GPT2_FILES', 'BPETokenizer', 'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer',  # the tokenizers,
+         'EOT', 'GPT2_FILES', 'BPETokenizer', 'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer',  # tokenizers,
          'DataError']  # and core's DataError (torch-free readers raise it too), re-exported
 
 # %% auto #0
@@ -268,7 +269,8 @@ def prepare_data(cfg: DataConfig, # what to prepare
                  out_dir, # directory to write (created if needed)
                  progress: bool = True, # show tqdm progress bars
                 ) -> Path:
-    "Write train.bin, val.bin, tokenizer.json and meta.json (+ recall files for stories) to `out_dir`; reuse a complete one."
+    """Write train.bin, val.bin, tokenizer.json and meta.json (+ recall files for stories) to `out_dir`; reuse a
+    complete one."""
     kind, payload = _resolve_source(cfg.source)
     if kind == 'prepared':
         for split in SPLITS: load_split(payload, split)  # validate
@@ -406,15 +408,18 @@ def read_nanogpt_meta(path) -> dict:
     nothing in it is executed."""
     path = Path(path)
     try: raw = PlainUnpickler(io.BytesIO(path.read_bytes())).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            MemoryError) as e:
         raise DataError(f"{path} was not read: {e}. meta.pkl must be nanoGPT's plain dict (vocab_size, itos, stoi); "
                         'replace it, or write meta.json {"vocab_size": V, "dtype": "uint16"} next to it') from None
-    if not isinstance(raw, dict): raise DataError(f"{path} holds a {type(raw).__name__}, not nanoGPT's dict with vocab_size")
+    if not isinstance(raw, dict):
+        raise DataError(f"{path} holds a {type(raw).__name__}, not nanoGPT's dict with vocab_size")
     V, itos = raw.get('vocab_size'), raw.get('itos')
     if not (_is_int(V) and V > 0): raise DataError(f'{path}: vocab_size is {V!r}; expected a positive integer')
     meta = {'vocab_size': V, 'source': 'nanogpt meta.pkl'}
     if itos is not None:
-        if not (isinstance(itos, dict) and all(_is_int(k) and 0 <= k < V and isinstance(v, str) for k, v in itos.items())):
+        if not (isinstance(itos, dict)
+                and all(_is_int(k) and 0 <= k < V and isinstance(v, str) for k, v in itos.items())):
             raise DataError(f'{path}: itos must map token ids 0..{V - 1} to strings')
         meta['itos'] = [itos.get(k, '') for k in range(V)]
     return meta
