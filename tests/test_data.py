@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from oelm_nb.core import DataConfig
-from oelm_nb.data import (EOT, BPETokenizer, DataError, TokenData, batch, generate_stories, gpt2_tokenizer,
-                          load_split, load_tokenizer, prepare_data, read_documents, read_meta, recall_positions,
-                          synthetic_splits, token_dtype)
+from oelm_nb.data import (DataError, TokenData, batch, generate_stories, load_split, prepare_data, read_documents,
+                          read_meta, recall_positions, synthetic_splits, token_dtype)
+from oelm_nb.tokenizer import EOT, BPETokenizer, gpt2_tokenizer, load_tokenizer
 
 SMALL = DataConfig(vocab_size=700, n_train_stories=1500, n_val_stories=150, seed=3)
 
@@ -228,10 +228,10 @@ def test_tinystories_unreachable_hub_fails_fast(monkeypatch, tmp_path):
 
 
 def test_gpt2_tokenizer_offline_fails_fast(monkeypatch, tmp_path):
-    import oelm_nb.data as D
+    import oelm_nb.tokenizer as T
     pytest.importorskip('tiktoken')
     monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'empty-cache'))
-    monkeypatch.setattr(D, '_reachable', lambda *a, **k: False)
+    monkeypatch.setattr(T, '_reachable', lambda *a, **k: False)
     t0 = time.time()
     with pytest.raises(DataError, match='TIKTOKEN_CACHE_DIR'): gpt2_tokenizer()
     assert time.time() - t0 < 5
@@ -259,7 +259,7 @@ def test_prepare_data_caches(tmp_path):
 def toy_tiktoken():
     "A byte-level tiktoken encoding built here (bytes plus ' '+letter merges): no download needed."
     tiktoken = pytest.importorskip('tiktoken')
-    from oelm_nb.data import TiktokenTokenizer
+    from oelm_nb.tokenizer import TiktokenTokenizer
     ranks = {bytes([i]): i for i in range(256)}
     for c in 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz': ranks[b' ' + c.encode()] = len(ranks)
     pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -277,9 +277,10 @@ def test_tiktoken_tokenizer_locates_recall_tokens():
 
 
 def test_prepare_with_gpt2_tokenizer_path(monkeypatch, tmp_path):
-    import oelm_nb.data as D
+    import oelm_nb.data as D, oelm_nb.tokenizer as T
     tok = toy_tiktoken()
     monkeypatch.setattr(D, 'gpt2_tokenizer', lambda *a, **k: tok)
+    monkeypatch.setattr(T, 'gpt2_tokenizer', lambda *a, **k: tok)  # load_tokenizer, of chapter tokenizer
     cfg = DataConfig(tokenizer='gpt2', n_train_stories=100, n_val_stories=20)
     d = prepare_data(cfg, tmp_path / 'g', progress=True)  # also exercises the progress bars
     meta = read_meta(d)
@@ -296,7 +297,8 @@ def test_literal_end_of_text_only_ever_separates_documents(tmp_path):
     import json as _json
     import numpy as _np
     from oelm_nb.core import DataConfig
-    from oelm_nb.data import EOT, prepare_data, load_split, read_documents
+    from oelm_nb.data import prepare_data, load_split, read_documents
+    from oelm_nb.tokenizer import EOT
     texts = [f'story {i} begins. {EOT} story {i} part two ends.' if i % 3 == 0 else f'plain story number {i} here.' for i in range(30)]
     src = tmp_path / 'docs.jsonl'
     src.write_text(''.join(_json.dumps({'text': t}) + '\n' for t in texts))
