@@ -130,13 +130,14 @@ class Batch:
         return get_study(self.study).variants(self.preset, self.plan_steps, dict(self.options))
 
     def spec(self, variant: str, seed: int = 0):
-        "The RunSpec of one run of the batch, resolved once (again only when the data's place or vocabulary is learnt)."
+        """The RunSpec of one run of the batch, resolved once (again only when the data's place or vocabulary is
+        learnt); its paths are absolute (the notebook runs in the run directory)."""
         key = (variant, seed, str(self.data_dir), self.data_vocab)
         if key not in self._specs:
+            run_dir, data_dir = self.out / run_name(variant, seed), Path(self.data_dir or self.out / 'data')
             self._specs[key] = resolve_spec(
-                self.study, variant, self.preset, seed, self.steps, str(self.out / run_name(variant, seed)), self.data,
-                str(self.data_dir or self.out / 'data'), self.overrides, data_vocab=self.data_vocab,
-                options=self.options)
+                self.study, variant, self.preset, seed, self.steps, str(run_dir.resolve()), self.data,
+                str(data_dir.resolve()), self.overrides, data_vocab=self.data_vocab, options=self.options)
         return self._specs[key]
 
 # %% ../nbs/07_runner.ipynb #ea258356
