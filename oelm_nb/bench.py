@@ -50,7 +50,8 @@ def optimizer_state_bytes(model: GPT, device=None) -> int:
     opt = build_optimizer(model, TrainConfig())
     x, y = _step_inputs(model, 1, device)
     _, loss = model(x[:, :8], y[:, :8]); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for k,
+               v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
 
 # %% ../nbs/09_bench.ipynb #d985c3bc
 class RefAttention(nn.Module):
@@ -266,7 +267,8 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
         if not is_oom(e): raise
         first = (str(e).strip().splitlines() or [''])[0][:200]
         T = next(iter(cfgs.values())).block_size
-        raise ConfigError(f'out of memory at batch_size={batch_size} x block_size={T} on {dev} ({type(e).__name__}: {first}): '
+        raise ConfigError(
+            f'out of memory at batch_size={batch_size} x block_size={T} on {dev} ({type(e).__name__}: {first}): '
                           f'the bench estimated {_gib(estimate)} for its {len(entries)} models and one step, of the '
                           f'{_gib(avail)} available on {where} when it started (other processes may have taken memory since, and the '
                           'estimate can be 15% off). Lower --batch-size or --block-size, or time fewer models at once '
@@ -313,7 +315,8 @@ def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tupl
     return avail, where, total
 
 # %% ../nbs/09_bench.ipynb #e70346a0
-def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides, memory, reference, log):
+def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides, memory,
+               reference, log):
     models, opts, counts = {}, {}, {}
     for v, d in entries:
         m = models[v, d] = _build(v, cfgs[v], dev)
@@ -326,10 +329,12 @@ def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size
         for v, d in entries:
             m = models[v, d]
             if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats()
-            dt = _timed_step(m, opts[v, d], *_step_inputs(m, batch_size, dev, seed=i), dev, None if d == 'float32' else getattr(torch, d))
+            dt = _timed_step(m, opts[v, d], *_step_inputs(m, batch_size, dev, seed=i), dev,
+                             None if d == 'float32' else getattr(torch, d))
             if dev.type == 'cuda': mem[v, d] = max(mem[v, d], torch.cuda.max_memory_allocated())
             if i >= warmup: times[v, d].append(dt)
-        if log: log(f'[bench] round {i + 1}/{warmup + steps}: ' + ', '.join(f'{v}/{d} {times[v, d][-1] if times[v, d] else 0:.3f}s' for v, d in entries))
+        if log: log(f'[bench] round {i + 1}/{warmup + steps}: ' + ', '.join(
+            f'{v}/{d} {times[v, d][-1] if times[v, d] else 0:.3f}s' for v, d in entries))
     if dev.type == 'cpu' and memory:
         mem = {(v, d): cpu_peak_memory(v, cfgs[v], batch_size, d) for v, d in entries}
     return [_row(e, entries[0], times, counts[e[0]], batch_size * cfgs[e[0]].block_size, peaks[e[1]],
@@ -342,8 +347,10 @@ def _row(e, first, times, counts, tokens, peak, memory, reference) -> BenchRow:
     r = t / np.array(times[first]); rq1, rmed, rq3 = np.percentile(r, [25, 50, 75])
     ref = float(np.median(t / np.array(times[REFERENCE, e[1]]))) if reference else None
     fl, ob, tr = counts
-    return BenchRow(e[0], e[1], tokens, fl, ob, tr, float(med), float(q3 - q1), tokens / float(med), float(rmed), float(rq3 - rq1),
-                    ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory, float(rq1), float(rq3), len(t))
+    return BenchRow(e[0], e[1], tokens, fl, ob, tr, float(med), float(q3 - q1), tokens / float(med), float(rmed),
+                    float(rq3 - rq1),
+                    ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory, float(rq1), float(rq3),
+                    len(t))
 
 # %% ../nbs/09_bench.ipynb #ba6a328b
 def bench_table(rows: list[BenchRow]):

@@ -116,7 +116,8 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoint directories `step_N` (those with a meta.json), oldest first; temporary and set-aside
     (`corrupt-*`) directories are ignored."""
     if not ckpt_root.exists(): return []
-    cks = [p for p in ckpt_root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
+    cks = [p for p in ckpt_root.iterdir(
+        ) if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
     return sorted(cks, key=lambda p: int(p.name[5:]))
 
 # %% ../nbs/05b_checkpoint.ipynb #a428173d
@@ -131,7 +132,8 @@ def read_checkpoint_meta(ckpt: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}); resume from an earlier checkpoint") from None
     if not (isinstance(meta, dict) and _is_int(meta.get('step'))):
-        raise CheckpointError(f"{path} is corrupt: expected a JSON object with an integer 'step', got {str(meta)[:80]}; "
+        raise CheckpointError(
+            f"{path} is corrupt: expected a JSON object with an integer 'step', got {str(meta)[:80]}; "
                               "resume from an earlier checkpoint")
     return meta
 
@@ -143,9 +145,11 @@ def _finite(v) -> bool: return _is_num(v) and math.isfinite(v)
 
 # %% ../nbs/05b_checkpoint.ipynb #2e5e877a
 def _optimizer_meta_ok(o) -> bool:
-    return (isinstance(o, dict) and isinstance(o.get('scalars'), dict) and all(re.fullmatch(r'\d+\..+', k) for k in o['scalars'])
+    return (isinstance(o, dict) and isinstance(o.get('scalars'),
+                                               dict) and all(re.fullmatch(r'\d+\..+', k) for k in o['scalars'])
             and isinstance(o.get('param_groups'), list)
-            and all(isinstance(g, dict) and isinstance(g.get('params'), list) and all(map(_is_int, g['params'])) for g in o['param_groups']))
+            and all(isinstance(g, dict) and isinstance(g.get('params'),
+                list) and all(map(_is_int, g['params'])) for g in o['param_groups']))
 
 # %% ../nbs/05b_checkpoint.ipynb #82c6f6e2
 def _divergence_meta_ok(d) -> bool:
@@ -160,7 +164,8 @@ def check_trainer_meta(meta: dict, # a checkpoint's meta.json, as read by `read_
     best = meta.get('best')
     rules = [('step', _is_int(meta.get('step')) and meta['step'] >= 0, 'a non-negative integer'),
              ('tokens', _is_int(meta.get('tokens')) and meta['tokens'] >= 0, 'a non-negative integer'),
-             ('best', isinstance(best, dict) and _is_num(best.get('val_loss')) and (best.get('step') is None or _is_int(best['step'])),
+             ('best', isinstance(best,
+                 dict) and _is_num(best.get('val_loss')) and (best.get('step') is None or _is_int(best['step'])),
               "an object {'val_loss': number, 'step': integer or null}")]
     if 'optimizer' in meta:
         rules.append(('optimizer', _optimizer_meta_ok(meta['optimizer']),
@@ -169,7 +174,8 @@ def check_trainer_meta(meta: dict, # a checkpoint's meta.json, as read by `read_
         rules.append(('divergence', _divergence_meta_ok(meta['divergence']),
                       "an object {'recent_losses': [finite numbers], 'ref_rms': a finite number >= 0 or null}"))
     for key, ok, want in rules:
-        if not ok: raise CheckpointError(f"{path}: field {key!r} must be {want}, got {str(meta.get(key, '<missing>'))[:80]}; "
+        if not ok: raise CheckpointError(
+            f"{path}: field {key!r} must be {want}, got {str(meta.get(key, '<missing>'))[:80]}; "
                                          "the checkpoint is damaged or was not written by a Trainer")
     m = _STEP_DIR.fullmatch(Path(path).parent.name)
     if m and int(m[1]) != meta['step']:
@@ -194,7 +200,8 @@ def _match_module(module: nn.Module, tensors: dict, path: Path):
     stored = {sd[k].data_ptr() for k in tensors if k in sd and sd[k].numel()}
     missing = sorted(k for k in sd if k not in tensors and not (sd[k].numel() and sd[k].data_ptr() in stored))
     unexpected = sorted(k for k in tensors if k not in sd)
-    shapes = sorted(f'{k} {tuple(tensors[k].shape)} vs {tuple(sd[k].shape)}' for k in tensors if k in sd and tensors[k].shape != sd[k].shape)
+    shapes = sorted(f'{k} {tuple(tensors[k].shape)} vs {tuple(sd[k].shape)}' for k in tensors if k in sd and tensors[
+        k].shape != sd[k].shape)
     if missing or unexpected or shapes:
         raise CheckpointError(
             f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes "
@@ -202,7 +209,8 @@ def _match_module(module: nn.Module, tensors: dict, path: Path):
         )
     names = {n for n, _ in module.named_parameters()}
     bad = [k for k, v in tensors.items() if k in names and v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad: raise CheckpointError(f"{path} holds non-finite weights ({bad[:5]}): a diverged run wrote it; resume from an earlier checkpoint")
+    if bad: raise CheckpointError(
+        f"{path} holds non-finite weights ({bad[:5]}): a diverged run wrote it; resume from an earlier checkpoint")
 
 # %% ../nbs/05b_checkpoint.ipynb #bea466fd
 def load_weights(module: nn.Module, ckpt: Path, key: str = 'model'):

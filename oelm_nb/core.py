@@ -47,10 +47,13 @@ class ConfigBase:
             if v is None and 'None' in ann: continue
             kind = ann.split('|')[0].strip()
             if kind == 'tuple' and isinstance(v, list): v = tuple(v); setattr(self, f.name, v)
-            if kind == 'float' and isinstance(v, int) and not isinstance(v, bool): v = float(v); setattr(self, f.name, v)
-            ok = {'int': isinstance(v, int) and not isinstance(v, bool), 'float': isinstance(v, float), 'bool': isinstance(v, bool),
+            if kind == 'float' and isinstance(v,
+                                              int) and not isinstance(v, bool): v = float(v); setattr(self, f.name, v)
+            ok = {'int': isinstance(v, int) and not isinstance(v, bool), 'float': isinstance(v, float),
+                  'bool': isinstance(v, bool),
                   'str': isinstance(v, str), 'tuple': isinstance(v, tuple)}.get(kind, True)
-            if not ok: raise ConfigError(f"{type(self).__name__}.{f.name}={v!r} is invalid: must be of type {ann}, got {type(v).__name__}")
+            if not ok: raise ConfigError(
+                f"{type(self).__name__}.{f.name}={v!r} is invalid: must be of type {ann}, got {type(v).__name__}")
 
     @classmethod
     def field_names(cls) -> list[str]: return [f.name for f in fields(cls)]
@@ -129,7 +132,8 @@ def _check_model_config(self: ModelConfig):
     check(self.n_embd % self.n_head == 0, c, 'n_head', self.n_head,
           f'must divide n_embd={self.n_embd} (head_dim = n_embd / n_head); try n_head in '
           f'{[h for h in range(1, 33) if self.n_embd % h == 0]}')
-    check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff > 0), c, 'd_ff', self.d_ff, 'must be a positive integer or None')
+    check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff > 0), c, 'd_ff', self.d_ff,
+          'must be a positive integer or None')
     check(self.n_embd_wte is None or (isinstance(self.n_embd_wte, int) and 0 < self.n_embd_wte <= self.n_embd),
           c, 'n_embd_wte', self.n_embd_wte, f'must be None or an integer in 1..n_embd={self.n_embd}')
     check(0.0 <= self.dropout < 1.0, c, 'dropout', self.dropout, 'must be in [0, 1)')
@@ -140,37 +144,56 @@ def _check_model_config(self: ModelConfig):
     check(self.init_std > 0, c, 'init_std', self.init_std, 'must be positive')
     self.unfreeze_at = tuple(self.unfreeze_at or ())
     if self.variant not in FREEZE_VARIANTS:
-        check(self.freeze_layers is None, c, 'freeze_layers', self.freeze_layers, f"only applies to the frozen variants {FREEZE_VARIANTS}")
-        check(not self.unfreeze_at, c, 'unfreeze_at', self.unfreeze_at, f"only applies to the frozen variants {FREEZE_VARIANTS}")
+        check(self.freeze_layers is None, c, 'freeze_layers', self.freeze_layers,
+              f"only applies to the frozen variants {FREEZE_VARIANTS}")
+        check(not self.unfreeze_at, c, 'unfreeze_at', self.unfreeze_at,
+              f"only applies to the frozen variants {FREEZE_VARIANTS}")
     else:
         n = self.freeze_layers
-        check(n is None or (isinstance(n, int) and 0 <= n <= self.n_layer), c, 'freeze_layers', n, f'must be None or in 0..n_layer={self.n_layer}')
+        check(n is None or (isinstance(n, int) and 0 <= n <= self.n_layer), c, 'freeze_layers', n,
+              f'must be None or in 0..n_layer={self.n_layer}')
         check(len(self.unfreeze_at) <= len(self.frozen_layers), c, 'unfreeze_at', self.unfreeze_at,
               f'gives more steps than there are frozen layers ({len(self.frozen_layers)})')
-        check(all(isinstance(s, int) and s >= 0 for s in self.unfreeze_at) and list(self.unfreeze_at) == sorted(self.unfreeze_at),
+        check(all(isinstance(s, int) and s >= 0 for s in self.unfreeze_at) and list(
+            self.unfreeze_at) == sorted(self.unfreeze_at),
               c, 'unfreeze_at', self.unfreeze_at, 'must be non-negative integer steps in increasing order')
 
 # %% ../nbs/00_core.ipynb #a671b818
 @patch(as_prop=True)
 def attn_p(self: ModelConfig) -> float: return self.dropout if self.attn_dropout is None else self.attn_dropout
+
+# %% ../nbs/00_core.ipynb #202fbc14
 @patch(as_prop=True)
 def embd_p(self: ModelConfig) -> float: return self.dropout if self.embd_dropout is None else self.embd_dropout
 
+# %% ../nbs/00_core.ipynb #01da6c2d
 @patch(as_prop=True)
 def head_dim(self: ModelConfig) -> int: return self.n_embd // self.n_head
+
+# %% ../nbs/00_core.ipynb #6484eb46
 @patch(as_prop=True)
 def ff_dim(self: ModelConfig) -> int: return self.d_ff or 4 * self.n_embd
+
+# %% ../nbs/00_core.ipynb #dfed76c5
 @patch(as_prop=True)
 def wte_dim(self: ModelConfig) -> int: return self.n_embd_wte or self.n_embd
+
+# %% ../nbs/00_core.ipynb #cb821bbf
 @patch(as_prop=True)
 def factorized(self: ModelConfig) -> bool: return self.wte_dim < self.n_embd
+
+# %% ../nbs/00_core.ipynb #ac247b7c
 @patch(as_prop=True)
 def qk_init(self: ModelConfig) -> str:
     """How Q/K start: 'normal' N(0, init_std) (gpt), 'orthogonal' (oelm*), or 'gauss' N(0, 1/n_embd): the orthogonal
     scale without orthogonality."""
     return 'normal' if self.variant == 'gpt' else 'gauss' if self.variant.startswith('gauss') else 'orthogonal'
+
+# %% ../nbs/00_core.ipynb #b818a9c4
 @patch(as_prop=True)
 def orthogonal_qk(self: ModelConfig) -> bool: return self.qk_init == 'orthogonal'
+
+# %% ../nbs/00_core.ipynb #e1283306
 @patch(as_prop=True)
 def frozen_layers(self: ModelConfig) -> list[int]:
     "Indices of the layers whose Q/K start frozen."
@@ -239,7 +262,8 @@ def _check_train_config(self: TrainConfig):
     check(self.dtype in DTYPES, c, 'dtype', self.dtype, f'must be one of {DTYPES}')
     check(self.device == 'auto' or self.device.split(':')[0] in ('cpu', 'cuda', 'mps'), c, 'device', self.device,
           "must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
-    check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''), c, 'init_from', self.init_from,
+    check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''), c, 'init_from',
+          self.init_from,
           'must be a path to a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt, or None')
     self.loggers = tuple(self.loggers or ())
     bad = [l for l in self.loggers if l not in LOGGERS]
@@ -266,10 +290,13 @@ class DataConfig(ConfigBase):
     def __post_init__(self):
         c = 'DataConfig'
         self.check_types()
-        check(isinstance(self.source, str) and self.source != '', c, 'source', self.source, "give 'synthetic', 'tinystories' or a path")
+        check(isinstance(self.source, str) and self.source != '', c, 'source', self.source,
+              "give 'synthetic', 'tinystories' or a path")
         check(isinstance(self.vocab_size, int) and 256 < self.vocab_size, c, 'vocab_size', self.vocab_size,
               'must be an integer above 256 (byte-level BPE starts from 256 byte tokens)')
         check(self.tokenizer in ('bpe', 'gpt2'), c, 'tokenizer', self.tokenizer, "must be 'bpe' or 'gpt2'")
-        check(isinstance(self.n_train_stories, int) and self.n_train_stories > 0, c, 'n_train_stories', self.n_train_stories, 'must be a positive integer')
-        check(isinstance(self.n_val_stories, int) and self.n_val_stories > 0, c, 'n_val_stories', self.n_val_stories, 'must be a positive integer')
+        check(isinstance(self.n_train_stories, int) and self.n_train_stories > 0, c, 'n_train_stories',
+              self.n_train_stories, 'must be a positive integer')
+        check(isinstance(self.n_val_stories, int) and self.n_val_stories > 0, c, 'n_val_stories', self.n_val_stories,
+              'must be a positive integer')
         check(0 < self.val_fraction < 1, c, 'val_fraction', self.val_fraction, 'must be in (0, 1)')

@@ -18,7 +18,8 @@ __all__ = ['COMPONENTS', 'attention_layers', 'freeze_qk_', 'unfreeze_qk_', 'froz
 # %% ../nbs/02_freeze.ipynb #aa471774
 def attention_layers(model: nn.Module) -> list[nn.Module]:
     "The modules that own a `q_proj` and a `k_proj`, in order from input to output."
-    return [m for m in model.modules() if isinstance(getattr(m, 'q_proj', None), nn.Module) and isinstance(getattr(m, 'k_proj', None), nn.Module)]
+    return [m for m in model.modules() if isinstance(getattr(m, 'q_proj', None),
+                                                     nn.Module) and isinstance(getattr(m, 'k_proj', None), nn.Module)]
 
 # %% ../nbs/02_freeze.ipynb #84825691
 def _qk(attn): return (attn.q_proj, attn.k_proj)
@@ -28,7 +29,8 @@ def _select(model, layers):
     attns = attention_layers(model)
     idx = range(len(attns)) if layers is None else layers
     bad = [i for i in idx if not 0 <= i < len(attns)]
-    if bad: raise ConfigError(f"layer indices {bad} do not exist: the model has {len(attns)} attention layers (0..{len(attns)-1})")
+    if bad: raise ConfigError(
+        f"layer indices {bad} do not exist: the model has {len(attns)} attention layers (0..{len(attns)-1})")
     return [(i, attns[i]) for i in idx]
 
 # %% ../nbs/02_freeze.ipynb #2901b094

@@ -69,7 +69,8 @@ def step_memory(model_cfg: ModelConfig, # the model's shape
 def _cgroup_room() -> int | None:
     "Bytes left under this process's cgroup memory limit (reclaimable page cache counted as free), or None without one."
     for limit, usage, cache in (('memory.max', 'memory.current', 'inactive_file'),
-                                ('memory/memory.limit_in_bytes', 'memory/memory.usage_in_bytes', 'total_inactive_file')):
+                                ('memory/memory.limit_in_bytes', 'memory/memory.usage_in_bytes',
+                                 'total_inactive_file')):
         base = Path('/sys/fs/cgroup')
         try: lim, used = (base / limit).read_text().strip(), int((base / usage).read_text())
         except (OSError, ValueError): continue
@@ -120,12 +121,14 @@ def _memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, 
            f'{_gib(need.logits)} of it logits), but only {_gib(avail)} is available on {where}. ')
     bmax = min(_max_batch(cfg, T, device, avail), batch_size - 1)
     if bmax < 1:
-        return msg + (f'Even batch_size=1 needs about {_gib(step_memory(cfg, 1, T, device).total)}: shorten block_size, '
+        return msg + (
+            f'Even batch_size=1 needs about {_gib(step_memory(cfg, 1, T, device).total)}: shorten block_size, '
                       'choose a smaller model, free memory, or run on a device with more of it')
     if fix: return msg + fix.format(max_batch=bmax)
     seqs = batch_size * grad_accum
     b = max(d for d in _divisors(seqs) if d <= bmax)
-    return msg + (f'Lower batch_size and raise train.grad_accum to keep the {seqs} sequences (x {T} tokens) per step: e.g. '
+    return msg + (
+        f'Lower batch_size and raise train.grad_accum to keep the {seqs} sequences (x {T} tokens) per step: e.g. '
                   f'train.batch_size={b} with train.grad_accum={seqs // b} needs about '
                   f'{_gib(step_memory(cfg, b, T, device).total)}')
 

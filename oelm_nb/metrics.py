@@ -46,16 +46,19 @@ def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
 def _read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, dict]]:
     """(text, record) of each non-blank line of `path`; a cut-off last line is dropped with a warning, any other bad
     line raises `MetricsError`."""
-    lines = [(no, l) for no, l in enumerate(path.read_bytes().decode('utf-8', errors='replace').split('\n'), 1) if l.strip()]
+    lines = [(no, l) for no,
+             l in enumerate(path.read_bytes().decode('utf-8', errors='replace').split('\n'), 1) if l.strip()]
     out = []
     for j, (no, line) in enumerate(lines):
         try: rec = json.loads(line)
         except json.JSONDecodeError as e:
             if j == len(lines) - 1:
-                warnings.warn(f"{path}: line {no} is cut off ({e}), as a writer killed mid-line leaves it; the line is dropped",
+                warnings.warn(
+                    f"{path}: line {no} is cut off ({e}), as a writer killed mid-line leaves it; the line is dropped",
                               RecoveryWarning, stacklevel=3)
                 break
-            raise MetricsError(f"{path}: line {no} is not valid JSON ({e}); only the last line can be cut off by an interrupted "
+            raise MetricsError(
+                f"{path}: line {no} is not valid JSON ({e}); only the last line can be cut off by an interrupted "
                                f"write, so the file was damaged otherwise. Fix: repair or delete line {no}") from None
         if not (isinstance(rec, dict) and (step_key is None or _is_int(rec.get(step_key)))):
             want = f"a JSON object with an integer {step_key!r}" if step_key else 'a JSON object'

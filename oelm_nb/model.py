@@ -21,8 +21,10 @@ __all__ = ['PRESETS', 'model_config', 'CausalSelfAttention', 'MLP', 'Block', 'To
 PRESETS = {
     'tiny': dict(vocab_size=2048, block_size=128, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
     'medium512': dict(vocab_size=50257, block_size=512, n_layer=6, n_head=8, n_embd=512, d_ff=2048, dropout=0.1),
-    'gpt2-124m': dict(vocab_size=50257, block_size=2048, n_layer=12, n_head=12, n_embd=768, dropout=0.1, attn_bias=True),
-    'gpt2-124m-1024': dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, attn_bias=True),
+    'gpt2-124m': dict(vocab_size=50257, block_size=2048, n_layer=12, n_head=12, n_embd=768, dropout=0.1,
+                      attn_bias=True),
+    'gpt2-124m-1024': dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1,
+                           attn_bias=True),
 }
 
 # %% ../nbs/03_model.ipynb #70aedf4a
@@ -150,7 +152,8 @@ class GPT(nn.Module):
         for block in self.transformer.h: x = block(x)
         x = self.transformer.tok.to_table_space(self.transformer.ln_f(x))  # (B, T, k)
         logits = self.lm_head(x)  # (B, T, V)
-        loss = None if targets is None else F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                                            targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
 # %% ../nbs/03_model.ipynb #eee6542e

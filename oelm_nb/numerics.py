@@ -27,12 +27,14 @@ def numerics_table(out_dir) -> pd.DataFrame:
     runs = {d: load_runs(Path(out_dir) / d) for d in NUMERICS_DTYPES}
     rows = []
     for v in sorted(set(runs['float32'].variant) & set(runs['bfloat16'].variant)):
-        ppl = {d: runs[d][(runs[d].variant == v) & (runs[d].status == 'completed')].set_index('seed')['final_val_ppl'] for d in NUMERICS_DTYPES}
+        ppl = {d: runs[d][(runs[d].variant == v) & (runs[d].status == 'completed')].set_index(
+            'seed')['final_val_ppl'] for d in NUMERICS_DTYPES}
         seeds = sorted(set(ppl['float32'].index) & set(ppl['bfloat16'].index))
         if not seeds: continue
         f32, b16 = ppl['float32'][seeds], ppl['bfloat16'][seeds]
         spread, change = float(f32.max() - f32.min()), float((b16 - f32).abs().max())
-        rows.append({'variant': v, 'seeds': len(seeds), **{f'fp32_ppl_s{s}': f32[s] for s in seeds}, **{f'bf16_ppl_s{s}': b16[s] for s in seeds},
+        rows.append({'variant': v, 'seeds': len(seeds), **{f'fp32_ppl_s{s}': f32[s] for s in seeds},
+                     **{f'bf16_ppl_s{s}': b16[s] for s in seeds},
                      'fp32_mean': float(f32.mean()), 'bf16_mean': float(b16.mean()), 'fp32_seed_spread': spread,
                      'max_paired_change': change, 'within_seed_spread': bool(len(seeds) >= 2 and change <= spread)})
     return pd.DataFrame(rows).set_index('variant') if rows else pd.DataFrame(columns=['within_seed_spread'])

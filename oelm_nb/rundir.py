@@ -160,7 +160,8 @@ def _take(self: RunLock):
     lock = FileLock(str(self.dir / LOCK_FILE))
     try: lock.acquire(timeout=0)
     except Timeout:
-        raise RunLocked(f"{self.what} directory {self.dir} is being written by {describe_holder(read_holder(self.dir))}; "
+        raise RunLocked(
+            f"{self.what} directory {self.dir} is being written by {describe_holder(read_holder(self.dir))}; "
                         "wait for it to finish, stop that process, or use another output directory") from None
     prev = read_holder(self.dir)
     try: self._wait_for_workers()
@@ -262,7 +263,8 @@ def parse_run_name(name: str) -> tuple[str, int] | None:
     return (variant, int(seed)) if sep and variant and seed.isdigit() else None
 
 # %% ../nbs/05a_rundir.ipynb #520adaa9
-VOLATILE_FIELDS = ('out_dir', 'data_dir', 'train.progress', 'train.loggers', 'train.log_every', 'train.ckpt_every', 'train.keep_last')
+VOLATILE_FIELDS = ('out_dir', 'data_dir', 'train.progress', 'train.loggers', 'train.log_every', 'train.ckpt_every',
+                   'train.keep_last')
 
 # %% ../nbs/05a_rundir.ipynb #015af143
 def flatten(d: dict, prefix: str = '') -> dict:
@@ -276,7 +278,8 @@ def flatten(d: dict, prefix: str = '') -> dict:
 
 # %% ../nbs/05a_rundir.ipynb #a4b45df2
 # fields added later: at their default they leave older runs' fingerprints as they were
-ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'model.attn_dropout': None, 'model.embd_dropout': None}
+ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'model.attn_dropout': None,
+                       'model.embd_dropout': None}
 
 # %% ../nbs/05a_rundir.ipynb #c88ea0ec
 def identity_fields(config: dict) -> dict:
@@ -293,7 +296,8 @@ def fingerprint(config: dict) -> str:
 def config_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
     "(field, old value, new value) for every identity field that differs; a missing field reads '<absent>'."
     a, b = identity_fields(old), identity_fields(new)
-    return [(k, a.get(k, '<absent>'), b.get(k, '<absent>')) for k in sorted(set(a) | set(b)) if a.get(k, '<absent>') != b.get(k, '<absent>')]
+    return [(k, a.get(k, '<absent>'),
+             b.get(k, '<absent>')) for k in sorted(set(a) | set(b)) if a.get(k, '<absent>') != b.get(k, '<absent>')]
 
 # %% ../nbs/05a_rundir.ipynb #f88298d9
 def describe_diff(diff, limit: int = 8) -> str:
