@@ -325,14 +325,12 @@ def add_study_parser(sub, study, presets):
                    help=f"default: {' '.join(map(str, study.default_seeds))}")
     r.add_argument('--steps', type=_positive, default=None,
                    help="optimizer steps per run (default: the study's for the preset)")
-    r.add_argument('--gpus', default=None,
-                   help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun; "
-                   "default: none, on the CPU or the one visible device)")
+    r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through "
+                   "torchrun; default: none, on the CPU or the one visible device)")
     r.add_argument('--concurrent', action='store_true',
                    help='run GPU sets concurrently (default: one set after another)')
-    r.add_argument('--jobs', type=_positive, default=None,
-                   help='concurrent CPU runs when no GPUs are given (default: 1); '
-                   'with --backend slurm, jobs kept in the queue at once (default: 64)')
+    r.add_argument('--jobs', type=_positive, default=None, help='concurrent CPU runs when no GPUs are given '
+                   '(default: 1); with --backend slurm, jobs kept in the queue at once (default: 64)')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
     r.add_argument('--set', action='append', metavar='KEY=VALUE',
                    help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
@@ -347,9 +345,8 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--restart', action='store_true',
                    help='set existing runs of this invocation aside (renamed <run>.replaced-N) and train them '
                    'afresh; needed to rerun a batch directory with another configuration')
-    r.add_argument('--detach', action='store_true',
-                   help='return at once; the batch goes on in the background (output in OUT/batch.log; '
-                   '`oelm status OUT` shows it; the same command without --detach attaches to it)')
+    r.add_argument('--detach', action='store_true', help='return at once; the batch goes on in the background (output '
+                   'in OUT/batch.log; `oelm status OUT` shows it; the same command without --detach attaches to it)')
     c = r.add_argument_group('cluster', textwrap.fill(
         'each run as a SLURM job through submitit (pip install "oelm_nb[slurm]"), on a filesystem '
         'the nodes share; `oelm status OUT` shows the jobs', 78, initial_indent='  ', subsequent_indent='  '))
@@ -372,8 +369,7 @@ def add_study_parser(sub, study, presets):
     taken = {f for a in r._actions for f in a.option_strings}
     for flag in RETIRED_FLAGS:
         if flag not in taken: r.add_argument(flag, action=_Retired)
-    r.set_defaults(fn=cmd_run)
-    return r
+    r.set_defaults(fn=cmd_run); return r
 
 # %% ../nbs/10_cli.ipynb #c69dc081
 def _add_model_commands(sub):

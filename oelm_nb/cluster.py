@@ -56,7 +56,8 @@ class ClusterConfig:
             f"--gpus-per-run {self.gpus_per_run} / --cpus-per-run {self.cpus_per_run}: give >= 0 GPUs and >= 1 CPU")
         self.minutes = time_minutes(self.time)
         clash = sorted(k for k in self.options if k.replace('_', '-') in RESERVED_SBATCH)
-        if clash: raise ConfigError(f"--slurm-option {', '.join(clash)}: set by oelm itself; use --partition, --time, --gpus-per-run, --cpus-per-run")
+        if clash: raise ConfigError(f"--slurm-option {', '.join(clash)}: set by oelm itself; "
+                                    "use --partition, --time, --gpus-per-run, --cpus-per-run")
 
 # %% ../nbs/07c_cluster.ipynb #4dc7875e
 def slurm_parameters(cfg: ClusterConfig, name: str, command: str = '') -> dict:
@@ -140,7 +141,8 @@ class ClusterBackend:
     def __call__(self, job: Job, batch: Batch, gpu_set=None, threads=None, log=print) -> str:
         # re-attach: the run's own lock tells that a job of a previous `oelm run` is on it
         if earlier := self.earlier_job(job):
-            log(f'[oelm run] {job.name}: job {earlier} from an earlier `oelm run` still trains it; waiting for it instead of submitting another')
+            log(f'[oelm run] {job.name}: job {earlier} from an earlier `oelm run` still trains it; '
+                'waiting for it instead of submitting another')
             while self.earlier_job(job): time.sleep(self.poll_s)
             if run_status(job.run_dir) == 'completed': log(
                 f'[oelm run] {job.name}: job {earlier} completed it'); return 'completed'
@@ -213,7 +215,8 @@ def follow(batch_dir, interval: float = 5.0, out=print) -> None:
     "Show the batch's status until its detached process has released it."
     h = detached_holder(batch_dir)
     if not h: return
-    out(f'[oelm run] {batch_dir} is being run in the background by {describe_holder(h)}; following it (Ctrl-C stops following, not the batch)')
+    out(f'[oelm run] {batch_dir} is being run in the background by {describe_holder(h)}; '
+        'following it (Ctrl-C stops following, not the batch)')
     tty, shown = sys.stdout.isatty(), None
     while detached_holder(batch_dir):
         rows = batch_status(batch_dir)

@@ -123,7 +123,8 @@ def _job_id(x) -> str | None:
 # %% ../nbs/07b_status.ipynb #c755955b
 def _ago(seconds: float) -> str:
     s = int(max(0, seconds))
-    return f'{s}s ago' if s < 120 else f'{s // 60}m ago' if s < 7200 else f'{s // 3600}h ago' if s < 172800 else f'{s // 86400}d ago'
+    return (f'{s}s ago' if s < 120 else f'{s // 60}m ago' if s < 7200 else f'{s // 3600}h ago' if s < 172800
+            else f'{s // 86400}d ago')
 
 # %% ../nbs/07b_status.ipynb #05e5f3a8
 def _clock(t: float, now: float) -> str:
@@ -135,7 +136,9 @@ def _clock(t: float, now: float) -> str:
 def _note(state: str, summary: dict | None, holder: dict | None, step: int | None, job: str | None,
           upstream: dict) -> str:
     if state in ('failed', 'blocked') and summary: return _error(summary) or 'no error recorded'
-    if state == 'blocked': return f"upstream run(s) {', '.join(n for n, s in upstream.items() if s in ('failed', 'blocked'))} did not complete"
+    if state == 'blocked':
+        return (f"upstream run(s) {', '.join(n for n, s in upstream.items() if s in ('failed', 'blocked'))} "
+                "did not complete")
     if state == 'running' and holder:
         return f"pid {holder.get('pid')}" + (
             '' if holder.get('host') == socket.gethostname() else f" on host {holder.get('host')}"
@@ -285,7 +288,8 @@ def show_status(batch_dir, # the --out directory of an `oelm run`
     """Print the batch's status table, once or every `watch` seconds until it cannot change (Ctrl-C stops watching);
     returns the last rows."""
     if watch is not None and not (_number(watch) and watch > 0):
-        raise ConfigError(f'--watch {watch!r}: give the seconds between refreshes, a number above 0 (or leave --watch out to print once)')
+        raise ConfigError(f'--watch {watch!r}: give the seconds between refreshes, a number above 0 '
+                          '(or leave --watch out to print once)')
     rows = batch_status(batch_dir)
     if watch is None: out(format_status(rows, batch_dir)); return rows
     clear = '\033[H\033[2J' if out is print and sys.stdout.isatty() else ''  # redraw in place on a terminal
