@@ -50,8 +50,8 @@ def optimizer_state_bytes(model: GPT, device=None) -> int:
     opt = build_optimizer(model, TrainConfig())
     x, y = _step_inputs(model, 1, device)
     _, loss = model(x[:, :8], y[:, :8]); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for k,
-               v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
+    return sum(v.numel() * v.element_size()
+               for st in opt.state.values() for k, v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
 
 # %% ../nbs/09_bench.ipynb #d985c3bc
 class RefAttention(nn.Module):
@@ -349,9 +349,8 @@ def _row(e, first, times, counts, tokens, peak, memory, reference) -> BenchRow:
     ref = float(np.median(t / np.array(times[REFERENCE, e[1]]))) if reference else None
     fl, ob, tr = counts
     return BenchRow(e[0], e[1], tokens, fl, ob, tr, float(med), float(q3 - q1), tokens / float(med), float(rmed),
-                    float(rq3 - rq1),
-                    ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory, float(rq1), float(rq3),
-                    len(t))
+                    float(rq3 - rq1), ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory,
+                    float(rq1), float(rq3), len(t))
 
 # %% ../nbs/09_bench.ipynb #ba6a328b
 def bench_table(rows: list[BenchRow]):

@@ -117,8 +117,8 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoint directories `step_N` (those with a meta.json), oldest first; temporary and set-aside
     (`corrupt-*`) directories are ignored."""
     if not ckpt_root.exists(): return []
-    cks = [p for p in ckpt_root.iterdir(
-        ) if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
+    cks = [p for p in ckpt_root.iterdir()
+           if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
     return sorted(cks, key=lambda p: int(p.name[5:]))
 
 # %% ../nbs/05b_checkpoint.ipynb #a428173d
@@ -146,11 +146,11 @@ def _finite(v) -> bool: return _is_num(v) and math.isfinite(v)
 
 # %% ../nbs/05b_checkpoint.ipynb #2e5e877a
 def _optimizer_meta_ok(o) -> bool:
-    return (isinstance(o, dict) and isinstance(o.get('scalars'),
-                                               dict) and all(re.fullmatch(r'\d+\..+', k) for k in o['scalars'])
+    return (isinstance(o, dict) and isinstance(o.get('scalars'), dict)
+            and all(re.fullmatch(r'\d+\..+', k) for k in o['scalars'])
             and isinstance(o.get('param_groups'), list)
-            and all(isinstance(g, dict) and isinstance(g.get('params'),
-                list) and all(map(_is_int, g['params'])) for g in o['param_groups']))
+            and all(isinstance(g, dict) and isinstance(g.get('params'), list) and all(map(_is_int, g['params']))
+                    for g in o['param_groups']))
 
 # %% ../nbs/05b_checkpoint.ipynb #82c6f6e2
 def _divergence_meta_ok(d) -> bool:
@@ -165,8 +165,8 @@ def check_trainer_meta(meta: dict, # a checkpoint's meta.json, as read by `read_
     best = meta.get('best')
     rules = [('step', _is_int(meta.get('step')) and meta['step'] >= 0, 'a non-negative integer'),
              ('tokens', _is_int(meta.get('tokens')) and meta['tokens'] >= 0, 'a non-negative integer'),
-             ('best', isinstance(best,
-                 dict) and _is_num(best.get('val_loss')) and (best.get('step') is None or _is_int(best['step'])),
+             ('best', isinstance(best, dict) and _is_num(best.get('val_loss'))
+              and (best.get('step') is None or _is_int(best['step'])),
               "an object {'val_loss': number, 'step': integer or null}")]
     if 'optimizer' in meta:
         rules.append(('optimizer', _optimizer_meta_ok(meta['optimizer']),
@@ -202,8 +202,8 @@ def _match_module(module: nn.Module, tensors: dict, path: Path):
     stored = {sd[k].data_ptr() for k in tensors if k in sd and sd[k].numel()}
     missing = sorted(k for k in sd if k not in tensors and not (sd[k].numel() and sd[k].data_ptr() in stored))
     unexpected = sorted(k for k in tensors if k not in sd)
-    shapes = sorted(f'{k} {tuple(tensors[k].shape)} vs {tuple(sd[k].shape)}' for k in tensors if k in sd and tensors[
-        k].shape != sd[k].shape)
+    shapes = sorted(f'{k} {tuple(tensors[k].shape)} vs {tuple(sd[k].shape)}'
+                    for k in tensors if k in sd and tensors[k].shape != sd[k].shape)
     if missing or unexpected or shapes:
         raise CheckpointError(
             f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes "

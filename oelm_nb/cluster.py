@@ -112,8 +112,8 @@ ACTIVE_STATES = ('PENDING', 'RUNNING', 'REQUEUED', 'CONFIGURING', 'COMPLETING', 
 class ClusterBackend:
     "Run each job of a batch as a submitit job (SLURM, or local processes); a drop-in for `execute_run`."
     def __init__(self, cfg: ClusterConfig, command: str = '', poll_s: float = 5.0):
-        self.cfg, self.command, self.guard, self.jobs = cfg, command or shlex.join(
-            ['oelm', *sys.argv[1:]]), threading.Lock(), {}
+        self.cfg, self.command, self.guard, self.jobs = (cfg, command or shlex.join(['oelm', *sys.argv[1:]]),
+                                                         threading.Lock(), {})
         self.poll_s = poll_s # seconds between checks of a job from an earlier `oelm run`
 
     def executor(self, folder: Path, name: str):
@@ -185,8 +185,8 @@ def wait(self: ClusterBackend, sj, job: Job, batch: Batch, log=print) -> str:
             with run_lock(job.run_dir):
                 write_json(job.run_dir / 'summary.json',
                            {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
-                                                         'error': why, 'job_id': str(sj.job_id), 'job_state': state,
-                                                         'job_error': detail[-1] if detail else ''})
+                            'error': why, 'job_id': str(sj.job_id), 'job_state': state,
+                            'job_error': detail[-1] if detail else ''})
         except RunLocked as locked: why += f' (its run directory is still locked: {locked})'
         log(f'[oelm run] {job.name}: FAILED: {why}'); return 'failed'
     log(f'[oelm run] {job.name}: {self.cfg.cluster} job {sj.job_id} ended: {status}')

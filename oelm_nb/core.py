@@ -47,11 +47,10 @@ class ConfigBase:
             if v is None and 'None' in ann: continue
             kind = ann.split('|')[0].strip()
             if kind == 'tuple' and isinstance(v, list): v = tuple(v); setattr(self, f.name, v)
-            if kind == 'float' and isinstance(v,
-                                              int) and not isinstance(v, bool): v = float(v); setattr(self, f.name, v)
+            if kind == 'float' and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v); setattr(self, f.name, v)
             ok = {'int': isinstance(v, int) and not isinstance(v, bool), 'float': isinstance(v, float),
-                  'bool': isinstance(v, bool),
-                  'str': isinstance(v, str), 'tuple': isinstance(v, tuple)}.get(kind, True)
+                  'bool': isinstance(v, bool), 'str': isinstance(v, str), 'tuple': isinstance(v, tuple)}.get(kind, True)
             if not ok: raise ConfigError(
                 f"{type(self).__name__}.{f.name}={v!r} is invalid: must be of type {ann}, got {type(v).__name__}")
 
@@ -154,8 +153,8 @@ def _check_model_config(self: ModelConfig):
               f'must be None or in 0..n_layer={self.n_layer}')
         check(len(self.unfreeze_at) <= len(self.frozen_layers), c, 'unfreeze_at', self.unfreeze_at,
               f'gives more steps than there are frozen layers ({len(self.frozen_layers)})')
-        check(all(isinstance(s, int) and s >= 0 for s in self.unfreeze_at) and list(
-            self.unfreeze_at) == sorted(self.unfreeze_at),
+        check(all(isinstance(s, int) and s >= 0 for s in self.unfreeze_at)
+              and list(self.unfreeze_at) == sorted(self.unfreeze_at),
               c, 'unfreeze_at', self.unfreeze_at, 'must be non-negative integer steps in increasing order')
 
 # %% ../nbs/00_core.ipynb #a671b818
@@ -263,8 +262,8 @@ def _check_train_config(self: TrainConfig):
     check(self.dtype in DTYPES, c, 'dtype', self.dtype, f'must be one of {DTYPES}')
     check(self.device == 'auto' or self.device.split(':')[0] in ('cpu', 'cuda', 'mps'), c, 'device', self.device,
           "must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
-    check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''), c, 'init_from',
-          self.init_from,
+    check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''),
+          c, 'init_from', self.init_from,
           'must be a path to a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt, or None')
     self.loggers = tuple(self.loggers or ())
     bad = [l for l in self.loggers if l not in LOGGERS]

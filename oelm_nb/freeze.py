@@ -18,8 +18,8 @@ __all__ = ['COMPONENTS', 'attention_layers', 'freeze_qk_', 'unfreeze_qk_', 'froz
 # %% ../nbs/02_freeze.ipynb #aa471774
 def attention_layers(model: nn.Module) -> list[nn.Module]:
     "The modules that own a `q_proj` and a `k_proj`, in order from input to output."
-    return [m for m in model.modules() if isinstance(getattr(m, 'q_proj', None),
-                                                     nn.Module) and isinstance(getattr(m, 'k_proj', None), nn.Module)]
+    return [m for m in model.modules()
+            if isinstance(getattr(m, 'q_proj', None), nn.Module) and isinstance(getattr(m, 'k_proj', None), nn.Module)]
 
 # %% ../nbs/02_freeze.ipynb #84825691
 def _qk(attn): return (attn.q_proj, attn.k_proj)

@@ -50,8 +50,8 @@ def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
 def _read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, dict]]:
     """(text, record) of each non-blank line of `path`; a cut-off last line is dropped with a warning, any other bad
     line raises `MetricsError`."""
-    lines = [(no, l) for no,
-             l in enumerate(path.read_bytes().decode('utf-8', errors='replace').split('\n'), 1) if l.strip()]
+    lines = [(no, l) for no, l in enumerate(path.read_bytes().decode('utf-8', errors='replace').split('\n'), 1)
+             if l.strip()]
     out = []
     for j, (no, line) in enumerate(lines):
         try: rec = json.loads(line)

@@ -27,8 +27,8 @@ def numerics_table(out_dir) -> pd.DataFrame:
     runs = {d: load_runs(Path(out_dir) / d) for d in NUMERICS_DTYPES}
     rows = []
     for v in sorted(set(runs['float32'].variant) & set(runs['bfloat16'].variant)):
-        ppl = {d: runs[d][(runs[d].variant == v) & (runs[d].status == 'completed')].set_index(
-            'seed')['final_val_ppl'] for d in NUMERICS_DTYPES}
+        ppl = {d: runs[d][(runs[d].variant == v) & (runs[d].status == 'completed')].set_index('seed')['final_val_ppl']
+               for d in NUMERICS_DTYPES}
         seeds = sorted(set(ppl['float32'].index) & set(ppl['bfloat16'].index))
         if not seeds: continue
         f32, b16 = ppl['float32'][seeds], ppl['bfloat16'][seeds]
