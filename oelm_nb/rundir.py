@@ -296,8 +296,8 @@ def fingerprint(config: dict) -> str:
 def config_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
     "(field, old value, new value) for every identity field that differs; a missing field reads '<absent>'."
     a, b = identity_fields(old), identity_fields(new)
-    return [(k, a.get(k, '<absent>'),
-             b.get(k, '<absent>')) for k in sorted(set(a) | set(b)) if a.get(k, '<absent>') != b.get(k, '<absent>')]
+    return [(k, a.get(k, '<absent>'), b.get(k, '<absent>'))
+            for k in sorted(set(a) | set(b)) if a.get(k, '<absent>') != b.get(k, '<absent>')]
 
 # %% ../nbs/05a_rundir.ipynb #f88298d9
 def describe_diff(diff, limit: int = 8) -> str:

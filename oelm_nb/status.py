@@ -190,8 +190,8 @@ def read_batch(batch_dir) -> dict:
     b, why = read_record(d / 'batch.json')
     if b is None: raise ConfigError(f"{d}: {why or 'no batch.json'}; {FIX_BATCH_DIR}")
     variants, seeds = b.get('variants'), b.get('seeds')
-    if not (isinstance(variants, list) and all(
-        isinstance(v, str) and v and not v.startswith('.') and not set('/\\') & set(v) for v in variants)):
+    if not (isinstance(variants, list)
+            and all(isinstance(v, str) and v and not v.startswith('.') and not set('/\\') & set(v) for v in variants)):
         raise ConfigError(
             f"{d / 'batch.json'}: 'variants' is {str(variants)[:80]}, not a list of variant names; {FIX_BATCH_DIR}"
         )
@@ -235,8 +235,7 @@ def _printable(s) -> str: return ''.join(c if c.isprintable() else '?' for c in 
 
 # %% ../nbs/07b_status.ipynb #3ae71d5d
 COLUMNS = {'run': 'run', 'state': 'state', 'job': 'job', 'step': 'step', 'train_loss': 'train loss',
-           'val_loss': 'val loss',
-           'tokens_per_s': 'tokens/s', 'eta_s': 'ETA', 'updated': 'updated', 'note': 'note'}
+           'val_loss': 'val loss', 'tokens_per_s': 'tokens/s', 'eta_s': 'ETA', 'updated': 'updated', 'note': 'note'}
 NUMERIC = ('step', 'train_loss', 'val_loss', 'tokens_per_s', 'eta_s') # right-aligned
 
 # %% ../nbs/07b_status.ipynb #75b5faf0
@@ -277,8 +276,8 @@ def may_change(rows: list[dict], batch_dir) -> bool:
     """Whether the batch's table may still change: a run runs or waits for its job, or an `oelm run` holds the batch to
     start more."""
     if all(r['state'] in FINISHED for r in rows): return False
-    return any(r['state'] == 'running' or (r['state'] == 'pending' and r.get('job')) for r in rows) or live_holder(
-        batch_dir) is not None
+    return (any(r['state'] == 'running' or (r['state'] == 'pending' and r.get('job')) for r in rows)
+            or live_holder(batch_dir) is not None)
 
 # %% ../nbs/07b_status.ipynb #e3212430
 def show_status(batch_dir, # the --out directory of an `oelm run`
@@ -296,8 +295,8 @@ def show_status(batch_dir, # the --out directory of an `oelm run`
     try:
         while True:
             going = may_change(rows, batch_dir)
-            out(clear + format_status(rows,
-                batch_dir) + (f'\n(every {watch:g}s; Ctrl-C stops watching, not the batch)' if going else ''))
+            out(clear + format_status(rows, batch_dir)
+                + (f'\n(every {watch:g}s; Ctrl-C stops watching, not the batch)' if going else ''))
             if not going: return rows
             time.sleep(watch)
             rows = batch_status(batch_dir)
