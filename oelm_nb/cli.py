@@ -36,7 +36,8 @@ def add_config_options(p: argparse.ArgumentParser, cls, skip=()):
     for f in fields(cls):
         if f.name in skip: continue
         ann = str(f.type)
-        g.add_argument('--' + f.name.replace('_', '-'), dest=f'cfg_{f.name}', default=None, metavar=ann.split(' ')[0].upper(),
+        g.add_argument('--' + f.name.replace('_', '-'), dest=f'cfg_{f.name}', default=None,
+                       metavar=ann.split(' ')[0].upper(),
                        type=lambda t, a=ann: _parse_value(t, a), help=f'override {cls.__name__}.{f.name}')
 
 # %% ../nbs/10_cli.ipynb #9f153d12
@@ -56,7 +57,9 @@ def cmd_params(args) -> int:
     model = {k.split('.', 1)[1]: v for k, v in planned.items() if k.startswith('model.')}
     cfg = model_config(args.preset, **{**model, **config_overrides(args, ModelConfig)})
     rep = param_report(GPT(cfg, init_seed=0))
-    if args.json: print(json.dumps({'preset': args.preset, 'variant': cfg.variant, 'config': cfg.to_dict(), **rep.to_dict()}, indent=2))
+    if args.json:
+        print(json.dumps({'preset': args.preset, 'variant': cfg.variant, 'config': cfg.to_dict(), **rep.to_dict()},
+                         indent=2))
     else:
         print(f'preset {args.preset}, variant {args.variant} (model variant {cfg.variant})\n')
         print(rep)
@@ -72,7 +75,8 @@ def cmd_data_prepare(args) -> int:
     except BaseException:
         if created: shutil.rmtree(args.out, ignore_errors=True)  # a failed call leaves no half-made folder behind
         raise
-    print(json.dumps(json.loads((Path(out) / 'meta.json').read_text()), indent=1, default=str) if args.verbose else f'prepared {out}')
+    print(json.dumps(json.loads((Path(out) / 'meta.json').read_text()), indent=1, default=str)
+          if args.verbose else f'prepared {out}')
     return 0
 
 # %% ../nbs/10_cli.ipynb #9431c9f6
@@ -134,7 +138,9 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
         overrides['train.init_from'] = str(Path(args.init_from).resolve())
         from oelm_nb.weights import init_dropouts
         carried = {k: v for k, v in init_dropouts(args.init_from).items() if k not in overrides}  # --set wins
-        if carried: print(f"[oelm run] --init-from {args.init_from}: dropouts from its configuration: " + ', '.join(f'{k}={v:g}' for k, v in carried.items()))
+        if carried:
+            print(f"[oelm run] --init-from {args.init_from}: dropouts from its configuration: "
+                  + ', '.join(f'{k}={v:g}' for k, v in carried.items()))
         overrides.update(carried)
     return (args.variants.split(',') if args.variants else None), overrides, options
 
@@ -142,19 +148,23 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
 def cluster_config(args):
     """The ClusterConfig of `--backend slurm` (or submitit-local) from the flags; None for a local batch (then the
     cluster flags must be absent)."""
-    given = [f for f, v in (('--partition', args.partition), ('--gpus-per-run', args.gpus_per_run), ('--cpus-per-run', args.cpus_per_run),
-                            ('--time', args.time), ('--slurm-option', args.slurm_option)) if v is not None]
+    given = [f for f, v in (('--partition', args.partition), ('--gpus-per-run', args.gpus_per_run),
+                            ('--cpus-per-run', args.cpus_per_run), ('--time', args.time),
+                            ('--slurm-option', args.slurm_option)) if v is not None]
     if args.backend == 'local':
         if given: raise ConfigError(f"{', '.join(given)}: only with --backend slurm")
         return None
-    if args.gpus: raise ConfigError("--gpus names this machine's GPU sets; with --backend slurm give --gpus-per-run N (SLURM picks the GPUs)")
+    if args.gpus:
+        raise ConfigError("--gpus names this machine's GPU sets; with --backend slurm give --gpus-per-run N "
+                          "(SLURM picks the GPUs)")
     from oelm_nb.cluster import ClusterConfig
     opts = dict(kv.partition('=')[::2] for kv in args.slurm_option or [])
     if bad := [kv for kv in args.slurm_option or [] if '=' not in kv or not kv.partition('=')[0]]:
         raise ConfigError(
             f"--slurm-option {bad[0]!r}: write KEY=VALUE as sbatch spells the option, e.g. --slurm-option account=lab"
         )
-    kw = {k: v for k, v in dict(partition=args.partition, gpus_per_run=args.gpus_per_run, cpus_per_run=args.cpus_per_run, time=args.time).items() if v is not None}
+    kw = {k: v for k, v in dict(partition=args.partition, gpus_per_run=args.gpus_per_run,
+                                cpus_per_run=args.cpus_per_run, time=args.time).items() if v is not None}
     return ClusterConfig(cluster='slurm' if args.backend == 'slurm' else 'local', options=opts, **kw)
 
 # %% ../nbs/10_cli.ipynb #d7021947
@@ -170,7 +180,8 @@ def cmd_run(args) -> int:
     backend = ClusterBackend(cluster, shlex.join(['oelm', *args.argv])) if cluster else None
     if backend: backend.check()
     if args.detach:  # bad flags fail here, not in the background
-        open_batch(args.study, out, args.preset, args.data, args.steps, options, overrides, variants, seeds, log=lambda s: None)
+        open_batch(args.study, out, args.preset, args.data, args.steps, options, overrides, variants, seeds,
+                   log=lambda s: None)
         argv = [a for a in args.argv if a != '--detach']
         p = detach(argv, out)
         time.sleep(1.0)
@@ -184,14 +195,16 @@ def cmd_run(args) -> int:
         return 0
     # a batch started with --detach on this directory: show its progress until it is done, then go on as usual
     follow(out)
-    res = run_study(args.study, args.preset, args.data, variants, seeds, args.steps, out, args.gpus, args.concurrent, jobs, overrides,
-                    report=not args.no_report, options=options, restart=args.restart,
+    res = run_study(args.study, args.preset, args.data, variants, seeds, args.steps, out, args.gpus, args.concurrent,
+                    jobs, overrides, report=not args.no_report, options=options, restart=args.restart,
                     execute=backend)
     print_batch_summary(res.out_dir)
     n_ok = sum(s == 'completed' for s in res.statuses.values())
-    print(f'[oelm run] {n_ok}/{len(res.statuses)} runs completed in {res.out_dir}' + (f'; report: {res.report}' if res.report else ''))
+    print(f'[oelm run] {n_ok}/{len(res.statuses)} runs completed in {res.out_dir}'
+          + (f'; report: {res.report}' if res.report else ''))
     if res.failed:
-        print(f"[oelm run] FAILED runs: {', '.join(res.failed)} (see their summary.json and executed notebook)", file=sys.stderr)
+        print(f"[oelm run] FAILED runs: {', '.join(res.failed)} (see their summary.json and executed notebook)",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -221,8 +234,8 @@ def cmd_sample(args) -> int:
     out = sample(args.run_dir, [prompt] if prompt else None, args.num_samples, args.max_new_tokens, args.temperature,
                  args.top_k, args.seed, args.checkpoint, args.device)
     if args.json: print(json.dumps(out, indent=1)); return 0
-    print(f"[oelm sample] {args.run_dir}: {Path(out[0]['checkpoint']).name} (step {out[0]['step']}), temperature {args.temperature}, "
-          f"top-k {args.top_k}, seed {args.seed}", file=sys.stderr)
+    print(f"[oelm sample] {args.run_dir}: {Path(out[0]['checkpoint']).name} (step {out[0]['step']}), "
+          f"temperature {args.temperature}, top-k {args.top_k}, seed {args.seed}", file=sys.stderr)
     for s in out: print(s['text'] + '\n---------------')
     return 0
 
@@ -231,7 +244,8 @@ def cmd_export(args) -> int:
     from oelm_nb.export import export_run
     out = export_run(args.run_dir, args.out_dir, args.to, args.checkpoint)
     how = ("AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained" if args.to == 'hf'
-           else "torch.load(..., weights_only=True) then nanoGPT's GPT(GPTConfig(**ckpt['model_args'])).load_state_dict(ckpt['model'])")
+           else "torch.load(..., weights_only=True) then nanoGPT's "
+                "GPT(GPTConfig(**ckpt['model_args'])).load_state_dict(ckpt['model'])")
     print(f"[oelm export] {args.run_dir} -> {out} ({args.to}); load it with {how}")
     return 0
 
@@ -248,8 +262,9 @@ def cmd_bench(args) -> int:
         with pd.option_context('display.width', 200, 'display.max_columns', 30): print(t.to_string())
         print(f'[oelm bench] numerics: {args.numerics}/numerics.json, {args.numerics}/numerics.png')
         return 0
-    rows = bench(args.preset, variants or ['oelm', 'oelm-freeze'], args.steps, args.warmup, args.batch_size, args.block_size, args.device,
-                 dtypes=args.dtypes.split(','), reference=not args.no_reference, overrides=overrides, memory=not args.no_memory,
+    rows = bench(args.preset, variants or ['oelm', 'oelm-freeze'], args.steps, args.warmup, args.batch_size,
+                 args.block_size, args.device, dtypes=args.dtypes.split(','), reference=not args.no_reference,
+                 overrides=overrides, memory=not args.no_memory,
                  log=None if args.json else (lambda s: print(s, file=sys.stderr)))
     t = bench_table(rows)
     if args.json: print(t.reset_index().to_json(orient='records', indent=1))
@@ -286,7 +301,7 @@ def _non_negative(text: str) -> int:
 # %% ../nbs/10_cli.ipynb #5f1861bc
 def study_variants_text(study, preset: str = 'tiny') -> str:
     "The variants `oelm run <study>` runs by default and the others it knows (for --help), planned with no flags."
-    try:planned = list(study.variants(preset, 1000, {}))
+    try: planned = list(study.variants(preset, 1000, {}))
     except ConfigError: return ''
     default = list(study.default_variants or planned)
     extra = [v for v in planned if v not in default]
@@ -297,45 +312,55 @@ def study_variants_text(study, preset: str = 'tiny') -> str:
 # %% ../nbs/10_cli.ipynb #3cfa90b6
 def add_study_parser(sub, study, presets):
     "`oelm run <study>`: the flags every study shares, then the study's own."
+    # variant names stay whole in the epilog
     r = sub.add_parser(study.name, help=study.description or study.name, description=study.description,
-                       epilog=textwrap.fill(study_variants_text(study), 80, break_on_hyphens=False),  # variant names stay whole
+                       epilog=textwrap.fill(study_variants_text(study), 80, break_on_hyphens=False),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument('--preset', default='tiny', choices=list(presets), help='model size and schedule (default: tiny)')
-    r.add_argument('--data', default='synthetic', help='synthetic | tinystories | a prepared data DIR or a .txt/.jsonl file (default: synthetic)')
+    r.add_argument('--data', default='synthetic',
+                   help='synthetic | tinystories | a prepared data DIR or a .txt/.jsonl file (default: synthetic)')
     r.add_argument('--variants', default=None, help='comma-separated, among those the flags below plan (default: '
                    + (','.join(study.default_variants) if study.default_variants else 'all of them') + ')')
-    r.add_argument('--seeds', type=_non_negative, nargs='+', default=None, help=f"default: {' '.join(map(str, study.default_seeds))}")
-    r.add_argument(
-        '--steps', type=_positive, default=None, help="optimizer steps per run (default: the study's for the preset)"
-    )
-    r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through torchrun; default: none, on the CPU or the one visible device)")
-    r.add_argument(
-        '--concurrent', action='store_true', help='run GPU sets concurrently (default: one set after another)'
-    )
-    r.add_argument('--jobs', type=_positive, default=None, help='concurrent CPU runs when no GPUs are given (default: 1); '
-                   'with --backend slurm, jobs kept in the queue at once (default: 64)')
+    r.add_argument('--seeds', type=_non_negative, nargs='+', default=None,
+                   help=f"default: {' '.join(map(str, study.default_seeds))}")
+    r.add_argument('--steps', type=_positive, default=None,
+                   help="optimizer steps per run (default: the study's for the preset)")
+    r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through "
+                   "torchrun; default: none, on the CPU or the one visible device)")
+    r.add_argument('--concurrent', action='store_true',
+                   help='run GPU sets concurrently (default: one set after another)')
+    r.add_argument('--jobs', type=_positive, default=None, help='concurrent CPU runs when no GPUs are given '
+                   '(default: 1); with --backend slurm, jobs kept in the queue at once (default: 64)')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
-    r.add_argument('--set', action='append', metavar='KEY=VALUE', help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
-    r.add_argument('--init-from', default=None, metavar='PATH', help='start every run from these weights: a local Hugging Face GPT-2 directory '
+    r.add_argument('--set', action='append', metavar='KEY=VALUE',
+                   help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
+    r.add_argument('--init-from', default=None, metavar='PATH',
+                   help='start every run from these weights: a local Hugging Face GPT-2 directory '
                    'or a nanoGPT ckpt.pt (the model must have its shape; --set model.* to match)')
-    r.add_argument('--loggers', default=None, metavar='NAMES', help="extra loggers besides metrics.jsonl, comma-separated: tensorboard, wandb "
+    r.add_argument('--loggers', default=None, metavar='NAMES',
+                   help="extra loggers besides metrics.jsonl, comma-separated: tensorboard, wandb "
                    "(install them with pip install 'oelm_nb[log]' or make loggers; default: none)")
-    r.add_argument('--no-report', action='store_true', help='do not render report.html at the end (default: render it; oelm report DIR renders it later)')
-    r.add_argument('--restart', action='store_true', help='set existing runs of this invocation aside (renamed <run>.replaced-N) and train them '
+    r.add_argument('--no-report', action='store_true',
+                   help='do not render report.html at the end (default: render it; oelm report DIR renders it later)')
+    r.add_argument('--restart', action='store_true',
+                   help='set existing runs of this invocation aside (renamed <run>.replaced-N) and train them '
                    'afresh; needed to rerun a batch directory with another configuration')
-    r.add_argument('--detach', action='store_true', help='return at once; the batch goes on in the background (output in OUT/batch.log; '
-                   '`oelm status OUT` shows it; the same command without --detach attaches to it)')
-    c = r.add_argument_group('cluster', textwrap.fill('each run as a SLURM job through submitit (pip install "oelm_nb[slurm]"), on a filesystem '
-                                                      'the nodes share; `oelm status OUT` shows the jobs', 78, initial_indent='  ', subsequent_indent='  '))
+    r.add_argument('--detach', action='store_true', help='return at once; the batch goes on in the background (output '
+                   'in OUT/batch.log; `oelm status OUT` shows it; the same command without --detach attaches to it)')
+    c = r.add_argument_group('cluster', textwrap.fill(
+        'each run as a SLURM job through submitit (pip install "oelm_nb[slurm]"), on a filesystem '
+        'the nodes share; `oelm status OUT` shows the jobs', 78, initial_indent='  ', subsequent_indent='  '))
     c.add_argument('--backend', default='local', choices=['local', 'slurm', 'submitit-local'],
-                   help="where runs execute: this machine, SLURM jobs, or submitit's local executor (the SLURM path with jobs as processes here) (default: local)")
+                   help="where runs execute: this machine, SLURM jobs, or submitit's local executor "
+                   "(the SLURM path with jobs as processes here) (default: local)")
     c.add_argument('--partition', default=None, help="SLURM partition (default: the cluster's default)")
-    c.add_argument('--gpus-per-run', type=_non_negative, default=None, help='GPUs per job; 2 or more train through torchrun inside the job (default: 0)')
+    c.add_argument('--gpus-per-run', type=_non_negative, default=None,
+                   help='GPUs per job; 2 or more train through torchrun inside the job (default: 0)')
     c.add_argument('--cpus-per-run', type=_positive, default=None, help='CPU cores per job (default: 8)')
-    c.add_argument(
-        '--time', default=None, metavar='HH:MM:SS', help='wall-time limit per job, [D-]HH:MM:SS (default: 24:00:00)'
-    )
-    c.add_argument('--slurm-option', action='append', default=None, metavar='KEY=VALUE', help='any other sbatch option, e.g. --slurm-option account=lab (repeatable)')
+    c.add_argument('--time', default=None, metavar='HH:MM:SS',
+                   help='wall-time limit per job, [D-]HH:MM:SS (default: 24:00:00)')
+    c.add_argument('--slurm-option', action='append', default=None, metavar='KEY=VALUE',
+                   help='any other sbatch option, e.g. --slurm-option account=lab (repeatable)')
     if study.options:
         g = r.add_argument_group(f'{study.name} options')
         for flag, kw in study.options.items():
@@ -344,8 +369,7 @@ def add_study_parser(sub, study, presets):
     taken = {f for a in r._actions for f in a.option_strings}
     for flag in RETIRED_FLAGS:
         if flag not in taken: r.add_argument(flag, action=_Retired)
-    r.set_defaults(fn=cmd_run)
-    return r
+    r.set_defaults(fn=cmd_run); return r
 
 # %% ../nbs/10_cli.ipynb #c69dc081
 def _add_model_commands(sub):
@@ -355,7 +379,8 @@ def _add_model_commands(sub):
     q = sub.add_parser('params', help='parameter accounting of a preset and a Q/K study variant')
     q.add_argument('--preset', default='tiny', choices=list(PRESETS), help='default: tiny')
     q.add_argument('--variant', default='gpt', choices=list(STUDIES['qk-freeze'].variants('tiny', 1000, {})),
-                   help="a variant of the Q/K freeze study, the same names as `oelm run qk-freeze --variants` (default: gpt)")
+                   help="a variant of the Q/K freeze study, the same names as `oelm run qk-freeze --variants` "
+                   "(default: gpt)")
     q.add_argument('--json', action='store_true', help='machine-readable output')
     add_config_options(q, ModelConfig, skip=('variant',)); q.set_defaults(fn=cmd_params)
 
@@ -378,12 +403,16 @@ def _add_batch_commands(sub):
     from oelm_nb.model import PRESETS
     from oelm_nb.studies import STUDIES
     r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
-                       description='Run a study: one papermill execution of its experiment notebook per (variant, seed), then its report.')
+                       description='Run a study: one papermill execution of its experiment notebook per '
+                       '(variant, seed), then its report.')
     rs = r.add_subparsers(dest='study', required=True, metavar='STUDY')
     for st in STUDIES.values(): add_study_parser(rs, st, PRESETS)
-    st = sub.add_parser('status', help="the state of a batch's runs, from its run directories (also while it runs, locally or on a cluster)")
+    st = sub.add_parser('status', help="the state of a batch's runs, from its run directories "
+                        "(also while it runs, locally or on a cluster)")
     st.add_argument('dir', help='a batch directory (the --out of oelm run)')
-    st.add_argument('--watch', type=float, default=None, metavar='SECONDS', help='refresh every SECONDS until no run can change any more; Ctrl-C stops watching, not the batch (default: print once)')
+    st.add_argument('--watch', type=float, default=None, metavar='SECONDS',
+                    help='refresh every SECONDS until no run can change any more; Ctrl-C stops watching, '
+                    'not the batch (default: print once)')
     st.set_defaults(fn=cmd_status)
     rep = sub.add_parser('report', help="(re)render a batch directory's report.html")
     rep.add_argument('dir'); rep.set_defaults(fn=cmd_report)
@@ -392,7 +421,8 @@ def _add_batch_commands(sub):
 def _add_run_commands(sub):
     "The subcommands that read one trained run: `sample`, `export`."
     sm = sub.add_parser('sample', help="text from a trained run's checkpoint (like nanoGPT's sample.py)",
-                        description="Sample text from one run's checkpoint, with the run's own tokenizer (token ids where its data has none).")
+                        description="Sample text from one run's checkpoint, with the run's own tokenizer "
+                        "(token ids where its data has none).")
     sm.add_argument('run_dir', help='one run directory, e.g. runs/qk-freeze/gpt-s0')
     sm.add_argument('--checkpoint', default='best', help='best | final | latest | a step number (default: best)')
     pr = sm.add_mutually_exclusive_group()
@@ -400,19 +430,18 @@ def _add_run_commands(sub):
     pr.add_argument('--prompt-file', default=None, metavar='FILE', help='continue the UTF-8 text of FILE')
     sm.add_argument('--num-samples', type=_positive, default=3, help='samples per prompt (default: 3)')
     sm.add_argument('--max-new-tokens', type=_positive, default=200, help='default: 200')
-    sm.add_argument(
-        '--temperature', type=float, default=0.8, help='0 always picks the most likely token (default: 0.8)'
-    )
+    sm.add_argument('--temperature', type=float, default=0.8,
+                    help='0 always picks the most likely token (default: 0.8)')
     sm.add_argument('--top-k', type=_positive, default=200, help='sample among the k most likely tokens (default: 200)')
     sm.add_argument('--seed', type=int, default=1337, help='default: 1337')
     sm.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N | mps (default: auto)')
-    sm.add_argument(
-        '--json', action='store_true', help='machine-readable output: prompt, text, ids, step, checkpoint per sample'
-    )
+    sm.add_argument('--json', action='store_true',
+                    help='machine-readable output: prompt, text, ids, step, checkpoint per sample')
     sm.set_defaults(fn=cmd_sample)
 
     ex = sub.add_parser('export', help='write a run as a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt',
-                        description="Export one run's checkpoint: --to hf (transformers GPT2LMHeadModel + tokenizer) or --to nanogpt (ckpt.pt).")
+                        description="Export one run's checkpoint: --to hf (transformers GPT2LMHeadModel + "
+                        "tokenizer) or --to nanogpt (ckpt.pt).")
     ex.add_argument('run_dir', help='one run directory, e.g. runs/qk-freeze/oelm-freeze-s0')
     ex.add_argument('out_dir', help='a new or empty directory')
     ex.add_argument('--to', default='hf', choices=['hf', 'nanogpt'], help='format (default: hf)')
@@ -425,17 +454,21 @@ def _add_bench_command(sub):
     from oelm_nb.model import PRESETS
     b = sub.add_parser('bench', help='FLOPs, optimizer state and interleaved step time per variant')
     b.add_argument('--preset', default='tiny', choices=list(PRESETS))
-    b.add_argument('--variants', default=None, help='comma-separated (default: oelm,oelm-freeze; with --numerics: all of the study)')
+    b.add_argument('--variants', default=None,
+                   help='comma-separated (default: oelm,oelm-freeze; with --numerics: all of the study)')
     b.add_argument('--steps', type=int, default=12); b.add_argument('--warmup', type=int, default=2)
     b.add_argument('--batch-size', type=int, default=1); b.add_argument('--block-size', type=int, default=None)
     b.add_argument('--device', default='auto'); b.add_argument('--json', action='store_true')
-    b.add_argument('--dtypes', default='auto', help="comma-separated precisions to time, e.g. auto,float32 (speed-up of one over the other in one run)")
-    b.add_argument('--set', action='append', metavar='KEY=VALUE', help='shape overrides, e.g. --set n_embd=256 --set n_layer=4 (bare keys are model.*)')
+    b.add_argument('--dtypes', default='auto',
+                   help="comma-separated precisions to time, e.g. auto,float32 "
+                   "(speed-up of one over the other in one run)")
+    b.add_argument('--set', action='append', metavar='KEY=VALUE',
+                   help='shape overrides, e.g. --set n_embd=256 --set n_layer=4 (bare keys are model.*)')
     b.add_argument('--no-reference', action='store_true', help='do not time the nanoGPT-structured reference')
-    b.add_argument(
-        '--no-memory', action='store_true', help='CPU: skip the peak-RSS measurement (a fresh process per entry)'
-    )
-    b.add_argument('--numerics', metavar='DIR', default=None, help='instead of timing: train the study in fp32 and bf16 into DIR and compare')
+    b.add_argument('--no-memory', action='store_true',
+                   help='CPU: skip the peak-RSS measurement (a fresh process per entry)')
+    b.add_argument('--numerics', metavar='DIR', default=None,
+                   help='instead of timing: train the study in fp32 and bf16 into DIR and compare')
     b.add_argument('--seeds', type=int, nargs='+', default=[0, 1], help='--numerics: seeds (at least 2)')
     b.add_argument('--train-steps', type=int, default=None, help="--numerics: steps per run (default: the preset's)")
     b.set_defaults(fn=cmd_bench)
@@ -444,7 +477,8 @@ def _add_bench_command(sub):
 def build_parser() -> argparse.ArgumentParser:
     "The `oelm` command line: one subcommand per task."
     from oelm_nb import __version__
-    p = argparse.ArgumentParser(prog='oelm', description='Train small GPT-style models that save trainable parameters by structure.')
+    p = argparse.ArgumentParser(prog='oelm',
+                                description='Train small GPT-style models that save trainable parameters by structure.')
     p.add_argument('--version', action='version', version=f'oelm_nb {__version__}')
     sub = p.add_subparsers(dest='command', required=True)
     for add in (_add_model_commands, _add_batch_commands, _add_run_commands, _add_bench_command): add(sub)

@@ -35,7 +35,8 @@ def time_minutes(text: str) -> int:
     return max(1, math.ceil(((d * 24 + h) * 60 + mi) + s / 60))
 
 # %% ../nbs/07c_cluster.ipynb #27a3654c
-RESERVED_SBATCH = {'partition', 'time', 'gpus-per-node', 'gres', 'cpus-per-task', 'ntasks-per-node', 'nodes', 'job-name', 'output', 'error'}
+RESERVED_SBATCH = {'partition', 'time', 'gpus-per-node', 'gres', 'cpus-per-task', 'ntasks-per-node', 'nodes',
+                   'job-name', 'output', 'error'}
 
 # %% ../nbs/07c_cluster.ipynb #54f07526
 @dataclass
@@ -51,16 +52,19 @@ class ClusterConfig:
     def __post_init__(self):
         if self.cluster not in ('slurm', 'local'):
             raise ConfigError(f"cluster {self.cluster!r}: choose 'slurm' or 'local'")
-        if self.gpus_per_run < 0 or self.cpus_per_run < 1: raise ConfigError(f"--gpus-per-run {self.gpus_per_run} / --cpus-per-run {self.cpus_per_run}: give >= 0 GPUs and >= 1 CPU")
+        if self.gpus_per_run < 0 or self.cpus_per_run < 1: raise ConfigError(
+            f"--gpus-per-run {self.gpus_per_run} / --cpus-per-run {self.cpus_per_run}: give >= 0 GPUs and >= 1 CPU")
         self.minutes = time_minutes(self.time)
         clash = sorted(k for k in self.options if k.replace('_', '-') in RESERVED_SBATCH)
-        if clash: raise ConfigError(f"--slurm-option {', '.join(clash)}: set by oelm itself; use --partition, --time, --gpus-per-run, --cpus-per-run")
+        if clash: raise ConfigError(f"--slurm-option {', '.join(clash)}: set by oelm itself; "
+                                    "use --partition, --time, --gpus-per-run, --cpus-per-run")
 
 # %% ../nbs/07c_cluster.ipynb #4dc7875e
 def slurm_parameters(cfg: ClusterConfig, name: str, command: str = '') -> dict:
     "submitit SlurmExecutor parameters of one run's job."
     p = dict(job_name=name, time=cfg.minutes, nodes=1, ntasks_per_node=1, cpus_per_task=cfg.cpus_per_run,
-             additional_parameters=dict(cfg.options), setup=[f'export {COMMAND_ENV}={shlex.quote(command)}'] if command else [])
+             additional_parameters=dict(cfg.options),
+             setup=[f'export {COMMAND_ENV}={shlex.quote(command)}'] if command else [])
     if cfg.partition: p['partition'] = cfg.partition
     if cfg.gpus_per_run: p['gpus_per_node'] = cfg.gpus_per_run
     return p
@@ -93,7 +97,8 @@ def run_on_node(job: Job, batch: Batch) -> str:
 def record_job(job: Job, batch: Batch, job_id: str, cluster: str, paths: dict, guard: threading.Lock):
     "Write the job's id into the run directory (job.json) and into batch.json's 'jobs'."
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(job.run_dir / 'job.json', {'backend': cluster, 'job_id': str(job_id), 'submitted': time.strftime('%Y-%m-%dT%H:%M:%S%z'), **paths})
+    write_json(job.run_dir / 'job.json',
+               {'backend': cluster, 'job_id': str(job_id), 'submitted': time.strftime('%Y-%m-%dT%H:%M:%S%z'), **paths})
     with guard:
         b = read_json(batch.out / 'batch.json') or {}
         b.setdefault('jobs', {})[job.name] = str(job_id)
@@ -107,7 +112,8 @@ ACTIVE_STATES = ('PENDING', 'RUNNING', 'REQUEUED', 'CONFIGURING', 'COMPLETING', 
 class ClusterBackend:
     "Run each job of a batch as a submitit job (SLURM, or local processes); a drop-in for `execute_run`."
     def __init__(self, cfg: ClusterConfig, command: str = '', poll_s: float = 5.0):
-        self.cfg, self.command, self.guard, self.jobs = cfg, command or shlex.join(['oelm', *sys.argv[1:]]), threading.Lock(), {}
+        self.cfg, self.command, self.guard, self.jobs = (cfg, command or shlex.join(['oelm', *sys.argv[1:]]),
+                                                         threading.Lock(), {})
         self.poll_s = poll_s # seconds between checks of a job from an earlier `oelm run`
 
     def executor(self, folder: Path, name: str):
@@ -119,7 +125,8 @@ class ClusterBackend:
             return ex
         try: ex = submitit.SlurmExecutor(folder)
         except RuntimeError as e:
-            raise ConfigError(f"--backend slurm: {e} Run `oelm run` on the cluster's login node (where sbatch and srun are), "
+            raise ConfigError(
+                f"--backend slurm: {e} Run `oelm run` on the cluster's login node (where sbatch and srun are), "
                               "or leave --backend out to run the batch here") from None
         ex.update_parameters(**slurm_parameters(self.cfg, name, self.command))
         return ex
@@ -134,13 +141,16 @@ class ClusterBackend:
     def __call__(self, job: Job, batch: Batch, gpu_set=None, threads=None, log=print) -> str:
         # re-attach: the run's own lock tells that a job of a previous `oelm run` is on it
         if earlier := self.earlier_job(job):
-            log(f'[oelm run] {job.name}: job {earlier} from an earlier `oelm run` still trains it; waiting for it instead of submitting another')
+            log(f'[oelm run] {job.name}: job {earlier} from an earlier `oelm run` still trains it; '
+                'waiting for it instead of submitting another')
             while self.earlier_job(job): time.sleep(self.poll_s)
-            if run_status(job.run_dir) == 'completed': log(f'[oelm run] {job.name}: job {earlier} completed it'); return 'completed'
+            if run_status(job.run_dir) == 'completed': log(
+                f'[oelm run] {job.name}: job {earlier} completed it'); return 'completed'
         folder = batch.out / 'jobs' / job.name
         sj = self.executor(folder, f'oelm-{batch.study}-{job.name}').submit(run_on_node, job, batch)
         self.jobs[job.name] = sj
-        record_job(job, batch, sj.job_id, self.cfg.cluster, {'stdout': str(sj.paths.stdout), 'stderr': str(sj.paths.stderr)}, self.guard)
+        record_job(job, batch, sj.job_id, self.cfg.cluster,
+                   {'stdout': str(sj.paths.stdout), 'stderr': str(sj.paths.stderr)}, self.guard)
         log(f'[oelm run] {job.name}: submitted as {self.cfg.cluster} job {sj.job_id}')
         return self.wait(sj, job, batch, log)
 
@@ -173,8 +183,10 @@ def wait(self: ClusterBackend, sj, job: Job, batch: Batch, log=print) -> str:
         detail = str(e).strip().splitlines()
         try:
             with run_lock(job.run_dir):
-                write_json(job.run_dir / 'summary.json', {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
-                                                         'error': why, 'job_id': str(sj.job_id), 'job_state': state, 'job_error': detail[-1] if detail else ''})
+                write_json(job.run_dir / 'summary.json',
+                           {'status': 'failed', **run_identity(batch.study, job.variant, batch.preset, job.seed),
+                            'error': why, 'job_id': str(sj.job_id), 'job_state': state,
+                            'job_error': detail[-1] if detail else ''})
         except RunLocked as locked: why += f' (its run directory is still locked: {locked})'
         log(f'[oelm run] {job.name}: FAILED: {why}'); return 'failed'
     log(f'[oelm run] {job.name}: {self.cfg.cluster} job {sj.job_id} ended: {status}')
@@ -203,7 +215,8 @@ def follow(batch_dir, interval: float = 5.0, out=print) -> None:
     "Show the batch's status until its detached process has released it."
     h = detached_holder(batch_dir)
     if not h: return
-    out(f'[oelm run] {batch_dir} is being run in the background by {describe_holder(h)}; following it (Ctrl-C stops following, not the batch)')
+    out(f'[oelm run] {batch_dir} is being run in the background by {describe_holder(h)}; '
+        'following it (Ctrl-C stops following, not the batch)')
     tty, shown = sys.stdout.isatty(), None
     while detached_holder(batch_dir):
         rows = batch_status(batch_dir)

@@ -123,7 +123,8 @@ def _job_id(x) -> str | None:
 # %% ../nbs/07b_status.ipynb #c755955b
 def _ago(seconds: float) -> str:
     s = int(max(0, seconds))
-    return f'{s}s ago' if s < 120 else f'{s // 60}m ago' if s < 7200 else f'{s // 3600}h ago' if s < 172800 else f'{s // 86400}d ago'
+    return (f'{s}s ago' if s < 120 else f'{s // 60}m ago' if s < 7200 else f'{s // 3600}h ago' if s < 172800
+            else f'{s // 86400}d ago')
 
 # %% ../nbs/07b_status.ipynb #05e5f3a8
 def _clock(t: float, now: float) -> str:
@@ -132,9 +133,12 @@ def _clock(t: float, now: float) -> str:
     return time.strftime('%H:%M:%S' if same_day else '%Y-%m-%d %H:%M', time.localtime(t))
 
 # %% ../nbs/07b_status.ipynb #7f26b57d
-def _note(state: str, summary: dict | None, holder: dict | None, step: int | None, job: str | None, upstream: dict) -> str:
+def _note(state: str, summary: dict | None, holder: dict | None, step: int | None, job: str | None,
+          upstream: dict) -> str:
     if state in ('failed', 'blocked') and summary: return _error(summary) or 'no error recorded'
-    if state == 'blocked': return f"upstream run(s) {', '.join(n for n, s in upstream.items() if s in ('failed', 'blocked'))} did not complete"
+    if state == 'blocked':
+        return (f"upstream run(s) {', '.join(n for n, s in upstream.items() if s in ('failed', 'blocked'))} "
+                "did not complete")
     if state == 'running' and holder:
         return f"pid {holder.get('pid')}" + (
             '' if holder.get('host') == socket.gethostname() else f" on host {holder.get('host')}"
@@ -167,8 +171,10 @@ def run_row(run_dir, # a run directory, `<variant>-s<seed>`
     note = '; '.join(
         filter(None, [bad_summary, bad_config, bad_job, _note(state, summary, holder, step, jid, upstream)])
     )
-    return {'run': d.name, 'state': state, 'job': jid, 'step': step, 'max_steps': max_steps, 'train_loss': _number(last.get('train_loss')),
-            'val_loss': _number(latest(recs, 'val_loss').get('val_loss')), 'tokens_per_s': _number(last.get('tokens_per_s')), 'eta_s': eta,
+    return {'run': d.name, 'state': state, 'job': jid, 'step': step, 'max_steps': max_steps,
+            'train_loss': _number(last.get('train_loss')),
+            'val_loss': _number(latest(recs, 'val_loss').get('val_loss')),
+            'tokens_per_s': _number(last.get('tokens_per_s')), 'eta_s': eta,
             'updated': _clock(mtime, now) if mtime else None, 'updated_ago': _ago(now - mtime) if mtime else None,
             'note': note if len(note) <= NOTE_WIDTH else note[:NOTE_WIDTH - 3] + '...'}
 
@@ -184,13 +190,15 @@ def read_batch(batch_dir) -> dict:
     b, why = read_record(d / 'batch.json')
     if b is None: raise ConfigError(f"{d}: {why or 'no batch.json'}; {FIX_BATCH_DIR}")
     variants, seeds = b.get('variants'), b.get('seeds')
-    if not (isinstance(variants, list) and all(isinstance(v, str) and v and not v.startswith('.') and not set('/\\') & set(v) for v in variants)):
+    if not (isinstance(variants, list)
+            and all(isinstance(v, str) and v and not v.startswith('.') and not set('/\\') & set(v) for v in variants)):
         raise ConfigError(
             f"{d / 'batch.json'}: 'variants' is {str(variants)[:80]}, not a list of variant names; {FIX_BATCH_DIR}"
         )
     if not (isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise ConfigError(f"{d / 'batch.json'}: 'seeds' is {str(seeds)[:80]}, not a list of integers; {FIX_BATCH_DIR}")
-    return {**b, 'plan': b.get('plan') if isinstance(b.get('plan'), dict) else {}, 'jobs': b.get('jobs') if isinstance(b.get('jobs'), dict) else {}}
+    return {**b, 'plan': b.get('plan') if isinstance(b.get('plan'), dict) else {},
+            'jobs': b.get('jobs') if isinstance(b.get('jobs'), dict) else {}}
 
 # %% ../nbs/07b_status.ipynb #6074b284
 def upstream_variants(batch: dict, variant: str) -> list[str]:
@@ -226,8 +234,8 @@ def _duration(s: float | None) -> str:
 def _printable(s) -> str: return ''.join(c if c.isprintable() else '?' for c in str(s))
 
 # %% ../nbs/07b_status.ipynb #3ae71d5d
-COLUMNS = {'run': 'run', 'state': 'state', 'job': 'job', 'step': 'step', 'train_loss': 'train loss', 'val_loss': 'val loss',
-           'tokens_per_s': 'tokens/s', 'eta_s': 'ETA', 'updated': 'updated', 'note': 'note'}
+COLUMNS = {'run': 'run', 'state': 'state', 'job': 'job', 'step': 'step', 'train_loss': 'train loss',
+           'val_loss': 'val loss', 'tokens_per_s': 'tokens/s', 'eta_s': 'ETA', 'updated': 'updated', 'note': 'note'}
 NUMERIC = ('step', 'train_loss', 'val_loss', 'tokens_per_s', 'eta_s') # right-aligned
 
 # %% ../nbs/07b_status.ipynb #75b5faf0
@@ -268,7 +276,8 @@ def may_change(rows: list[dict], batch_dir) -> bool:
     """Whether the batch's table may still change: a run runs or waits for its job, or an `oelm run` holds the batch to
     start more."""
     if all(r['state'] in FINISHED for r in rows): return False
-    return any(r['state'] == 'running' or (r['state'] == 'pending' and r.get('job')) for r in rows) or live_holder(batch_dir) is not None
+    return (any(r['state'] == 'running' or (r['state'] == 'pending' and r.get('job')) for r in rows)
+            or live_holder(batch_dir) is not None)
 
 # %% ../nbs/07b_status.ipynb #e3212430
 def show_status(batch_dir, # the --out directory of an `oelm run`
@@ -278,14 +287,16 @@ def show_status(batch_dir, # the --out directory of an `oelm run`
     """Print the batch's status table, once or every `watch` seconds until it cannot change (Ctrl-C stops watching);
     returns the last rows."""
     if watch is not None and not (_number(watch) and watch > 0):
-        raise ConfigError(f'--watch {watch!r}: give the seconds between refreshes, a number above 0 (or leave --watch out to print once)')
+        raise ConfigError(f'--watch {watch!r}: give the seconds between refreshes, a number above 0 '
+                          '(or leave --watch out to print once)')
     rows = batch_status(batch_dir)
     if watch is None: out(format_status(rows, batch_dir)); return rows
     clear = '\033[H\033[2J' if out is print and sys.stdout.isatty() else ''  # redraw in place on a terminal
     try:
         while True:
             going = may_change(rows, batch_dir)
-            out(clear + format_status(rows, batch_dir) + (f'\n(every {watch:g}s; Ctrl-C stops watching, not the batch)' if going else ''))
+            out(clear + format_status(rows, batch_dir)
+                + (f'\n(every {watch:g}s; Ctrl-C stops watching, not the batch)' if going else ''))
             if not going: return rows
             time.sleep(watch)
             rows = batch_status(batch_dir)
