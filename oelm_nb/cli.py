@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, RunLocked) as e:
         print(f'oelm {args.command}: error: {e}', file=sys.stderr); return 2
     except RuntimeError as e:
-        from oelm_nb.train import TrainingDiverged
+        from oelm_nb.guards import TrainingDiverged
         from oelm_nb.checkpoint import CheckpointError  # torch is imported only when a run failed
         if not isinstance(e, (TrainingDiverged, CheckpointError)): raise
         print(f'oelm {args.command}: failed: {type(e).__name__}: {e}', file=sys.stderr); return 1
