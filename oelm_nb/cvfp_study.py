@@ -30,17 +30,25 @@ __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'ER_BANDS', 'ER_FAI
 
 # %% ../nbs/12a_cvfp_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
-VAL_SELECTIONS = ('covered', 'first') # covered: stories whose tokens all occur in the run's training tokens first (the New-LLM guidelines' rule); first: the split's first tokens
+# covered: stories whose tokens all occur in the run's training tokens first (the New-LLM guidelines' rule); first: the
+# split's first tokens
+VAL_SELECTIONS = ('covered', 'first')
 
+# %% ../nbs/12a_cvfp_study.ipynb #d77a425b
 @dataclass
 class CVFPSettings(CVFPConfig):
-    "A run of the CVFP study: a CVFPConfig (vocab_size, embed_dim and seed set at run time) plus the study's own fields."
-    kind: str = 'cvfp' # embed (train the GPT whose embedding is frozen) | phase1-speed (sequential vs parallel) | cvfp (Phase 1, checks, Phase 2)
+    """A run of the CVFP study: a CVFPConfig (vocab_size, embed_dim and seed set at run time) plus the study's own
+    fields."""
+    # embed (train the GPT whose embedding is frozen) | phase1-speed (sequential vs parallel) | cvfp (Phase 1, checks,
+    # Phase 2)
+    kind: str = 'cvfp'
     samples: int | None = None # cvfp: training stories (the first N of the split)
     tokens: int = 6400 # phase1-speed: training tokens timed
     speed_iterations: int = 10 # phase1-speed: Phase 1 iterations of each version (fixed, so both do the same work)
     embeddings: str | None = None # embed: take the embedding from this path instead of training a GPT
-    val_tokens: int = 10_000 # validation tokens (fewer if the split is shorter): validation ER, best Phase 1 iteration, checks, PPL (the New-LLM guidelines: 10,000)
+    # validation tokens (fewer if the split is shorter): validation ER, best Phase 1 iteration, checks, PPL (the New-LLM
+    # guidelines: 10,000)
+    val_tokens: int = 10_000
     val_selection: str = 'covered' # a key of VAL_SELECTIONS: how the validation tokens are chosen
     check_tokens: int = 1280 # the first validation tokens that the identity and convergence checks use
     check_passes: int = 10 # passes of the convergence check (the New-LLM guidelines: 10)
@@ -51,8 +59,11 @@ class CVFPSettings(CVFPConfig):
         c = 'CVFPSettings'
         check(self.kind in CVFP_KINDS, c, 'kind', self.kind, f'must be one of {CVFP_KINDS}')
         check(self.val_selection in VAL_SELECTIONS, c, 'val_selection', self.val_selection, f'must be one of {VAL_SELECTIONS}')
-        check(self.samples is None or self.samples > 0, c, 'samples', self.samples, 'must be a positive integer (stories)')
-        for k in ('tokens', 'speed_iterations', 'val_tokens', 'check_tokens', 'cpu_budget_mb'): check(getattr(self, k) > 0, c, k, getattr(self, k), 'must be a positive integer')
+        check(
+            self.samples is None or self.samples > 0, c, 'samples', self.samples, 'must be a positive integer (stories)'
+        )
+        for k in ('tokens', 'speed_iterations', 'val_tokens', 'check_tokens', 'cpu_budget_mb'):
+            check(getattr(self, k) > 0, c, k, getattr(self, k), 'must be a positive integer')
         check(self.check_passes >= 3, c, 'check_passes', self.check_passes, 'must be >= 3')
         check(self.check_tokens <= self.val_tokens, c, 'check_tokens', self.check_tokens, f'must not exceed val_tokens={self.val_tokens}')
 
@@ -78,6 +89,7 @@ def _story_spans(toks: np.ndarray, eot: int) -> tuple[np.ndarray, np.ndarray]:
     if not len(ends) or ends[-1] != len(toks): ends = np.r_[ends, len(toks)]
     return np.r_[0, ends[:-1]], ends
 
+# %% ../nbs/12a_cvfp_study.ipynb #12baa31b
 def unseen_mask(ids, train_ids) -> np.ndarray:
     "True where a token of `ids` never occurs in `train_ids`."
     ids, tr = np.asarray(ids), np.unique(np.asarray(train_ids))
@@ -91,7 +103,8 @@ def select_val_tokens(val_tokens, # (M,) the validation split (a memmap is fine)
                       mode: str = 'covered', # a key of VAL_SELECTIONS
                      ) -> tuple[torch.Tensor, dict]:
     "Validation tokens chosen by `mode` and their coverage by the training tokens (stories available, used, tokens unseen in training)."
-    if mode not in VAL_SELECTIONS: raise ConfigError(f'val_selection={mode!r} is invalid: must be one of {VAL_SELECTIONS}')
+    if mode not in VAL_SELECTIONS:
+        raise ConfigError(f'val_selection={mode!r} is invalid: must be one of {VAL_SELECTIONS}')
     toks = np.asarray(val_tokens).astype(np.int64)
     unseen = unseen_mask(toks, train_ids)
     starts, ends = _story_spans(toks, eot)
@@ -114,6 +127,7 @@ def select_val_tokens(val_tokens, # (M,) the validation split (a memmap is fine)
 # %% ../nbs/12a_cvfp_study.ipynb #28b3d1c2
 EMBEDDING_KEYS = ('tok.wte.weight', 'wte.weight', 'embed_tokens.weight', 'word_embeddings.weight', 'embed_in.weight', 'lm_head.weight')
 
+# %% ../nbs/12a_cvfp_study.ipynb #f4a5e54a
 def load_embedding(path, # run directory of this package, local HF model directory, or .safetensors file
                   ) -> tuple[torch.Tensor, str]:
     "(vocab, dim) token-embedding rows and a description of where they came from."
@@ -122,7 +136,9 @@ def load_embedding(path, # run directory of this package, local HF model directo
     hint = 'give a run directory of this package (config.json + checkpoints/), a local Hugging Face model directory or a .safetensors file'
     if not p.exists(): raise ConfigError(f'embeddings path {str(path)!r} does not exist; {hint}')
     if p.is_dir() and (p / 'checkpoints').is_dir() and (p / 'config.json').exists():
-        ck = next((p / 'checkpoints' / t for t in ('best', 'final', 'latest') if (p / 'checkpoints' / t).exists()), None)
+        ck = next(
+            (p / 'checkpoints' / t for t in ('best', 'final', 'latest') if (p / 'checkpoints' / t).exists()), None
+        )
         if ck is None: raise ConfigError(f'{p}/checkpoints has no best, final or latest checkpoint')
         gpt = load_weights(GPT(RunSpec.load_json(p / 'config.json').model, init_seed=0), ck, 'model')
         return gpt.transformer.tok.wte.weight.detach().clone(), f'run {p} (checkpoint {ck.resolve().name})'
@@ -133,10 +149,13 @@ def load_embedding(path, # run directory of this package, local HF model directo
             with safe_open(str(f), 'pt') as st:
                 key = next((k for k in st.keys() if k == suffix or k.endswith('.' + suffix)), None)
                 if key is not None: return st.get_tensor(key).float(), f'{f} [{key}]'
-    raise ConfigError(f'no token-embedding tensor (a name ending in one of {EMBEDDING_KEYS}) in {[str(f) for f in files]}')
+    raise ConfigError(
+        f'no token-embedding tensor (a name ending in one of {EMBEDDING_KEYS}) in {[str(f) for f in files]}'
+    )
 
 # %% ../nbs/12a_cvfp_study.ipynb #285db680
-ER_BANDS = {'train': (88.0, 89.0), 'val': (81.0, 82.0)} # the New-LLM guidelines' pass bands for effective rank (%), training and validation contexts
+# the New-LLM guidelines' pass bands for effective rank (%), training and validation contexts
+ER_BANDS = {'train': (88.0, 89.0), 'val': (81.0, 82.0)}
 ER_FAIL = 30.0 # the New-LLM guidelines: an effective rank below this percent fails
 ATTRACTOR_SPREAD = 0.1 # ours: a spread below this is a global attractor
 
@@ -150,7 +169,8 @@ def context_spread(x: torch.Tensor, # (n, d) contexts
 # %% ../nbs/12a_cvfp_study.ipynb #23343dc1
 @dataclass
 class EffectiveRankCheck:
-    "Check 1: training and validation effective rank against the New-LLM guidelines' bands, and the global-attractor test."
+    """Check 1: training and validation effective rank against the New-LLM guidelines' bands, and the global-attractor
+    test."""
     train_percent: float
     val_percent: float
     spread: float # context_spread of the validation contexts
@@ -169,9 +189,12 @@ def er_verdict(percent: float, part: str) -> str:
     "PASS / BELOW BAND / FAIL of one effective rank (`part`: train or val) against ER_BANDS and ER_FAIL."
     return 'FAIL' if percent < ER_FAIL else 'PASS' if percent >= ER_BANDS[part][0] else 'BELOW BAND'
 
+# %% ../nbs/12a_cvfp_study.ipynb #f7134605
 def effective_rank_check(train_contexts: torch.Tensor, val_contexts: torch.Tensor) -> EffectiveRankCheck:
     "Check 1 on training and validation contexts."
-    return EffectiveRankCheck(effective_rank(train_contexts).percent, effective_rank(val_contexts).percent, context_spread(val_contexts))
+    return EffectiveRankCheck(
+        effective_rank(train_contexts).percent, effective_rank(val_contexts).percent, context_spread(val_contexts)
+    )
 
 # %% ../nbs/12a_cvfp_study.ipynb #cd6c8b92
 @dataclass
@@ -201,8 +224,10 @@ def identity_check(contexts: torch.Tensor, # (N, C) contexts from the carried-ov
     return IdentityCheck(diff, sim, diff_threshold, sim_threshold)
 
 # %% ../nbs/12a_cvfp_study.ipynb #e8f7def7
-FINAL_DIFF_GOOD, FINAL_DIFF_FAIL = 1e-3, 1e-2 # the New-LLM guidelines: final diff below the first is good, above the second fails
+# the New-LLM guidelines: final diff below the first is good, above the second fails
+FINAL_DIFF_GOOD, FINAL_DIFF_FAIL = 1e-3, 1e-2
 
+# %% ../nbs/12a_cvfp_study.ipynb #ede33787
 def final_diff_grade(final: float) -> str:
     "GOOD (< 1e-3) / MARGINAL / FAIL (> 1e-2) of the last pass-to-pass difference."
     return 'GOOD' if final < FINAL_DIFF_GOOD else 'FAIL' if final > FINAL_DIFF_FAIL else 'MARGINAL'
@@ -271,12 +296,15 @@ def cvfp_convergence_check(model: CVFPModel, ids: torch.Tensor, # (N,) tokens
             losses.append(cvfp_loss(ctx, prev).item()); change = ((ctx - prev) ** 2).mean(-1)
         prev, start = ctx, ctx[-1:]
     conv = int((change < model.cfg.convergence_threshold).sum())
-    return ConvergenceCheck(losses, convergence_verdict(losses, final_threshold=model.cfg.convergence_threshold), conv, len(ids))
+    return ConvergenceCheck(
+        losses, convergence_verdict(losses, final_threshold=model.cfg.convergence_threshold), conv, len(ids)
+    )
 
 # %% ../nbs/12a_cvfp_study.ipynb #f813592a
 def _crit(criterion: str, value, band: str, verdict: str) -> dict:
     return {'criterion': criterion, 'value': value, 'band': band, 'verdict': verdict}
 
+# %% ../nbs/12a_cvfp_study.ipynb #c7f39dc1
 def pass_fail(ok) -> str: return 'n/a' if ok is None else 'PASS' if ok else 'FAIL'
 
 # %% ../nbs/12a_cvfp_study.ipynb #d4227bca
@@ -284,6 +312,7 @@ def _er_band(part: str) -> str:
     lo, hi = ER_BANDS[part]
     return f'PASS >= {lo:g} (guidelines band {lo:g}-{hi:g}), FAIL < {ER_FAIL:g}'
 
+# %% ../nbs/12a_cvfp_study.ipynb #92846ee0
 def _er_entry(er: EffectiveRankCheck) -> dict:
     "Check 1 as the summary records it: verdict, numbers, rule and criteria."
     return {'passed': er.passed, 'verdict': er.verdict, 'train_er_percent': er.train_percent, 'val_er_percent': er.val_percent, 'spread': er.spread,
@@ -332,7 +361,9 @@ def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor
     chk_ids = val_ids[:check_tokens]
     conv = cvfp_convergence_check(model, chk_ids, passes)
     e = model.embed(chk_ids)
-    ident = identity_check(build_context_cache(model, chk_ids)[-1], model.context_block(model.zero_context(len(chk_ids)), e)[-1], e)
+    ident = identity_check(
+        build_context_cache(model, chk_ids)[-1], model.context_block(model.zero_context(len(chk_ids)), e)[-1], e
+    )
     return {
         'train_tokens': res.n_tokens, 'train_converged_tokens': res.converged_tokens, 'train_convergence_rate': 100 * res.convergence_rate,
         'val_tokens': len(val_ids), 'check_tokens': conv.n_tokens, 'val_converged_tokens': conv.converged_tokens,
@@ -350,6 +381,7 @@ def _data(spec: RunSpec):
     d = prepare_data(spec.data, spec.resolved_data_dir, progress=False)
     return load_split(d, 'train'), load_split(d, 'val')
 
+# %% ../nbs/12a_cvfp_study.ipynb #fa8d88b1
 def _jsonl(path, recs):
     Path(path).write_text(''.join(json.dumps(r) + '\n' for r in recs))
 
@@ -359,6 +391,7 @@ def _val_ids(val, n: int, need: int = 2) -> torch.Tensor:
     if len(val.tokens) < need: raise ConfigError(f'the validation split has {len(val.tokens)} tokens, fewer than the {need} the checks need (settings.check_tokens); add stories')
     return torch.from_numpy(np.asarray(val.tokens[:n]).astype(np.int64))
 
+# %% ../nbs/12a_cvfp_study.ipynb #24aeba6a
 def _chosen_val(val, train_ids, s) -> tuple[torch.Tensor, dict]:
     "The run's validation tokens by `s.val_selection` and their coverage (`select_val_tokens`)."
     _val_ids(val, 0, s.check_tokens)  # the split is long enough for the checks
@@ -386,8 +419,10 @@ def embed_run(spec: RunSpec, progress: bool = False) -> dict:
         train, _ = _data(spec)
         emb, src = load_embedding(out)
     if emb.ndim != 2 or emb.shape[0] < train.vocab_size:
-        raise ConfigError(f'the embedding from {src} has shape {tuple(emb.shape)}; it needs one row per token of the data '
-                          f"({train.vocab_size}); tokenize the data with that model's tokenizer (e.g. --set data.tokenizer=gpt2)")
+        raise ConfigError(
+            f'the embedding from {src} has shape {tuple(emb.shape)}; it needs one row per token of the data '
+            f"({train.vocab_size}); tokenize the data with that model's tokenizer (e.g. --set data.tokenizer=gpt2)"
+        )
     save_file({'embedding': emb.contiguous()}, str(out / 'embedding.safetensors'))
     return write_summary(spec, {**summary, 'embedding_source': src, 'embedding_rows': int(emb.shape[0]), 'embedding_dim': int(emb.shape[1]),
                                 'data_vocab_size': train.vocab_size})
@@ -405,7 +440,8 @@ def cvfp_run(spec: RunSpec) -> dict:
     "Kind 'cvfp': Phase 1, the checks and Phase 2 on the first `settings.samples` stories; writes summary.json."
     from safetensors.torch import save_model
     s, cfg = spec.settings, spec.settings.config(spec.train.seed)
-    if s.samples is None: raise ConfigError(f"run {spec.name!r}: settings.samples is not set (training stories, e.g. --samples 80)")
+    if s.samples is None:
+        raise ConfigError(f"run {spec.name!r}: settings.samples is not set (training stories, e.g. --samples 80)")
     out = start_run(spec)
     train, val = _data(spec)
     emb = _upstream_embedding(spec)
@@ -416,7 +452,8 @@ def cvfp_run(spec: RunSpec) -> dict:
     r1 = train_phase1(model, ids, val_ids=val_ids)
     t1 = time.perf_counter()
     ev = phase1_evaluation(model, r1, val_ids, s.check_tokens, s.check_passes)
-    common_cache = build_context_cache(model, common_ids)  # before Phase 2, through the embedding the ContextBlock was trained with
+    # before Phase 2, through the embedding the ContextBlock was trained with
+    common_cache = build_context_cache(model, common_ids)
     t2 = time.perf_counter()
     p2 = train_phase2(model, ids, cache=r1.layer_outputs, val_ids=val_ids, cpu_budget_bytes=s.cpu_budget_mb * 2**20)
     common = evaluate_cached(model, common_ids, common_cache)
@@ -439,7 +476,8 @@ def cvfp_run(spec: RunSpec) -> dict:
 
 # %% ../nbs/12a_cvfp_study.ipynb #3fe8fea6
 def _par_seq_agreement(model: CVFPModel, r: Phase1Result, ids: torch.Tensor) -> dict:
-    "The parallel model's contexts against a sequential pass of the same model (guidelines: cosine 0.9969 mean, 0.9890 min)."
+    """The parallel model's contexts against a sequential pass of the same model (guidelines: cosine 0.9969 mean, 0.9890
+    min)."""
     seq = build_context_cache(model, ids, r.final_start)[-1]
     cos = F.cosine_similarity(r.contexts, seq, dim=-1)
     return {'par_seq_cosine_mean': cos.mean().item(), 'par_seq_cosine_min': cos.min().item(), 'par_seq_mse': F.mse_loss(r.contexts, seq).item()}
@@ -458,18 +496,23 @@ def _speed_version(name: str, cfg: CVFPConfig, emb, ids, val_ids, dev, out: Path
 
 # %% ../nbs/12a_cvfp_study.ipynb #ccf19256
 def speed_run(spec: RunSpec) -> dict:
-    "Kind 'phase1-speed': sequential vs parallel Phase 1 on the first settings.tokens training tokens, same seed and iterations."
+    """Kind 'phase1-speed': sequential vs parallel Phase 1 on the first settings.tokens training tokens, same seed and
+    iterations."""
     s, cfg = spec.settings, spec.settings.config(spec.train.seed)
     out = start_run(spec)
     train, val = _data(spec)
     emb = _upstream_embedding(spec)
-    if len(train.tokens) < s.tokens: raise ConfigError(f"the training split has {len(train.tokens)} tokens, fewer than settings.tokens={s.tokens}")
+    if len(train.tokens) < s.tokens:
+        raise ConfigError(f"the training split has {len(train.tokens)} tokens, fewer than settings.tokens={s.tokens}")
     dev = pick_device(spec.train.device)
     ids = torch.from_numpy(np.asarray(train.tokens[:s.tokens]).astype(np.int64))
     val_ids, cov = _chosen_val(val, ids, s)
     ids, val_ids = ids.to(dev), val_ids.to(dev)
     n_it = s.speed_iterations
-    cfg = cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1], phase1_min_iterations=n_it, phase1_max_iterations=n_it)  # both run every iteration
+    # both run every iteration
+    cfg = cfg.replace(
+        vocab_size=emb.shape[0], embed_dim=emb.shape[1], phase1_min_iterations=n_it, phase1_max_iterations=n_it
+    )
     summary = {'status': 'completed', 'algorithm': s.diversity, 'tokens': len(ids), 'iterations': n_it, 'num_layers': cfg.num_layers, **cov}
     for name in ('sequential', 'parallel'): summary.update(_speed_version(name, cfg, emb, ids, val_ids, dev, out))
     summary['speedup'] = summary['sequential_s'] / summary['parallel_s']
@@ -491,7 +534,8 @@ DIVERSITY_DESCRIPTIONS = {
     'ODCM-cov': ('ODCM without its variance term (this package\'s ODCM before issue 15, for comparison): sum of squared off-diagonal '
                  'cov entries / d; nothing keeps the contexts from shrinking. O(n d + d^2).'),
 }
-PHASE1_VERSIONS = ('parallel', 'sequential') # --phase1: token i reads context i-1 of the last iteration | token by token
+# --phase1: token i reads context i-1 of the last iteration | token by token
+PHASE1_VERSIONS = ('parallel', 'sequential')
 
 # %% ../nbs/12a_cvfp_study.ipynb #d2d4df8f
 CVFP_OPTIONS = {
@@ -524,16 +568,22 @@ def sample_sizes(opts: dict, preset: str) -> list[int]:
     else:
         w, nw = opts.get('window_size') or 4, opts.get('num_windows') or 2
         if w < 2 or nw < 1: raise ConfigError(f'--window-size {w} must be >= 2 and --num-windows {nw} >= 1')
-        samples = sample_schedule(opts.get('init_samples') or (20 if preset == 'tiny' else 50), opts.get('multiplier') or 2.0, w + nw - 1)
-        if len(set(samples)) < len(samples): raise ConfigError(f'the sample sizes {samples} repeat; raise --multiplier or --init-samples')
+        samples = sample_schedule(
+            opts.get('init_samples') or (20 if preset == 'tiny' else 50), opts.get('multiplier') or 2.0, w + nw - 1
+        )
+        if len(set(samples)) < len(samples):
+            raise ConfigError(f'the sample sizes {samples} repeat; raise --multiplier or --init-samples')
     if any(n <= 0 for n in samples): raise ConfigError(f'--samples {samples}: sample sizes must be positive')
     return samples
 
 # %% ../nbs/12a_cvfp_study.ipynb #8c44e66e
 def common_settings(opts: dict, preset: str) -> dict:
-    "Settings every run of the batch shares: the guidelines' CVFP sizes at gpt2-124m, --dist-reg-weight, --phase1, --embeddings."
+    """Settings every run of the batch shares: the guidelines' CVFP sizes at gpt2-124m, --dist-reg-weight, --phase1,
+    --embeddings."""
     if old := [k for k in ('parallel', 'sequential') if opts.get(k) is not None]:
-        raise ConfigError(f"the cvfp option {old[0]!r} is gone: Phase 1's version is option 'phase1' (--phase1 parallel|sequential)")
+        raise ConfigError(
+            f"the cvfp option {old[0]!r} is gone: Phase 1's version is option 'phase1' (--phase1 parallel|sequential)"
+        )
     if opts.get('phase1') not in (None, *PHASE1_VERSIONS):
         raise ConfigError(f"--phase1 {opts['phase1']}: choose from {', '.join(PHASE1_VERSIONS)}")
     over = {f'settings.{k}': v for k, v in CVFP_PRESETS['seed'].items()} if preset in ('gpt2-124m', 'gpt2-124m-1024') else {}
@@ -550,7 +600,8 @@ def common_settings(opts: dict, preset: str) -> dict:
 
 # %% ../nbs/12a_cvfp_study.ipynb #96f87e40
 def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
-    "`embed`, `phase1-speed` and one CVFP run per algorithm and sample size (largest first; with --train-embedding a second one that trains the embedding) for the flags given."
+    """`embed`, `phase1-speed` and one CVFP run per algorithm and sample size (largest first; with --train-embedding a
+    second one that trains the embedding) for the flags given."""
     algs = list(opts.get('algorithms') or ['MCDL', 'ODCM'])
     bad = [a for a in algs if a not in DIVERSITY_LOSSES]
     if bad: raise ConfigError(f"--algorithms: unknown {bad}; choose from " + '; '.join(f'{k} ({v})' for k, v in DIVERSITY_DESCRIPTIONS.items()))
@@ -561,15 +612,20 @@ def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
             out[f'{a}-n{n}'] = Variant({**common, 'settings.kind': 'cvfp', 'settings.diversity': a, 'settings.samples': n,
                                         'settings.phase2_epochs': 10}, ('embed',))
             if opts.get('train_embedding'):
-                out[f'{a}-n{n}-train-emb'] = Variant({**out[f'{a}-n{n}'].overrides, 'settings.phase2_train_embedding': True}, ('embed',))
+                out[f'{a}-n{n}-train-emb'] = Variant(
+                    {**out[f'{a}-n{n}'].overrides, 'settings.phase2_train_embedding': True}, ('embed',)
+                )
     return out
 
 # %% ../nbs/12a_cvfp_study.ipynb #c5bda94d
 def load_cvfp_model(spec: RunSpec, find_checkpoint):
-    "None (a plain GPT) for the embedding run; a `ConfigError` that names the run to sample instead for every other run."
+    """None (a plain GPT) for the embedding run; a `ConfigError` that names the run to sample instead for every other
+    run."""
     if spec.name == 'embed': return None
-    raise ConfigError(f"{spec.out_dir} is a CVFP run ({spec.name}): its model is a context block and a token block, not a GPT "
-                      "that samples text; sample the batch's embedding run instead (embed-s<seed>)")
+    raise ConfigError(
+        f"{spec.out_dir} is a CVFP run ({spec.name}): its model is a context block and a token block, not a GPT "
+        "that samples text; sample the batch's embedding run instead (embed-s<seed>)"
+    )
 
 # %% ../nbs/12a_cvfp_study.ipynb #ed82c37d
 CVFP_STUDY = Study(
