@@ -12,7 +12,8 @@ import pandas as pd
 from .report import load_runs, mean_sd
 from .rundir import read_json
 from .metrics import read_metrics
-from .cvfp_study import DIVERSITY_DESCRIPTIONS, pass_fail
+from .cvfp_study import DIVERSITY_DESCRIPTIONS
+from .cvfp_checks import pass_fail
 
 # %% auto #0
 __all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'GUIDELINES_EMBEDDING', 'GUIDELINES_PHASE1', 'GUIDELINES_TABLE',
