@@ -70,9 +70,12 @@ class IdentityCheck:
     @property
     def diff_ok(self) -> bool: return self.zero_diff > self.diff_threshold
     @property
-    def sim_ok(self) -> bool | None: return None if self.token_similarity is None else self.token_similarity < self.sim_threshold
+    def sim_ok(self) -> bool | None:
+        return None if self.token_similarity is None else self.token_similarity < self.sim_threshold
+
     @property
-    def passed(self) -> bool: return self.diff_ok and self.sim_ok is not False
+    def passed(self) -> bool:
+        return self.diff_ok and self.sim_ok is not False
 
 # %% ../nbs/12a_cvfp_checks.ipynb #57880329
 def identity_check(contexts: torch.Tensor, # (N, C) contexts from the carried-over context
@@ -83,7 +86,11 @@ def identity_check(contexts: torch.Tensor, # (N, C) contexts from the carried-ov
                   ) -> IdentityCheck:
     "Does the block depend on its context and differ from the token embedding?"
     diff = (contexts - zero_contexts).norm(dim=-1).mean().item()
-    sim = F.cosine_similarity(contexts, token_embeds, dim=-1).mean().item() if contexts.shape[-1] == token_embeds.shape[-1] else None
+    sim = (
+        F.cosine_similarity(contexts, token_embeds, dim=-1).mean().item()
+        if contexts.shape[-1] == token_embeds.shape[-1]
+        else None
+    )
     return IdentityCheck(diff, sim, diff_threshold, sim_threshold)
 
 # %% ../nbs/12a_cvfp_checks.ipynb #e8f7def7
@@ -147,16 +154,20 @@ class ConvergenceCheck:
 
 # %% ../nbs/12a_cvfp_checks.ipynb #ec433cfe
 @torch.no_grad()
-def cvfp_convergence_check(model: CVFPModel, ids: torch.Tensor, # (N,) tokens
-                           passes: int = 10, # sequential passes (the first is the baseline; the New-LLM guidelines: 10), >= 3
-                          ) -> ConvergenceCheck:
+def cvfp_convergence_check(
+    model: CVFPModel,
+    ids: torch.Tensor,  # (N,) tokens
+    passes: int = 10,  # sequential passes (the first is the baseline; the New-LLM guidelines: 10), >= 3
+) -> ConvergenceCheck:
     "Repeat sequential passes (context carried over); MSE between consecutive passes, its verdict, converged tokens."
-    if passes < 3: raise ValueError(f'passes={passes}: need >= 3 (two differences for a verdict)')
+    if passes < 3:
+        raise ValueError(f'passes={passes}: need >= 3 (two differences for a verdict)')
     start, prev, losses, change = model.zero_context(), None, [], None
     for _ in range(passes):
         ctx = build_context_cache(model, ids, start)[-1]
         if prev is not None:
-            losses.append(cvfp_loss(ctx, prev).item()); change = ((ctx - prev) ** 2).mean(-1)
+            losses.append(cvfp_loss(ctx, prev).item())
+            change = ((ctx - prev) ** 2).mean(-1)
         prev, start = ctx, ctx[-1:]
     conv = int((change < model.cfg.convergence_threshold).sum())
     return ConvergenceCheck(

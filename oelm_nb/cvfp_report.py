@@ -95,8 +95,11 @@ def batch_sentence(batch_dir) -> str:
     "The batch's study, preset, data, seeds, flags and overrides, from batch.json."
     b = read_json(Path(batch_dir) / 'batch.json') or {}
     opts = b.get('options') or {}
-    return (f"**Batch** `{Path(batch_dir).resolve()}`: study `{b.get('study')}`, preset `{b.get('preset')}`, data `{b.get('data')}`, "
-            f"seeds {b.get('seeds')}, flags {json.dumps(opts) if opts else 'none'}, overrides {json.dumps(b.get('overrides') or {})}.")
+    return (
+        f"**Batch** `{Path(batch_dir).resolve()}`: study `{b.get('study')}`, preset `{b.get('preset')}`, data"
+        f" `{b.get('data')}`, seeds {b.get('seeds')}, flags {json.dumps(opts) if opts else 'none'}, overrides"
+        f" {json.dumps(b.get('overrides') or {})}."
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #2c04678a
 def runs_table(runs) -> pd.DataFrame:
@@ -181,33 +184,44 @@ def phase1_sentence(runs) -> str:
     cv = cvfp_runs(runs)
     if not cv: return 'No completed CVFP run.'
     s = cv[0].summary; algs = {r.summary.get('algorithm') for r in cv}
-    return (f"Validation ER on the first {fmt(s.get('val_tokens'), ',')} validation tokens; validation convergence and the checks on the first "
-            f"{fmt(s.get('check_tokens'), ',')}. Dist-reg weight {fmt(s.get('dist_reg_weight'))}, context dim {fmt(s.get('context_dim'))}, "
-            f"embedding dim {fmt(s.get('embed_dim'))}, {fmt(s.get('num_layers'))} layer(s). "
-            + ' '.join(f'{k}: {v}' for k, v in DIVERSITY_DESCRIPTIONS.items() if k in algs))
+    return (
+        f"Validation ER on the first {fmt(s.get('val_tokens'), ',')} validation tokens; validation convergence and the"
+        f" checks on the first {fmt(s.get('check_tokens'), ',')}. Dist-reg weight {fmt(s.get('dist_reg_weight'))},"
+        f" context dim {fmt(s.get('context_dim'))}, embedding dim {fmt(s.get('embed_dim'))}, {fmt(s.get('num_layers'))}"
+        " layer(s). "
+        + ' '.join(f'{k}: {v}' for k, v in DIVERSITY_DESCRIPTIONS.items() if k in algs)
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #a6ac2959
 OLD_PATIENCE = 3 # the early-stopping patience of the previous protocol, replayed for comparison
 
 # %% ../nbs/12b_cvfp_report.ipynb #a4368201
-def replay_early_stopping(val_er: dict, # iteration -> validation ER (%) of the learning iterations (1, 2, ...)
-                          patience: int, # stop after this many iterations without a new best (0: never)
-                          min_iterations: int = 5, # stopping (and keeping) allowed once it + 1 >= this
-                          from_min: bool = True, # True: best and patience count from min_iterations on (this protocol); False: from iteration 1 (the previous one)
-                         ) -> tuple[int, int | None, float | None]:
+def replay_early_stopping(
+    val_er: dict,  # iteration -> validation ER (%) of the learning iterations (1, 2, ...)
+    patience: int,  # stop after this many iterations without a new best (0: never)
+    min_iterations: int = 5,  # stopping (and keeping) allowed once it + 1 >= this
+    from_min: bool = True,  # True: best and patience count from min_iterations on (this protocol); False: from iteration 1 (the previous one)
+) -> tuple[int, int | None, float | None]:
     "(last iteration run, kept iteration, its validation ER) of `train_phase1`'s early-stopping rule replayed on recorded values."
     best, best_it, since, last = -1.0, None, 0, None
     for it in sorted(val_er):
         last, ok = it, it + 1 >= min_iterations
         if ok or not from_min:
-            if val_er[it] > best:best, best_it, since = val_er[it], it, 0
-            else: since += 1
-        if ok and patience and since >= patience: break
+            if val_er[it] > best:
+                best, best_it, since = val_er[it], it, 0
+            else:
+                since += 1
+        if ok and patience and since >= patience:
+            break
     return last, best_it, (None if best_it is None else val_er[best_it])
 
 # %% ../nbs/12b_cvfp_report.ipynb #6df373cd
 def _val_curve(r: Run) -> dict:
-    return {h['iteration']: h['val_effective_rank'] for h in read_metrics(r.run_dir, 'phase1.jsonl') if h.get('val_effective_rank') is not None}
+    return {
+        h['iteration']: h['val_effective_rank']
+        for h in read_metrics(r.run_dir, 'phase1.jsonl')
+        if h.get('val_effective_rank') is not None
+    }
 
 # %% ../nbs/12b_cvfp_report.ipynb #5f94eb91
 def _longest_plateau(curve: dict, min_iterations: int) -> int:
@@ -254,15 +268,22 @@ def iteration_sentence(runs) -> str:
         now = [c[k] for c, _, k in curves if k in c]
         old = [replay_early_stopping(c, OLD_PATIENCE, mi, from_min=False) for c, mi, _ in curves if c]
         rng = lambda xs: 'n/a' if not xs else f'{min(xs)}' if min(xs) == max(xs) else f'{min(xs)}-{max(xs)}'
-        out.append(f"**{alg}**: {rng(its)} iterations run in {len(rs)} run(s), weights kept from iteration {rng(kept)}, validation ER kept "
-                   f"{fmt(np.mean(now) if now else None, '.1f')}% on average; patience {OLD_PATIENCE} from iteration 1 would have stopped at "
-                   f"iteration {rng([o[0] for o in old])} keeping iteration {rng([o[1] for o in old if o[1] is not None])} "
-                   f"({fmt(np.mean([o[2] for o in old]) if old else None, '.1f')}% on average).")
+        out.append(
+            f"**{alg}**: {rng(its)} iterations run in {len(rs)} run(s), weights kept from iteration {rng(kept)},"
+            f" validation ER kept {fmt(np.mean(now) if now else None, '.1f')}% on average; patience {OLD_PATIENCE} from"
+            f" iteration 1 would have stopped at iteration {rng([o[0] for o in old])} keeping iteration"
+            f" {rng([o[1] for o in old if o[1] is not None])}"
+            f" ({fmt(np.mean([o[2] for o in old]) if old else None, '.1f')}% on average)."
+        )
     return ' '.join(out)
 
 # %% ../nbs/12b_cvfp_report.ipynb #01ca6eff
 # summary key -> name
-CHECKS = {'effective_rank': 'Check 1: effective rank', 'identity': 'Check 2: identity mapping', 'convergence': 'Check 3: CVFP convergence'}
+CHECKS = {
+    'effective_rank': 'Check 1: effective rank',
+    'identity': 'Check 2: identity mapping',
+    'convergence': 'Check 3: CVFP convergence',
+}
 
 # %% ../nbs/12b_cvfp_report.ipynb #49d910de
 def check_verdict(key: str, c: dict | None) -> str:
@@ -318,9 +339,15 @@ def checks_summary(runs) -> str:
     if not cv: return 'No completed CVFP run to check.'
     c0 = next((r.summary['checks'] for r in cv if r.summary.get('checks')), {})
     rules = '; '.join(f"{name}: {(c0.get(k) or {}).get('rule', 'n/a')}" for k, name in CHECKS.items())
-    below = sum(check_verdict('effective_rank', (r.summary.get('checks') or {}).get('effective_rank')) == 'BELOW BAND' for r in cv)
-    return (f'Rules. {rules}. ' + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items())
-            + f' ({below} run(s) between the failure line and the New-LLM guidelines\' effective-rank band).')
+    below = sum(
+        check_verdict('effective_rank', (r.summary.get('checks') or {}).get('effective_rank')) == 'BELOW BAND'
+        for r in cv
+    )
+    return (
+        f'Rules. {rules}. '
+        + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items())
+        + f' ({below} run(s) between the failure line and the New-LLM guidelines\' effective-rank band).'
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #a5c80487
 def coverage_table(runs) -> pd.DataFrame:
@@ -348,8 +375,11 @@ def coverage_sentence(runs) -> str:
     for r in cv: by.setdefault(r.summary['samples'], r.summary)
     bad = [(n, s) for n, s in sorted(by.items()) if not s['val_coverage_rule']]
     asked = cv[0].summary.get('val_tokens_requested') or cv[0].summary.get('val_tokens')
-    s = (f"The New-LLM guidelines' coverage rule (every validation token occurs in the training tokens) holds in {ok} of {len(cv)} runs"
-         + (", at every sample size: every validation token used comes from a fully covered story." if not bad else '. '))
+    s = (
+        f"The New-LLM guidelines' coverage rule (every validation token occurs in the training tokens) holds in {ok} of"
+        f" {len(cv)} runs"
+        + (", at every sample size: every validation token used comes from a fully covered story." if not bad else '. ')
+    )
     if bad:
         s += ("It cannot hold at " + '; '.join(f"{n} stories ({s['val_covered_stories']:,} covered stories, {s['val_covered_tokens']:,} tokens, for "
                                                  f"{fmt(asked, ',')} asked: {s['val_unseen_percent']:.1f}% of the validation tokens unseen in training, "
@@ -413,7 +443,11 @@ def embedding_table(runs) -> pd.DataFrame:
     rows = []
     for f, t in _pairs(runs):
         fs, ts = f.summary, t.summary
-        ch = None if _na(fs.get('final_val_ppl'), ts.get('final_val_ppl')) else 100 * (fs['final_val_ppl'] - ts['final_val_ppl']) / ts['final_val_ppl']
+        ch = (
+            None
+            if _na(fs.get('final_val_ppl'), ts.get('final_val_ppl'))
+            else 100 * (fs['final_val_ppl'] - ts['final_val_ppl']) / ts['final_val_ppl']
+        )
         rows.append({'algorithm': fs.get('algorithm'), 'stories': fs['samples'], 'seed': f.seed,
                      'frozen: val PPL': fmt(fs.get('final_val_ppl'), '.2f'), 'trained: val PPL': fmt(ts.get('final_val_ppl'), '.2f'),
                      'frozen vs trained (%)': fmt(ch, '+.1f'), 'frozen: val acc': fmt(fs.get('val_acc'), '.2%'), 'trained: val acc': fmt(ts.get('val_acc'), '.2%'),
@@ -426,15 +460,25 @@ def embedding_sentence(runs) -> str:
     the New-LLM guidelines."""
     ps = [(f.summary['final_val_ppl'], t.summary['final_val_ppl']) for f, t in _pairs(runs)
           if not _na(f.summary.get('final_val_ppl'), t.summary.get('final_val_ppl'))]
-    g = '; '.join(f"{n:,} samples: frozen {v['frozen']:.2f} vs trained {v['trained']:.2f} ({100 * (v['frozen'] - v['trained']) / v['trained']:+.1f}%)"
-                  for n, v in GUIDELINES_EMBEDDING.items())
-    if not ps: return f"No run trained the embedding (run the batch with `--train-embedding` for the comparison). The New-LLM guidelines: {g}."
+    g = '; '.join(
+        f"{n:,} samples: frozen {v['frozen']:.2f} vs trained {v['trained']:.2f}"
+        f" ({100 * (v['frozen'] - v['trained']) / v['trained']:+.1f}%)"
+        for n, v in GUIDELINES_EMBEDDING.items()
+    )
+    if not ps:
+        return (
+            "No run trained the embedding (run the batch with `--train-embedding` for the comparison). The New-LLM"
+            f" guidelines: {g}."
+        )
     wins, fm, tm = sum(f < t for f, t in ps), float(np.mean([f for f, _ in ps])), float(np.mean([t for _, t in ps]))
     head = ('**The frozen embedding gives the lower validation PPL**' if wins == len(ps) else
             '**The trained embedding gives the lower validation PPL**' if wins == 0 else
             f'**The frozen embedding gives the lower validation PPL in {wins} of {len(ps)} pairs**')
-    return (f"{head} (final epoch, {len(ps)} pair(s) of runs with the same algorithm, sample size and seed): frozen {fm:.2f} vs trained {tm:.2f} on average "
-            f"({100 * (fm - tm) / tm:+.1f}%), lower in {wins} of {len(ps)}. The New-LLM guidelines: {g}.")
+    return (
+        f"{head} (final epoch, {len(ps)} pair(s) of runs with the same algorithm, sample size and seed): frozen"
+        f" {fm:.2f} vs trained {tm:.2f} on average ({100 * (fm - tm) / tm:+.1f}%), lower in {wins} of {len(ps)}. The"
+        f" New-LLM guidelines: {g}."
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #91e30ad4
 # the New-LLM guidelines' Phase 1 settings (summary key -> value)
@@ -452,8 +496,12 @@ def layers_sentence(runs) -> str:
     bad = [r for r in rs if r.summary.get('num_layers', 1) != 1]
     if not bad:
         return f"All {len(rs)} CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
-    return (f"**{len(bad)} of {len(rs)} run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely do not change\"): "
-            + ', '.join(f"`{r.name}` ({fmt(r.summary.get('num_layers'))} layers)" for r in bad) + '.')
+    return (
+        f"**{len(bad)} of {len(rs)} run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely"
+        " do not change\"): "
+        + ', '.join(f"`{r.name}` ({fmt(r.summary.get('num_layers'))} layers)" for r in bad)
+        + '.'
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #a60e0bec
 def phase1_settings_sentence(runs) -> str:
@@ -467,18 +515,34 @@ def phase1_settings_sentence(runs) -> str:
         got = {}
         for r in cv: got.setdefault(r.summary.get(k), []).append(r.name)
         for v, rn in got.items():
-            if v != ref: diffs.append(f"{names[k]} {fmt(v, ',') if isinstance(v, int) else fmt(v)} (guidelines {ref:,}) in {len(rn)} run(s)")
+            if v != ref:
+                diffs.append(
+                    f"{names[k]} {fmt(v, ',') if isinstance(v, int) else fmt(v)} (guidelines {ref:,}) in {len(rn)}"
+                    " run(s)"
+                )
     short = [r for r in cv if (r.summary.get('val_tokens') or 0) < (r.summary.get('val_tokens_requested') or 0)]
-    s = ("Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation effective rank on 10,000 tokens."
-         if not diffs else "**Phase 1 differs from the New-LLM guidelines:** " + '; '.join(diffs) + '.')
-    if short: s += f" The validation split held fewer tokens than asked in {len(short)} run(s) (e.g. `{short[0].name}`: {short[0].summary['val_tokens']:,})."
+    s = (
+        "Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation"
+        " effective rank on 10,000 tokens."
+        if not diffs
+        else "**Phase 1 differs from the New-LLM guidelines:** " + '; '.join(diffs) + '.'
+    )
+    if short:
+        s += (
+            f" The validation split held fewer tokens than asked in {len(short)} run(s) (e.g. `{short[0].name}`:"
+            f" {short[0].summary['val_tokens']:,})."
+        )
     kept = [r for r in cv if r.summary.get('best_iteration') is not None and r.summary['best_iteration'] < r.summary.get('iterations', 0) - 1]
     stopped = sum(r.summary.get('stop_reason') == 'val_effective_rank' for r in cv)
     pats = sorted({r.summary['val_patience'] for r in cv if r.summary.get('val_patience') is not None})
     rule = ('not recorded' if not pats else 'no early stopping, every run runs all its iterations' if pats == [0] else
             'early stopping on validation effective rank with patience ' + ' / '.join(str(p) if p else 'none' for p in pats))
-    return s + (f" Stopping rule: {rule}; stopped early by validation effective rank: {stopped} of {len(cv)} runs; {len(kept)} kept the weights "
-                "of an earlier iteration with a higher validation effective rank, chosen from the minimum iterations on (Phase 1 table: 'weights of iteration').")
+    return (
+        s
+        + f" Stopping rule: {rule}; stopped early by validation effective rank: {stopped} of {len(cv)} runs;"
+        f" {len(kept)} kept the weights of an earlier iteration with a higher validation effective rank, chosen from"
+        " the minimum iterations on (Phase 1 table: 'weights of iteration')."
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #657dbb17
 def _mean(rs, k):
@@ -497,7 +561,11 @@ def document_table(runs, alpha: dict) -> pd.DataFrame:
             m = lambda k: _mean(rs, k)
             a = alpha.get('algorithms', {}).get(alg) or {}
             o, sa = a.get('overall') or {}, a.get('seed_alpha')
-            al = f"{mean_sd(sa['mean'], sa['sd'])} ({sa['n']} seeds)" if sa and sa['n'] > 1 else fmt(o.get('alpha'), '.3f')
+            al = (
+                f"{mean_sd(sa['mean'], sa['sd'])} ({sa['n']} seeds)"
+                if sa and sa['n'] > 1
+                else fmt(o.get('alpha'), '.3f')
+            )
             rows.append({'algorithm': alg, 'source': f'ours ({n} stories, {len(rs)} seed(s))', 'train ER %': fmt(m('train_er_percent'), '.1f'),
                          'val ER %': fmt(m('val_er_percent'), '.1f'), 'CVFP loss': small_num(m('cvfp_loss')),
                          'train convergence %': fmt(m('train_convergence_rate'), '.1f'), 'val convergence %': fmt(m('val_convergence_rate'), '.1f'),
@@ -529,8 +597,11 @@ def odcm_sentence(runs) -> str:
                '**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines' if wins == 0 else
                f'**Our ODCM raises the validation effective rank above MCDL at only {wins} of {k} sample sizes**, where the New-LLM guidelines found it higher')
     tw, tk, to, tm = out['train']
-    return (f"{verdict}: ODCM {o:.1f}% vs MCDL {m:.1f}% (mean over {k} sample size(s), {o - m:+.1f} points; higher at {wins} of {k}); "
-            f"training effective rank ODCM {to:.1f}% vs MCDL {tm:.1f}% (higher at {tw} of {tk}). The New-LLM guidelines: 86.7% vs 82.7% (+4.0 points).")
+    return (
+        f"{verdict}: ODCM {o:.1f}% vs MCDL {m:.1f}% (mean over {k} sample size(s), {o - m:+.1f} points; higher at"
+        f" {wins} of {k}); training effective rank ODCM {to:.1f}% vs MCDL {tm:.1f}% (higher at {tw} of {tk}). The"
+        " New-LLM guidelines: 86.7% vs 82.7% (+4.0 points)."
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #99e196ae
 def er_table(runs) -> pd.DataFrame:

@@ -77,7 +77,10 @@ def first_stories(tokens, # (N,) token ids (a memmap is fine)
     "The first `n` stories of a token stream as an int64 tensor."
     toks = np.asarray(tokens)
     ends = np.flatnonzero(toks == eot)
-    if not 0 < n <= len(ends): raise ConfigError(f'{n} stories asked for, the split has {len(ends)}; lower the sample size or raise data.n_train_stories')
+    if not 0 < n <= len(ends):
+        raise ConfigError(
+            f'{n} stories asked for, the split has {len(ends)}; lower the sample size or raise data.n_train_stories'
+        )
     return torch.from_numpy(toks[:ends[n - 1] + 1].astype(np.int64))
 
 # %% ../nbs/12a_cvfp_study.ipynb #daeefc65
@@ -108,8 +111,12 @@ def select_val_tokens(val_tokens, # (M,) the validation split (a memmap is fine)
     starts, ends = _story_spans(toks, eot)
     lens, bad = ends - starts, np.add.reduceat(unseen.astype(np.int64), starts) if len(toks) else np.zeros(0, np.int64)
     covered = bad == 0
-    if mode == 'first': order = np.arange(len(starts))
-    else: order = np.r_[np.flatnonzero(covered), np.flatnonzero(~covered)[np.argsort((bad / lens)[~covered], kind='stable')]]
+    if mode == 'first':
+        order = np.arange(len(starts))
+    else:
+        order = np.r_[
+            np.flatnonzero(covered), np.flatnonzero(~covered)[np.argsort((bad / lens)[~covered], kind='stable')]
+        ]
     take, got = [], 0
     for k in order:
         if got >= n: break
@@ -131,7 +138,10 @@ def load_embedding(path, # run directory of this package, local HF model directo
     "(vocab, dim) token-embedding rows and a description of where they came from."
     from safetensors import safe_open
     p = Path(path)
-    hint = 'give a run directory of this package (config.json + checkpoints/), a local Hugging Face model directory or a .safetensors file'
+    hint = (
+        'give a run directory of this package (config.json + checkpoints/), a local Hugging Face model directory or a'
+        ' .safetensors file'
+    )
     if not p.exists(): raise ConfigError(f'embeddings path {str(path)!r} does not exist; {hint}')
     if p.is_dir() and (p / 'checkpoints').is_dir() and (p / 'config.json').exists():
         ck = next(
@@ -163,7 +173,11 @@ def _jsonl(path, recs):
 # %% ../nbs/12a_cvfp_study.ipynb #0041f8e6
 def _val_ids(val, n: int, need: int = 2) -> torch.Tensor:
     "The first `n` validation tokens, or all of them when the split is shorter (the summary records how many)."
-    if len(val.tokens) < need: raise ConfigError(f'the validation split has {len(val.tokens)} tokens, fewer than the {need} the checks need (settings.check_tokens); add stories')
+    if len(val.tokens) < need:
+        raise ConfigError(
+            f'the validation split has {len(val.tokens)} tokens, fewer than the {need} the checks need'
+            ' (settings.check_tokens); add stories'
+        )
     return torch.from_numpy(np.asarray(val.tokens[:n]).astype(np.int64))
 
 # %% ../nbs/12a_cvfp_study.ipynb #24aeba6a
@@ -176,7 +190,10 @@ def _chosen_val(val, train_ids, s) -> tuple[torch.Tensor, dict]:
 def _upstream_embedding(spec: RunSpec) -> torch.Tensor:
     from safetensors.torch import load_file
     f = spec.upstream_dir('embed') / 'embedding.safetensors'
-    if not f.exists(): raise ConfigError(f"{f} is missing: the 'embed' run of seed {spec.train.seed} must complete first (oelm run cvfp adds it)")
+    if not f.exists():
+        raise ConfigError(
+            f"{f} is missing: the 'embed' run of seed {spec.train.seed} must complete first (oelm run cvfp adds it)"
+        )
     return load_file(str(f))['embedding']
 
 # %% ../nbs/12a_cvfp_study.ipynb #e6188fba
@@ -255,7 +272,11 @@ def _par_seq_agreement(model: CVFPModel, r: Phase1Result, ids: torch.Tensor) -> 
     min)."""
     seq = build_context_cache(model, ids, r.final_start)[-1]
     cos = F.cosine_similarity(r.contexts, seq, dim=-1)
-    return {'par_seq_cosine_mean': cos.mean().item(), 'par_seq_cosine_min': cos.min().item(), 'par_seq_mse': F.mse_loss(r.contexts, seq).item()}
+    return {
+        'par_seq_cosine_mean': cos.mean().item(),
+        'par_seq_cosine_min': cos.min().item(),
+        'par_seq_mse': F.mse_loss(r.contexts, seq).item(),
+    }
 
 # %% ../nbs/12a_cvfp_study.ipynb #49d1fd84
 def _speed_version(name: str, cfg: CVFPConfig, emb, ids, val_ids, dev, out: Path) -> dict:
@@ -361,7 +382,11 @@ def common_settings(opts: dict, preset: str) -> dict:
         )
     if opts.get('phase1') not in (None, *PHASE1_VERSIONS):
         raise ConfigError(f"--phase1 {opts['phase1']}: choose from {', '.join(PHASE1_VERSIONS)}")
-    over = {f'settings.{k}': v for k, v in CVFP_PRESETS['seed'].items()} if preset in ('gpt2-124m', 'gpt2-124m-1024') else {}
+    over = (
+        {f'settings.{k}': v for k, v in CVFP_PRESETS['seed'].items()}
+        if preset in ('gpt2-124m', 'gpt2-124m-1024')
+        else {}
+    )
     if opts.get('dist_reg_weight') is not None:
         w = opts['dist_reg_weight']
         if not 0 <= w <= 1: raise ConfigError(f'--dist-reg-weight {w} must be in [0, 1] (the New-LLM guidelines: 0.9)')
@@ -379,9 +404,16 @@ def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
     second one that trains the embedding) for the flags given."""
     algs = list(opts.get('algorithms') or ['MCDL', 'ODCM'])
     bad = [a for a in algs if a not in DIVERSITY_LOSSES]
-    if bad: raise ConfigError(f"--algorithms: unknown {bad}; choose from " + '; '.join(f'{k} ({v})' for k, v in DIVERSITY_DESCRIPTIONS.items()))
+    if bad:
+        raise ConfigError(
+            f"--algorithms: unknown {bad}; choose from "
+            + '; '.join(f'{k} ({v})' for k, v in DIVERSITY_DESCRIPTIONS.items())
+        )
     common, runs = common_settings(opts, preset), sample_sizes(opts, preset)
-    out = {'embed': Variant({**common, 'settings.kind': 'embed'}), 'phase1-speed': Variant({**common, 'settings.kind': 'phase1-speed'}, ('embed',))}
+    out = {
+        'embed': Variant({**common, 'settings.kind': 'embed'}),
+        'phase1-speed': Variant({**common, 'settings.kind': 'phase1-speed'}, ('embed',)),
+    }
     for n in sorted(runs, reverse=True):
         for a in algs:
             out[f'{a}-n{n}'] = Variant({**common, 'settings.kind': 'cvfp', 'settings.diversity': a, 'settings.samples': n,
