@@ -9,21 +9,19 @@ from pathlib import Path
 from typing import NamedTuple
 import numpy as np
 import pandas as pd
-from .report import load_runs, mean_sd
+from .report import load_runs
 from .rundir import read_json
 from .metrics import read_metrics
 from .cvfp_study import DIVERSITY_DESCRIPTIONS
 from .cvfp_checks import pass_fail
 
 # %% auto #0
-__all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'GUIDELINES_EMBEDDING', 'GUIDELINES_PHASE1', 'GUIDELINES_TABLE',
-           'Run', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'fmt', 'er_text', 'rate_text', 'small_num',
-           'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences',
-           'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table', 'iteration_sentence',
-           'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts', 'checks_summary',
-           'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table',
-           'embedding_table', 'embedding_sentence', 'layers_sentence', 'phase1_settings_sentence', 'document_table',
-           'odcm_sentence', 'er_table']
+__all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'Run', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'fmt',
+           'er_text', 'rate_text', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table',
+           'speed_table', 'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping',
+           'iteration_table', 'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details',
+           'checks_counts', 'checks_summary', 'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves',
+           'phase2_table', 'timing_table']
 
 # %% ../nbs/12b_cvfp_report.ipynb #b74e1bc8
 class Run(NamedTuple):
@@ -422,203 +420,3 @@ def timing_table(runs) -> pd.DataFrame:
     rows = [{'run': r.name, 'train tokens': fmt(r.summary.get('train_tokens'), ','), **{c: fmt(r.summary.get(k), '.1f') for c, k in TIMINGS.items()}}
             for r in cvfp_runs(runs)]
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
-
-# %% ../nbs/12b_cvfp_report.ipynb #29d8c167
-GUIDELINES_EMBEDDING = {500: {'frozen': 334.31, 'trained': 1189.15, 'frozen acc %': 18.88, 'trained acc %': 11.58},
-                        # the New-LLM guidelines' "embedding freeze adopted" table (validation PPL and accuracy by
-                        # samples)
-                        1000: {'frozen': 280.27, 'trained': 840.46, 'frozen acc %': 19.91, 'trained acc %': 13.03}}
-
-# %% ../nbs/12b_cvfp_report.ipynb #e1c878bb
-def _pairs(runs) -> list[tuple[Run, Run]]:
-    "(frozen run, trained-embedding run) with the same algorithm, sample size and seed."
-    key = lambda r: (r.summary.get('algorithm'), r.summary['samples'], r.seed)
-    frozen = {key(r): r for r in cvfp_runs(runs)}
-    return [(frozen[key(t)], t) for t in cvfp_runs(runs, True) if key(t) in frozen]
-
-# %% ../nbs/12b_cvfp_report.ipynb #e8b5c9ea
-def embedding_table(runs) -> pd.DataFrame:
-    """Frozen against trained embedding per algorithm, sample size and seed: final validation PPL, accuracy, change and
-    trained parameters."""
-    rows = []
-    for f, t in _pairs(runs):
-        fs, ts = f.summary, t.summary
-        ch = (
-            None
-            if _na(fs.get('final_val_ppl'), ts.get('final_val_ppl'))
-            else 100 * (fs['final_val_ppl'] - ts['final_val_ppl']) / ts['final_val_ppl']
-        )
-        rows.append({'algorithm': fs.get('algorithm'), 'stories': fs['samples'], 'seed': f.seed,
-                     'frozen: val PPL': fmt(fs.get('final_val_ppl'), '.2f'), 'trained: val PPL': fmt(ts.get('final_val_ppl'), '.2f'),
-                     'frozen vs trained (%)': fmt(ch, '+.1f'), 'frozen: val acc': fmt(fs.get('val_acc'), '.2%'), 'trained: val acc': fmt(ts.get('val_acc'), '.2%'),
-                     'frozen: trained params': fmt(fs.get('phase2_trainable_params'), ','), 'trained: trained params': fmt(ts.get('phase2_trainable_params'), ',')})
-    return pd.DataFrame(rows).set_index(['algorithm', 'stories', 'seed']) if rows else pd.DataFrame()
-
-# %% ../nbs/12b_cvfp_report.ipynb #8950ac09
-def embedding_sentence(runs) -> str:
-    """Whether freezing the embedding gives the lower final validation PPL, in how many pairs and by how much, beside
-    the New-LLM guidelines."""
-    ps = [(f.summary['final_val_ppl'], t.summary['final_val_ppl']) for f, t in _pairs(runs)
-          if not _na(f.summary.get('final_val_ppl'), t.summary.get('final_val_ppl'))]
-    g = '; '.join(
-        f"{n:,} samples: frozen {v['frozen']:.2f} vs trained {v['trained']:.2f}"
-        f" ({100 * (v['frozen'] - v['trained']) / v['trained']:+.1f}%)"
-        for n, v in GUIDELINES_EMBEDDING.items()
-    )
-    if not ps:
-        return (
-            "No run trained the embedding (run the batch with `--train-embedding` for the comparison). The New-LLM"
-            f" guidelines: {g}."
-        )
-    wins, fm, tm = sum(f < t for f, t in ps), float(np.mean([f for f, _ in ps])), float(np.mean([t for _, t in ps]))
-    head = ('**The frozen embedding gives the lower validation PPL**' if wins == len(ps) else
-            '**The trained embedding gives the lower validation PPL**' if wins == 0 else
-            f'**The frozen embedding gives the lower validation PPL in {wins} of {len(ps)} pairs**')
-    return (
-        f"{head} (final epoch, {len(ps)} pair(s) of runs with the same algorithm, sample size and seed): frozen"
-        f" {fm:.2f} vs trained {tm:.2f} on average ({100 * (fm - tm) / tm:+.1f}%), lower in {wins} of {len(ps)}. The"
-        f" New-LLM guidelines: {g}."
-    )
-
-# %% ../nbs/12b_cvfp_report.ipynb #91e30ad4
-# the New-LLM guidelines' Phase 1 settings (summary key -> value)
-GUIDELINES_PHASE1 = {'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000}
-GUIDELINES_TABLE = {'MCDL': {'val PPL': 289.1, 'val acc %': 20.3, 'alpha': -0.423, 'val ER %': 82.7},
-              # the New-LLM guidelines' table (context_dim 500, dwr 0.9)
-              'ODCM': {'val PPL': 308.5, 'val acc %': 19.6, 'alpha': -0.568, 'val ER %': 86.7}}
-
-# %% ../nbs/12b_cvfp_report.ipynb #d802d750
-def layers_sentence(runs) -> str:
-    "Which CVFP and speed runs break the New-LLM guidelines' num_layers = 1 rule, or that none does."
-    rs = cvfp_runs(runs, None) + _done(runs, 'speedup')
-    if not rs: return 'No completed CVFP run.'
-    # a summary without the field predates the rule's check
-    bad = [r for r in rs if r.summary.get('num_layers', 1) != 1]
-    if not bad:
-        return f"All {len(rs)} CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
-    return (
-        f"**{len(bad)} of {len(rs)} run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely"
-        " do not change\"): "
-        + ', '.join(f"`{r.name}` ({fmt(r.summary.get('num_layers'))} layers)" for r in bad)
-        + '.'
-    )
-
-# %% ../nbs/12b_cvfp_report.ipynb #a60e0bec
-def phase1_settings_sentence(runs) -> str:
-    """The Phase 1 settings the CVFP runs recorded, against the New-LLM guidelines', the stopping rule, and how often an
-    earlier iteration's weights were kept."""
-    cv = cvfp_runs(runs)
-    if not cv: return 'No completed CVFP run.'
-    names = {'min_iterations': 'minimum iterations', 'max_iterations': 'maximum iterations', 'phase1_lr': 'Adam learning rate', 'val_tokens': 'validation tokens'}
-    diffs = []
-    for k, ref in GUIDELINES_PHASE1.items():
-        got = {}
-        for r in cv: got.setdefault(r.summary.get(k), []).append(r.name)
-        for v, rn in got.items():
-            if v != ref:
-                diffs.append(
-                    f"{names[k]} {fmt(v, ',') if isinstance(v, int) else fmt(v)} (guidelines {ref:,}) in {len(rn)}"
-                    " run(s)"
-                )
-    short = [r for r in cv if (r.summary.get('val_tokens') or 0) < (r.summary.get('val_tokens_requested') or 0)]
-    s = (
-        "Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation"
-        " effective rank on 10,000 tokens."
-        if not diffs
-        else "**Phase 1 differs from the New-LLM guidelines:** " + '; '.join(diffs) + '.'
-    )
-    if short:
-        s += (
-            f" The validation split held fewer tokens than asked in {len(short)} run(s) (e.g. `{short[0].name}`:"
-            f" {short[0].summary['val_tokens']:,})."
-        )
-    kept = [r for r in cv if r.summary.get('best_iteration') is not None and r.summary['best_iteration'] < r.summary.get('iterations', 0) - 1]
-    stopped = sum(r.summary.get('stop_reason') == 'val_effective_rank' for r in cv)
-    pats = sorted({r.summary['val_patience'] for r in cv if r.summary.get('val_patience') is not None})
-    rule = ('not recorded' if not pats else 'no early stopping, every run runs all its iterations' if pats == [0] else
-            'early stopping on validation effective rank with patience ' + ' / '.join(str(p) if p else 'none' for p in pats))
-    return (
-        s
-        + f" Stopping rule: {rule}; stopped early by validation effective rank: {stopped} of {len(cv)} runs;"
-        f" {len(kept)} kept the weights of an earlier iteration with a higher validation effective rank, chosen from"
-        " the minimum iterations on (Phase 1 table: 'weights of iteration')."
-    )
-
-# %% ../nbs/12b_cvfp_report.ipynb #657dbb17
-def _mean(rs, k):
-    xs = [r.summary.get(k) for r in rs if r.summary.get(k) is not None]
-    return float(np.mean(xs)) if xs else None
-
-# %% ../nbs/12b_cvfp_report.ipynb #4c9df1b6
-def document_table(runs, alpha: dict) -> pd.DataFrame:
-    """Our MCDL and ODCM at the largest sample size (mean over seeds) with the batch's alpha, beside the New-LLM
-    guidelines' table."""
-    cv, rows = cvfp_runs(runs), []
-    for alg in ('MCDL', 'ODCM'):
-        rs = [r for r in cv if r.summary.get('algorithm') == alg]
-        if rs:
-            n = max(r.summary['samples'] for r in rs); rs = [r for r in rs if r.summary['samples'] == n]
-            m = lambda k: _mean(rs, k)
-            a = alpha.get('algorithms', {}).get(alg) or {}
-            o, sa = a.get('overall') or {}, a.get('seed_alpha')
-            al = (
-                f"{mean_sd(sa['mean'], sa['sd'])} ({sa['n']} seeds)"
-                if sa and sa['n'] > 1
-                else fmt(o.get('alpha'), '.3f')
-            )
-            rows.append({'algorithm': alg, 'source': f'ours ({n} stories, {len(rs)} seed(s))', 'train ER %': fmt(m('train_er_percent'), '.1f'),
-                         'val ER %': fmt(m('val_er_percent'), '.1f'), 'CVFP loss': small_num(m('cvfp_loss')),
-                         'train convergence %': fmt(m('train_convergence_rate'), '.1f'), 'val convergence %': fmt(m('val_convergence_rate'), '.1f'),
-                         'val PPL': fmt(m('final_val_ppl'), '.2f'), 'best-epoch val PPL': fmt(m('best_val_ppl'), '.2f'),
-                         'val acc %': fmt(None if m('val_acc') is None else 100 * m('val_acc'), '.1f'), 'alpha': al})
-        t = GUIDELINES_TABLE[alg]
-        rows.append({'algorithm': alg, 'source': 'the New-LLM guidelines', 'train ER %': 'n/a', 'val ER %': f"{t['val ER %']:.1f}", 'CVFP loss': 'n/a',
-                     'train convergence %': 'n/a', 'val convergence %': 'n/a', 'val PPL': f"{t['val PPL']:.1f}", 'best-epoch val PPL': 'n/a',
-                     'val acc %': f"{t['val acc %']:.1f}", 'alpha': f"{t['alpha']:.3f}"})
-    return pd.DataFrame(rows).set_index(['algorithm', 'source'])
-
-# %% ../nbs/12b_cvfp_report.ipynb #4b0da8d2
-def odcm_sentence(runs) -> str:
-    """Whether our ODCM raises the effective rank above MCDL, as the New-LLM guidelines found (86.7% vs 82.7% validation
-    ER), per sample size with numbers."""
-    by = {}
-    for r in cvfp_runs(runs):
-        by.setdefault(r.summary['samples'], {}).setdefault(r.summary.get('algorithm'), []).append(r)
-    both = sorted(n for n, d in by.items() if 'MCDL' in d and 'ODCM' in d)
-    if not both: return 'No sample size has both MCDL and ODCM runs: no comparison.'
-    out = {}
-    for part in ('val', 'train'):
-        d = [(n, _mean(by[n]['ODCM'], f'{part}_er_percent'), _mean(by[n]['MCDL'], f'{part}_er_percent')) for n in both]
-        d = [x for x in d if None not in x]
-        out[part] = (sum(o > m for _, o, m in d), len(d), np.mean([o for _, o, _ in d]) if d else None, np.mean([m for _, _, m in d]) if d else None)
-    wins, k, o, m = out['val']
-    if not k: return 'No effective ranks recorded.'
-    verdict = ('**Our ODCM raises the validation effective rank above MCDL**, as the New-LLM guidelines found' if wins == k else
-               '**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines' if wins == 0 else
-               f'**Our ODCM raises the validation effective rank above MCDL at only {wins} of {k} sample sizes**, where the New-LLM guidelines found it higher')
-    tw, tk, to, tm = out['train']
-    return (
-        f"{verdict}: ODCM {o:.1f}% vs MCDL {m:.1f}% (mean over {k} sample size(s), {o - m:+.1f} points; higher at"
-        f" {wins} of {k}); training effective rank ODCM {to:.1f}% vs MCDL {tm:.1f}% (higher at {tw} of {tk}). The"
-        " New-LLM guidelines: 86.7% vs 82.7% (+4.0 points)."
-    )
-
-# %% ../nbs/12b_cvfp_report.ipynb #99e196ae
-def er_table(runs) -> pd.DataFrame:
-    """Per sample size: validation and training effective rank (%) of MCDL and ODCM, the mean over seeds with each
-    seed's value, and ODCM - MCDL."""
-    by = {}
-    for r in cvfp_runs(runs):
-        by.setdefault(r.summary['samples'], {}).setdefault(r.summary.get('algorithm'), []).append(r)
-    cell = lambda rs, k: 'n/a' if not rs or _mean(rs, k) is None else (f"{_mean(rs, k):.1f}" + ('' if len(rs) < 2 else
-                         ' (' + ', '.join(fmt(r.summary.get(k), '.1f') for r in rs) + ')'))
-    rows = []
-    for n in sorted(by):
-        d, row = by[n], {'stories': n}
-        for part in ('val', 'train'):
-            k = f'{part}_er_percent'
-            for alg in ('MCDL', 'ODCM'): row[f'{part} ER % {alg}'] = cell(d.get(alg), k)
-            o, m = (_mean(d.get('ODCM') or [], k), _mean(d.get('MCDL') or [], k))
-            row[f'{part} ER ODCM - MCDL'] = 'n/a' if _na(o, m) else f'{o - m:+.1f}'
-        rows.append(row)
-    return pd.DataFrame(rows).set_index('stories') if rows else pd.DataFrame()
