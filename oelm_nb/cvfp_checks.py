@@ -120,19 +120,26 @@ class ConvergenceVerdict:
     def final_grade(self) -> str: return final_diff_grade(self.final)
 
 # %% ../nbs/12a_cvfp_checks.ipynb #567d3cd5
-def convergence_verdict(losses: list[float], # loss of each pass, in order (>= 2 values)
-                        slope_tol: float = 1e-3, # |slope| below this is flat
-                        std_tol: float = 1e-2, # a flat series with std below this has converged
-                        final_threshold: float = FINAL_DIFF_GOOD, # fixed point reached when the last loss is below this
-                       ) -> ConvergenceVerdict:
+def convergence_verdict(
+    losses: list[float],  # loss of each pass, in order (>= 2 values)
+    slope_tol: float = 1e-3,  # |slope| below this is flat
+    std_tol: float = 1e-2,  # a flat series with std below this has converged
+    final_threshold: float = FINAL_DIFF_GOOD,  # fixed point reached when the last loss is below this
+) -> ConvergenceVerdict:
     "CONVERGING / CONVERGED / DIVERGING / UNSTABLE from the slope and spread of `losses` (the New-LLM guidelines' thresholds)."
     y = np.asarray(losses, dtype=float)
-    if len(y) < 2: raise ValueError(f'convergence_verdict needs at least 2 losses, got {len(y)}')
-    slope = float(np.polyfit(np.arange(len(y)), y, 1)[0]); std = float(y.std())
-    if slope < -slope_tol: v = 'CONVERGING'
-    elif abs(slope) < slope_tol and std < std_tol: v = 'CONVERGED'
-    elif slope > slope_tol: v = 'DIVERGING'
-    else: v = 'UNSTABLE'
+    if len(y) < 2:
+        raise ValueError(f'convergence_verdict needs at least 2 losses, got {len(y)}')
+    slope = float(np.polyfit(np.arange(len(y)), y, 1)[0])
+    std = float(y.std())
+    if slope < -slope_tol:
+        v = 'CONVERGING'
+    elif abs(slope) < slope_tol and std < std_tol:
+        v = 'CONVERGED'
+    elif slope > slope_tol:
+        v = 'DIVERGING'
+    else:
+        v = 'UNSTABLE'
     return ConvergenceVerdict(v, slope, std, float(y[-1]), bool(y[-1] < final_threshold), float(y[0]))
 
 # %% ../nbs/12a_cvfp_checks.ipynb #11572568

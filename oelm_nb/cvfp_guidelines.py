@@ -38,10 +38,20 @@ def embedding_table(runs) -> pd.DataFrame:
             if _na(fs.get('final_val_ppl'), ts.get('final_val_ppl'))
             else 100 * (fs['final_val_ppl'] - ts['final_val_ppl']) / ts['final_val_ppl']
         )
-        rows.append({'algorithm': fs.get('algorithm'), 'stories': fs['samples'], 'seed': f.seed,
-                     'frozen: val PPL': fmt(fs.get('final_val_ppl'), '.2f'), 'trained: val PPL': fmt(ts.get('final_val_ppl'), '.2f'),
-                     'frozen vs trained (%)': fmt(ch, '+.1f'), 'frozen: val acc': fmt(fs.get('val_acc'), '.2%'), 'trained: val acc': fmt(ts.get('val_acc'), '.2%'),
-                     'frozen: trained params': fmt(fs.get('phase2_trainable_params'), ','), 'trained: trained params': fmt(ts.get('phase2_trainable_params'), ',')})
+        rows.append(
+            {
+                'algorithm': fs.get('algorithm'),
+                'stories': fs['samples'],
+                'seed': f.seed,
+                'frozen: val PPL': fmt(fs.get('final_val_ppl'), '.2f'),
+                'trained: val PPL': fmt(ts.get('final_val_ppl'), '.2f'),
+                'frozen vs trained (%)': fmt(ch, '+.1f'),
+                'frozen: val acc': fmt(fs.get('val_acc'), '.2%'),
+                'trained: val acc': fmt(ts.get('val_acc'), '.2%'),
+                'frozen: trained params': fmt(fs.get('phase2_trainable_params'), ','),
+                'trained: trained params': fmt(ts.get('phase2_trainable_params'), ','),
+            }
+        )
     return pd.DataFrame(rows).set_index(['algorithm', 'stories', 'seed']) if rows else pd.DataFrame()
 
 # %% ../nbs/12d_cvfp_guidelines.ipynb #8950ac09
@@ -99,7 +109,12 @@ def phase1_settings_sentence(runs) -> str:
     earlier iteration's weights were kept."""
     cv = cvfp_runs(runs)
     if not cv: return 'No completed CVFP run.'
-    names = {'min_iterations': 'minimum iterations', 'max_iterations': 'maximum iterations', 'phase1_lr': 'Adam learning rate', 'val_tokens': 'validation tokens'}
+    names = {
+        'min_iterations': 'minimum iterations',
+        'max_iterations': 'maximum iterations',
+        'phase1_lr': 'Adam learning rate',
+        'val_tokens': 'validation tokens',
+    }
     diffs = []
     for k, ref in GUIDELINES_PHASE1.items():
         got = {}
@@ -122,11 +137,24 @@ def phase1_settings_sentence(runs) -> str:
             f" The validation split held fewer tokens than asked in {len(short)} run(s) (e.g. `{short[0].name}`:"
             f" {short[0].summary['val_tokens']:,})."
         )
-    kept = [r for r in cv if r.summary.get('best_iteration') is not None and r.summary['best_iteration'] < r.summary.get('iterations', 0) - 1]
+    kept = [
+        r
+        for r in cv
+        if r.summary.get('best_iteration') is not None
+        and r.summary['best_iteration'] < r.summary.get('iterations', 0) - 1
+    ]
     stopped = sum(r.summary.get('stop_reason') == 'val_effective_rank' for r in cv)
     pats = sorted({r.summary['val_patience'] for r in cv if r.summary.get('val_patience') is not None})
-    rule = ('not recorded' if not pats else 'no early stopping, every run runs all its iterations' if pats == [0] else
-            'early stopping on validation effective rank with patience ' + ' / '.join(str(p) if p else 'none' for p in pats))
+    rule = (
+        'not recorded'
+        if not pats
+        else (
+            'no early stopping, every run runs all its iterations'
+            if pats == [0]
+            else 'early stopping on validation effective rank with patience '
+            + ' / '.join(str(p) if p else 'none' for p in pats)
+        )
+    )
     return (
         s
         + f" Stopping rule: {rule}; stopped early by validation effective rank: {stopped} of {len(cv)} runs;"
@@ -156,15 +184,37 @@ def document_table(runs, alpha: dict) -> pd.DataFrame:
                 if sa and sa['n'] > 1
                 else fmt(o.get('alpha'), '.3f')
             )
-            rows.append({'algorithm': alg, 'source': f'ours ({n} stories, {len(rs)} seed(s))', 'train ER %': fmt(m('train_er_percent'), '.1f'),
-                         'val ER %': fmt(m('val_er_percent'), '.1f'), 'CVFP loss': small_num(m('cvfp_loss')),
-                         'train convergence %': fmt(m('train_convergence_rate'), '.1f'), 'val convergence %': fmt(m('val_convergence_rate'), '.1f'),
-                         'val PPL': fmt(m('final_val_ppl'), '.2f'), 'best-epoch val PPL': fmt(m('best_val_ppl'), '.2f'),
-                         'val acc %': fmt(None if m('val_acc') is None else 100 * m('val_acc'), '.1f'), 'alpha': al})
+            rows.append(
+                {
+                    'algorithm': alg,
+                    'source': f'ours ({n} stories, {len(rs)} seed(s))',
+                    'train ER %': fmt(m('train_er_percent'), '.1f'),
+                    'val ER %': fmt(m('val_er_percent'), '.1f'),
+                    'CVFP loss': small_num(m('cvfp_loss')),
+                    'train convergence %': fmt(m('train_convergence_rate'), '.1f'),
+                    'val convergence %': fmt(m('val_convergence_rate'), '.1f'),
+                    'val PPL': fmt(m('final_val_ppl'), '.2f'),
+                    'best-epoch val PPL': fmt(m('best_val_ppl'), '.2f'),
+                    'val acc %': fmt(None if m('val_acc') is None else 100 * m('val_acc'), '.1f'),
+                    'alpha': al,
+                }
+            )
         t = GUIDELINES_TABLE[alg]
-        rows.append({'algorithm': alg, 'source': 'the New-LLM guidelines', 'train ER %': 'n/a', 'val ER %': f"{t['val ER %']:.1f}", 'CVFP loss': 'n/a',
-                     'train convergence %': 'n/a', 'val convergence %': 'n/a', 'val PPL': f"{t['val PPL']:.1f}", 'best-epoch val PPL': 'n/a',
-                     'val acc %': f"{t['val acc %']:.1f}", 'alpha': f"{t['alpha']:.3f}"})
+        rows.append(
+            {
+                'algorithm': alg,
+                'source': 'the New-LLM guidelines',
+                'train ER %': 'n/a',
+                'val ER %': f"{t['val ER %']:.1f}",
+                'CVFP loss': 'n/a',
+                'train convergence %': 'n/a',
+                'val convergence %': 'n/a',
+                'val PPL': f"{t['val PPL']:.1f}",
+                'best-epoch val PPL': 'n/a',
+                'val acc %': f"{t['val acc %']:.1f}",
+                'alpha': f"{t['alpha']:.3f}",
+            }
+        )
     return pd.DataFrame(rows).set_index(['algorithm', 'source'])
 
 # %% ../nbs/12d_cvfp_guidelines.ipynb #4b0da8d2
@@ -180,12 +230,26 @@ def odcm_sentence(runs) -> str:
     for part in ('val', 'train'):
         d = [(n, _mean(by[n]['ODCM'], f'{part}_er_percent'), _mean(by[n]['MCDL'], f'{part}_er_percent')) for n in both]
         d = [x for x in d if None not in x]
-        out[part] = (sum(o > m for _, o, m in d), len(d), np.mean([o for _, o, _ in d]) if d else None, np.mean([m for _, _, m in d]) if d else None)
+        out[part] = (
+            sum(o > m for _, o, m in d),
+            len(d),
+            np.mean([o for _, o, _ in d]) if d else None,
+            np.mean([m for _, _, m in d]) if d else None,
+        )
     wins, k, o, m = out['val']
     if not k: return 'No effective ranks recorded.'
-    verdict = ('**Our ODCM raises the validation effective rank above MCDL**, as the New-LLM guidelines found' if wins == k else
-               '**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines' if wins == 0 else
-               f'**Our ODCM raises the validation effective rank above MCDL at only {wins} of {k} sample sizes**, where the New-LLM guidelines found it higher')
+    verdict = (
+        '**Our ODCM raises the validation effective rank above MCDL**, as the New-LLM guidelines found'
+        if wins == k
+        else (
+            '**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines'
+            if wins == 0
+            else (
+                f'**Our ODCM raises the validation effective rank above MCDL at only {wins} of {k} sample sizes**,'
+                ' where the New-LLM guidelines found it higher'
+            )
+        )
+    )
     tw, tk, to, tm = out['train']
     return (
         f"{verdict}: ODCM {o:.1f}% vs MCDL {m:.1f}% (mean over {k} sample size(s), {o - m:+.1f} points; higher at"

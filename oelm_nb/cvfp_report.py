@@ -52,7 +52,12 @@ def _done(runs, key: str) -> list[Run]:
 def is_cvfp_summary(s: dict | None) -> bool:
     """Whether `s` is a completed CVFP run's summary: it has a sample size (the embedding GPT's `samples` are generated
     texts)."""
-    return bool(s) and s.get('status') == 'completed' and isinstance(s.get('samples'), int) and not isinstance(s.get('samples'), bool)
+    return (
+        bool(s)
+        and s.get('status') == 'completed'
+        and isinstance(s.get('samples'), int)
+        and not isinstance(s.get('samples'), bool)
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #30c66b5c
 # False: frozen embedding (the protocol); True: Phase 2 trained it; None: both
@@ -102,8 +107,18 @@ def batch_sentence(batch_dir) -> str:
 # %% ../nbs/12b_cvfp_report.ipynb #2c04678a
 def runs_table(runs) -> pd.DataFrame:
     "variant, seed, status, wall time and error of every run."
-    return pd.DataFrame([{'variant': r.variant, 'seed': r.seed, 'status': r.status, 'wall_time_s': '' if r.summary.get('wall_time_s') is None
-                          else f"{r.summary['wall_time_s']:.0f}", 'error': r.error or ''} for r in _runs(runs)])
+    return pd.DataFrame(
+        [
+            {
+                'variant': r.variant,
+                'seed': r.seed,
+                'status': r.status,
+                'wall_time_s': '' if r.summary.get('wall_time_s') is None else f"{r.summary['wall_time_s']:.0f}",
+                'error': r.error or '',
+            }
+            for r in _runs(runs)
+        ]
+    )
 
 # %% ../nbs/12b_cvfp_report.ipynb #ecd460e3
 def runs_sentence(runs) -> str:
@@ -119,10 +134,18 @@ def runs_sentence(runs) -> str:
 # %% ../nbs/12b_cvfp_report.ipynb #e5d48138
 def embed_table(runs) -> pd.DataFrame:
     "Where each seed's frozen embedding came from, its shape, and the GPT that trained it."
-    rows = [{'seed': r.seed, 'source': s.get('embedding_source'), 'shape': f"{s.get('embedding_rows')} x {s.get('embedding_dim')}",
-             'trained here': s.get('trained'), 'GPT steps': s.get('steps'),
-             'GPT best val PPL': f"{s['best_val_ppl']:.2f}" if s.get('best_val_ppl') else 'n/a'}
-            for r in _done(runs, 'embedding_source') for s in [r.summary]]
+    rows = [
+        {
+            'seed': r.seed,
+            'source': s.get('embedding_source'),
+            'shape': f"{s.get('embedding_rows')} x {s.get('embedding_dim')}",
+            'trained here': s.get('trained'),
+            'GPT steps': s.get('steps'),
+            'GPT best val PPL': f"{s['best_val_ppl']:.2f}" if s.get('best_val_ppl') else 'n/a',
+        }
+        for r in _done(runs, 'embedding_source')
+        for s in [r.summary]
+    ]
     return pd.DataFrame(rows).set_index('seed') if rows else pd.DataFrame()
 
 # %% ../nbs/12b_cvfp_report.ipynb #694004e5
@@ -135,10 +158,20 @@ def speed_table(runs) -> pd.DataFrame:
     for r in _done(runs, 'speedup'):
         s = r.summary; g = lambda k: s.get(k)
         for v in ('sequential', 'parallel'):
-            rows.append({'seed': r.seed, 'version': v, 'tokens': fmt(g('tokens'), ','), 'iterations': g(f'{v}_iterations'), 'seconds': fmt(g(f'{v}_s'), '.2f'),
-                         'train ER': er_text(g(f'{v}_train_er'), g('er_dim'), g(f'{v}_train_er_percent')),
-                         f"val ER ({fmt(g('val_tokens'), ',')} tokens)": er_text(g(f'{v}_val_er'), g('er_dim'), g(f'{v}_val_er_percent')),
-                         'train convergence': rate_text(g(f'{v}_convergence_rate'), g(f'{v}_converged_tokens'), g('tokens'))})
+            rows.append(
+                {
+                    'seed': r.seed,
+                    'version': v,
+                    'tokens': fmt(g('tokens'), ','),
+                    'iterations': g(f'{v}_iterations'),
+                    'seconds': fmt(g(f'{v}_s'), '.2f'),
+                    'train ER': er_text(g(f'{v}_train_er'), g('er_dim'), g(f'{v}_train_er_percent')),
+                    f"val ER ({fmt(g('val_tokens'), ',')} tokens)": er_text(
+                        g(f'{v}_val_er'), g('er_dim'), g(f'{v}_val_er_percent')
+                    ),
+                    'train convergence': rate_text(g(f'{v}_convergence_rate'), g(f'{v}_converged_tokens'), g('tokens')),
+                }
+            )
     return pd.DataFrame(rows).set_index(['seed', 'version']) if rows else pd.DataFrame()
 
 # %% ../nbs/12b_cvfp_report.ipynb #9ca9e2e3
@@ -148,13 +181,24 @@ def speed_sentences(runs) -> list[str]:
     out = []
     for r in _done(runs, 'speedup'):
         s = r.summary; e = lambda v, w: er_text(s.get(f'{v}_{w}_er'), s.get('er_dim'), s.get(f'{v}_{w}_er_percent'))
-        out.append(f"**Seed {r.seed}: parallel Phase 1 is {s['speedup']:.1f}x faster** than sequential on {fmt(s.get('tokens'), ',')} tokens "
-                   f"({fmt(s.get('sequential_s'), '.2f')} s vs {fmt(s.get('parallel_s'), '.2f')} s, {fmt(s.get('iterations'))} iterations each; "
-                   f"{'meets' if s['speedup'] >= SPEEDUP_TARGET else 'misses'} the {SPEEDUP_TARGET}x target). Effective rank, sequential vs parallel: "
-                   f"training {e('sequential', 'train')} vs {e('parallel', 'train')}, validation {e('sequential', 'val')} vs {e('parallel', 'val')}."
-                   + ('' if s.get('par_seq_cosine_mean') is None else
-                      f" The parallel model's contexts against a sequential pass of the same model: cosine {s['par_seq_cosine_mean']:.4f} mean, "
-                      f"{s['par_seq_cosine_min']:.4f} min, MSE {s['par_seq_mse']:.6f} (the New-LLM guidelines on 56,602 tokens: 0.9969 mean, 0.9890 min, MSE 0.006156)."))
+        out.append(
+            f"**Seed {r.seed}: parallel Phase 1 is {s['speedup']:.1f}x faster** than sequential on"
+            f" {fmt(s.get('tokens'), ',')} tokens ({fmt(s.get('sequential_s'), '.2f')} s vs"
+            f" {fmt(s.get('parallel_s'), '.2f')} s, {fmt(s.get('iterations'))} iterations each;"
+            f" {'meets' if s['speedup'] >= SPEEDUP_TARGET else 'misses'} the {SPEEDUP_TARGET}x target). Effective rank,"
+            f" sequential vs parallel: training {e('sequential', 'train')} vs {e('parallel', 'train')}, validation"
+            f" {e('sequential', 'val')} vs {e('parallel', 'val')}."
+            + (
+                ''
+                if s.get('par_seq_cosine_mean') is None
+                else (
+                    " The parallel model's contexts against a sequential pass of the same model: cosine"
+                    f" {s['par_seq_cosine_mean']:.4f} mean, {s['par_seq_cosine_min']:.4f} min, MSE"
+                    f" {s['par_seq_mse']:.6f} (the New-LLM guidelines on 56,602 tokens: 0.9969 mean, 0.9890 min, MSE"
+                    " 0.006156)."
+                )
+            )
+        )
     return out
 
 # %% ../nbs/12b_cvfp_report.ipynb #5b9b0b21
@@ -164,15 +208,27 @@ def phase1_table(runs) -> pd.DataFrame:
     rows = []
     for r in cvfp_runs(runs):
         s = r.summary; g = s.get
-        rows.append({'run': r.name, 'algorithm': g('algorithm'), 'stories': g('samples'),
-                     'Phase 1': 'n/a' if g('parallel') is None else 'parallel' if g('parallel') else 'sequential',
-                     'train convergence': rate_text(g('train_convergence_rate'), g('train_converged_tokens'), g('train_tokens')),
-                     'val convergence': rate_text(g('val_convergence_rate'), g('val_converged_tokens'), g('check_tokens')),
-                     'train ER': er_text(g('train_er'), g('train_er_dim'), g('train_er_percent')),
-                     'val ER': er_text(g('val_er'), g('val_er_dim'), g('val_er_percent')),
-                     'CVFP loss': small_num(g('cvfp_loss')), 'final diff': small_num(g('final_diff')),
-                     'iterations': f"{fmt(g('iterations'))}/{fmt(g('max_iterations'))}", 'stopped by': fmt(g('stop_reason')),
-                     'weights of iteration': fmt(g('best_iteration') if g('best_iteration') is not None else g('iterations') and g('iterations') - 1)})
+        rows.append(
+            {
+                'run': r.name,
+                'algorithm': g('algorithm'),
+                'stories': g('samples'),
+                'Phase 1': 'n/a' if g('parallel') is None else 'parallel' if g('parallel') else 'sequential',
+                'train convergence': rate_text(
+                    g('train_convergence_rate'), g('train_converged_tokens'), g('train_tokens')
+                ),
+                'val convergence': rate_text(g('val_convergence_rate'), g('val_converged_tokens'), g('check_tokens')),
+                'train ER': er_text(g('train_er'), g('train_er_dim'), g('train_er_percent')),
+                'val ER': er_text(g('val_er'), g('val_er_dim'), g('val_er_percent')),
+                'CVFP loss': small_num(g('cvfp_loss')),
+                'final diff': small_num(g('final_diff')),
+                'iterations': f"{fmt(g('iterations'))}/{fmt(g('max_iterations'))}",
+                'stopped by': fmt(g('stop_reason')),
+                'weights of iteration': fmt(
+                    g('best_iteration') if g('best_iteration') is not None else g('iterations') and g('iterations') - 1
+                ),
+            }
+        )
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
 
 # %% ../nbs/12b_cvfp_report.ipynb #e76af784
@@ -242,13 +298,23 @@ def iteration_table(runs) -> pd.DataFrame:
         old_stop, old_it, old_er = (
             replay_early_stopping(cur, OLD_PATIENCE, mi, from_min=False) if cur else (None, None, None)
         )
-        rows.append({'run': r.name, 'algorithm': s.get('algorithm'), 'stories': s.get('samples'),
-                     'iterations': f"{fmt(s.get('iterations'))}/{fmt(s.get('max_iterations'))}",
-                     'patience': 'none' if not s.get('val_patience') else fmt(s.get('val_patience')), 'kept iteration': fmt(kept),
-                     'val ER kept (%)': fmt(cur.get(kept), '.2f'), 'val ER last (%)': fmt(cur[max(cur)] if cur else None, '.2f'),
-                     'longest plateau': fmt(_longest_plateau(cur, mi) if cur else None),
-                     f'patience {OLD_PATIENCE} from iteration 1: stop / keep': 'n/a' if old_it is None else f'{old_stop} / {old_it}',
-                     f'patience {OLD_PATIENCE}: val ER kept (%)': fmt(old_er, '.2f')})
+        rows.append(
+            {
+                'run': r.name,
+                'algorithm': s.get('algorithm'),
+                'stories': s.get('samples'),
+                'iterations': f"{fmt(s.get('iterations'))}/{fmt(s.get('max_iterations'))}",
+                'patience': 'none' if not s.get('val_patience') else fmt(s.get('val_patience')),
+                'kept iteration': fmt(kept),
+                'val ER kept (%)': fmt(cur.get(kept), '.2f'),
+                'val ER last (%)': fmt(cur[max(cur)] if cur else None, '.2f'),
+                'longest plateau': fmt(_longest_plateau(cur, mi) if cur else None),
+                f'patience {OLD_PATIENCE} from iteration 1: stop / keep': (
+                    'n/a' if old_it is None else f'{old_stop} / {old_it}'
+                ),
+                f'patience {OLD_PATIENCE}: val ER kept (%)': fmt(old_er, '.2f'),
+            }
+        )
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
 
 # %% ../nbs/12b_cvfp_report.ipynb #ced52816
@@ -302,8 +368,14 @@ def crit_value(v) -> str:
 # %% ../nbs/12b_cvfp_report.ipynb #fa2d9843
 def checks_table(runs) -> pd.DataFrame:
     "The verdict of each of the three checks per CVFP run."
-    rows = [{'run': r.name, 'algorithm': r.summary.get('algorithm'), **{name: check_verdict(k, (r.summary.get('checks') or {}).get(k)) for k, name in CHECKS.items()}}
-            for r in cvfp_runs(runs)]
+    rows = [
+        {
+            'run': r.name,
+            'algorithm': r.summary.get('algorithm'),
+            **{name: check_verdict(k, (r.summary.get('checks') or {}).get(k)) for k, name in CHECKS.items()},
+        }
+        for r in cvfp_runs(runs)
+    ]
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
 
 # %% ../nbs/12b_cvfp_report.ipynb #6378a65e
@@ -316,8 +388,17 @@ def check_details(runs) -> pd.DataFrame:
             crits = (c.get(k) or {}).get('criteria') or [
                 {'criterion': 'n/a (not recorded)', 'value': None, 'band': 'n/a', 'verdict': 'n/a'}
             ]
-            rows += [{'run': r.name, 'check': name, 'criterion': x['criterion'], 'value': crit_value(x['value']), 'band': x['band'], 'verdict': x['verdict']}
-                     for x in crits]
+            rows += [
+                {
+                    'run': r.name,
+                    'check': name,
+                    'criterion': x['criterion'],
+                    'value': crit_value(x['value']),
+                    'band': x['band'],
+                    'verdict': x['verdict'],
+                }
+                for x in crits
+            ]
     return pd.DataFrame(rows).set_index(['run', 'check', 'criterion']) if rows else pd.DataFrame()
 
 # %% ../nbs/12b_cvfp_report.ipynb #c62f42b9
@@ -379,10 +460,16 @@ def coverage_sentence(runs) -> str:
         + (", at every sample size: every validation token used comes from a fully covered story." if not bad else '. ')
     )
     if bad:
-        s += ("It cannot hold at " + '; '.join(f"{n} stories ({s['val_covered_stories']:,} covered stories, {s['val_covered_tokens']:,} tokens, for "
-                                                 f"{fmt(asked, ',')} asked: {s['val_unseen_percent']:.1f}% of the validation tokens unseen in training, "
-                                                 f"against {s['first_unseen_percent']:.1f}% for the split's first tokens)" for n, s in bad)
-              + '. There the covered stories come first and the rest are those with the fewest unseen tokens.')
+        s += (
+            "It cannot hold at "
+            + '; '.join(
+                f"{n} stories ({s['val_covered_stories']:,} covered stories, {s['val_covered_tokens']:,} tokens, for "
+                f"{fmt(asked, ',')} asked: {s['val_unseen_percent']:.1f}% of the validation tokens unseen in training, "
+                f"against {s['first_unseen_percent']:.1f}% for the split's first tokens)"
+                for n, s in bad
+            )
+            + '. There the covered stories come first and the rest are those with the fewest unseen tokens.'
+        )
     return s
 
 # %% ../nbs/12b_cvfp_report.ipynb #a8e47025
@@ -404,19 +491,42 @@ def phase2_curves(runs) -> pd.DataFrame:
 # %% ../nbs/12b_cvfp_report.ipynb #efe25cdc
 def phase2_table(runs) -> pd.DataFrame:
     "Best and final validation PPL, accuracy, steps and batch size of each CVFP run's Phase 2."
-    rows = [{'run': r.name, 'algorithm': g('algorithm'), 'stories': g('samples'), 'train tokens': fmt(g('train_tokens'), ','),
-             'best val PPL': fmt(g('best_val_ppl'), '.2f'), 'final val PPL': fmt(g('final_val_ppl'), '.2f'), 'val acc': fmt(g('val_acc'), '.2%'),
-             'steps': fmt(g('phase2_steps')), 'batch (tokens)': fmt(g('phase2_batch_size')), 'batch from': fmt(g('phase2_batch_source'))}
-            for r in cvfp_runs(runs) for g in [r.summary.get]]
+    rows = [
+        {
+            'run': r.name,
+            'algorithm': g('algorithm'),
+            'stories': g('samples'),
+            'train tokens': fmt(g('train_tokens'), ','),
+            'best val PPL': fmt(g('best_val_ppl'), '.2f'),
+            'final val PPL': fmt(g('final_val_ppl'), '.2f'),
+            'val acc': fmt(g('val_acc'), '.2%'),
+            'steps': fmt(g('phase2_steps')),
+            'batch (tokens)': fmt(g('phase2_batch_size')),
+            'batch from': fmt(g('phase2_batch_source')),
+        }
+        for r in cvfp_runs(runs)
+        for g in [r.summary.get]
+    ]
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
 
 # %% ../nbs/12b_cvfp_report.ipynb #a141fda7
-TIMINGS = {'Phase 1 training (s)': 'phase1_train_s', 'Phase 1 with validation (s)': 'phase1_s', 'checks (s)': 'checks_s',
-           'Phase 2 (s)': 'phase2_s', 'total (s)': 'wall_time_s'}
+TIMINGS = {
+    'Phase 1 training (s)': 'phase1_train_s',
+    'Phase 1 with validation (s)': 'phase1_s',
+    'checks (s)': 'checks_s',
+    'Phase 2 (s)': 'phase2_s',
+    'total (s)': 'wall_time_s',
+}
 
 # %% ../nbs/12b_cvfp_report.ipynb #40f1988f
 def timing_table(runs) -> pd.DataFrame:
     "Seconds of each part of each CVFP run."
-    rows = [{'run': r.name, 'train tokens': fmt(r.summary.get('train_tokens'), ','), **{c: fmt(r.summary.get(k), '.1f') for c, k in TIMINGS.items()}}
-            for r in cvfp_runs(runs)]
+    rows = [
+        {
+            'run': r.name,
+            'train tokens': fmt(r.summary.get('train_tokens'), ','),
+            **{c: fmt(r.summary.get(k), '.1f') for c, k in TIMINGS.items()},
+        }
+        for r in cvfp_runs(runs)
+    ]
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()

@@ -56,14 +56,26 @@ class CVFPSettings(CVFPConfig):
         super().__post_init__()
         c = 'CVFPSettings'
         check(self.kind in CVFP_KINDS, c, 'kind', self.kind, f'must be one of {CVFP_KINDS}')
-        check(self.val_selection in VAL_SELECTIONS, c, 'val_selection', self.val_selection, f'must be one of {VAL_SELECTIONS}')
+        check(
+            self.val_selection in VAL_SELECTIONS,
+            c,
+            'val_selection',
+            self.val_selection,
+            f'must be one of {VAL_SELECTIONS}',
+        )
         check(
             self.samples is None or self.samples > 0, c, 'samples', self.samples, 'must be a positive integer (stories)'
         )
         for k in ('tokens', 'speed_iterations', 'val_tokens', 'check_tokens', 'cpu_budget_mb'):
             check(getattr(self, k) > 0, c, k, getattr(self, k), 'must be a positive integer')
         check(self.check_passes >= 3, c, 'check_passes', self.check_passes, 'must be >= 3')
-        check(self.check_tokens <= self.val_tokens, c, 'check_tokens', self.check_tokens, f'must not exceed val_tokens={self.val_tokens}')
+        check(
+            self.check_tokens <= self.val_tokens,
+            c,
+            'check_tokens',
+            self.check_tokens,
+            f'must not exceed val_tokens={self.val_tokens}',
+        )
 
     def config(self, seed: int) -> CVFPConfig:
         "The model's CVFPConfig for a run with seed `seed` (vocab_size and embed_dim still to come from the embedding)."
@@ -97,12 +109,13 @@ def unseen_mask(ids, train_ids) -> np.ndarray:
     return ~np.isin(ids, tr)
 
 # %% ../nbs/12a_cvfp_study.ipynb #23bf9bdf
-def select_val_tokens(val_tokens, # (M,) the validation split (a memmap is fine)
-                      train_ids, # the run's training tokens
-                      eot: int, # end-of-text id closing every story
-                      n: int, # validation tokens wanted
-                      mode: str = 'covered', # a key of VAL_SELECTIONS
-                     ) -> tuple[torch.Tensor, dict]:
+def select_val_tokens(
+    val_tokens,  # (M,) the validation split (a memmap is fine)
+    train_ids,  # the run's training tokens
+    eot: int,  # end-of-text id closing every story
+    n: int,  # validation tokens wanted
+    mode: str = 'covered',  # a key of VAL_SELECTIONS
+) -> tuple[torch.Tensor, dict]:
     "Validation tokens chosen by `mode` and their coverage by the training tokens (stories available, used, tokens unseen in training)."
     if mode not in VAL_SELECTIONS:
         raise ConfigError(f'val_selection={mode!r} is invalid: must be one of {VAL_SELECTIONS}')
@@ -119,18 +132,36 @@ def select_val_tokens(val_tokens, # (M,) the validation split (a memmap is fine)
         ]
     take, got = [], 0
     for k in order:
-        if got >= n: break
-        m = min(int(lens[k]), n - got); take.append(np.arange(starts[k], starts[k] + m)); got += m
+        if got >= n:
+            break
+        m = min(int(lens[k]), n - got)
+        take.append(np.arange(starts[k], starts[k] + m))
+        got += m
     pos = np.concatenate(take) if take else np.zeros(0, np.int64)
-    k_unseen, k_first = int(unseen[pos].sum()), int(unseen[:min(n, len(toks))].sum())
-    info = {'val_selection': mode, 'val_stories_split': len(starts), 'val_covered_stories': int(covered.sum()),
-            'val_covered_tokens': int(lens[covered].sum()), 'val_stories_used': len(take), 'val_tokens': len(pos),
-            'val_unseen_tokens': k_unseen, 'val_unseen_percent': 100.0 * k_unseen / max(1, len(pos)), 'val_coverage_rule': k_unseen == 0,
-            'first_unseen_percent': 100.0 * k_first / max(1, min(n, len(toks)))}
+    k_unseen, k_first = int(unseen[pos].sum()), int(unseen[: min(n, len(toks))].sum())
+    info = {
+        'val_selection': mode,
+        'val_stories_split': len(starts),
+        'val_covered_stories': int(covered.sum()),
+        'val_covered_tokens': int(lens[covered].sum()),
+        'val_stories_used': len(take),
+        'val_tokens': len(pos),
+        'val_unseen_tokens': k_unseen,
+        'val_unseen_percent': 100.0 * k_unseen / max(1, len(pos)),
+        'val_coverage_rule': k_unseen == 0,
+        'first_unseen_percent': 100.0 * k_first / max(1, min(n, len(toks))),
+    }
     return torch.from_numpy(toks[pos]), info
 
 # %% ../nbs/12a_cvfp_study.ipynb #28b3d1c2
-EMBEDDING_KEYS = ('tok.wte.weight', 'wte.weight', 'embed_tokens.weight', 'word_embeddings.weight', 'embed_in.weight', 'lm_head.weight')
+EMBEDDING_KEYS = (
+    'tok.wte.weight',
+    'wte.weight',
+    'embed_tokens.weight',
+    'word_embeddings.weight',
+    'embed_in.weight',
+    'lm_head.weight',
+)
 
 # %% ../nbs/12a_cvfp_study.ipynb #f4a5e54a
 def load_embedding(path, # run directory of this package, local HF model directory, or .safetensors file
@@ -216,8 +247,16 @@ def embed_run(spec: RunSpec, progress: bool = False) -> dict:
             f"({train.vocab_size}); tokenize the data with that model's tokenizer (e.g. --set data.tokenizer=gpt2)"
         )
     save_file({'embedding': emb.contiguous()}, str(out / 'embedding.safetensors'))
-    return write_summary(spec, {**summary, 'embedding_source': src, 'embedding_rows': int(emb.shape[0]), 'embedding_dim': int(emb.shape[1]),
-                                'data_vocab_size': train.vocab_size})
+    return write_summary(
+        spec,
+        {
+            **summary,
+            'embedding_source': src,
+            'embedding_rows': int(emb.shape[0]),
+            'embedding_dim': int(emb.shape[1]),
+            'data_vocab_size': train.vocab_size,
+        },
+    )
 
 # %% ../nbs/12a_cvfp_study.ipynb #1ad29f6d
 def _cvfp_ids(s, train, val, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -285,10 +324,19 @@ def _speed_version(name: str, cfg: CVFPConfig, emb, ids, val_ids, dev, out: Path
     r = train_phase1(model, ids, parallel=(name == 'parallel'), track_rank=False)
     tr, va = effective_rank(r.contexts), val_effective_rank(model, val_ids)
     _jsonl(out / f'phase1_{name}.jsonl', r.history)
-    return {**(_par_seq_agreement(model, r, ids) if name == 'parallel' else {}),
-            f'{name}_s': r.seconds, f'{name}_iterations': r.iterations, f'{name}_converged_tokens': r.converged_tokens,
-            f'{name}_convergence_rate': 100 * r.convergence_rate, f'{name}_train_er': tr.value, f'{name}_train_er_percent': tr.percent,
-            f'{name}_val_er': va.value, f'{name}_val_er_percent': va.percent, 'er_dim': tr.dim, 'val_tokens': len(val_ids)}
+    return {
+        **(_par_seq_agreement(model, r, ids) if name == 'parallel' else {}),
+        f'{name}_s': r.seconds,
+        f'{name}_iterations': r.iterations,
+        f'{name}_converged_tokens': r.converged_tokens,
+        f'{name}_convergence_rate': 100 * r.convergence_rate,
+        f'{name}_train_er': tr.value,
+        f'{name}_train_er_percent': tr.percent,
+        f'{name}_val_er': va.value,
+        f'{name}_val_er_percent': va.percent,
+        'er_dim': tr.dim,
+        'val_tokens': len(val_ids),
+    }
 
 # %% ../nbs/12a_cvfp_study.ipynb #ccf19256
 def speed_run(spec: RunSpec) -> dict:
@@ -309,7 +357,14 @@ def speed_run(spec: RunSpec) -> dict:
     cfg = cfg.replace(
         vocab_size=emb.shape[0], embed_dim=emb.shape[1], phase1_min_iterations=n_it, phase1_max_iterations=n_it
     )
-    summary = {'status': 'completed', 'algorithm': s.diversity, 'tokens': len(ids), 'iterations': n_it, 'num_layers': cfg.num_layers, **cov}
+    summary = {
+        'status': 'completed',
+        'algorithm': s.diversity,
+        'tokens': len(ids),
+        'iterations': n_it,
+        'num_layers': cfg.num_layers,
+        **cov,
+    }
     for name in ('sequential', 'parallel'): summary.update(_speed_version(name, cfg, emb, ids, val_ids, dev, out))
     summary['speedup'] = summary['sequential_s'] / summary['parallel_s']
     summary['wall_time_s'] = summary['sequential_s'] + summary['parallel_s']
@@ -325,10 +380,15 @@ def run_cvfp(spec: RunSpec, progress: bool | None = False) -> dict:
 # %% ../nbs/12a_cvfp_study.ipynb #267a919c
 DIVERSITY_DESCRIPTIONS = {
     'MCDL': 'Mean-Centered Dispersion Loss: -||X - mean(X)||_F / n; pushes contexts away from their mean. O(n d).',
-    'ODCM': ('Off-Diagonal Covariance Minimization, the full VICReg pair: mean_j relu(1 - std_j) with std_j = sqrt(var_j + 1e-4) '
-             '(keeps every dimension spread) + 0.04 * sum of squared off-diagonal cov entries / d (decorrelates them). O(n d + d^2).'),
-    'ODCM-cov': ('ODCM without its variance term (this package\'s ODCM before issue 15, for comparison): sum of squared off-diagonal '
-                 'cov entries / d; nothing keeps the contexts from shrinking. O(n d + d^2).'),
+    'ODCM': (
+        'Off-Diagonal Covariance Minimization, the full VICReg pair: mean_j relu(1 - std_j) with std_j = sqrt(var_j +'
+        ' 1e-4) (keeps every dimension spread) + 0.04 * sum of squared off-diagonal cov entries / d (decorrelates'
+        ' them). O(n d + d^2).'
+    ),
+    'ODCM-cov': (
+        'ODCM without its variance term (this package\'s ODCM before issue 15, for comparison): sum of squared'
+        ' off-diagonal cov entries / d; nothing keeps the contexts from shrinking. O(n d + d^2).'
+    ),
 }
 # --phase1: token i reads context i-1 of the last iteration | token by token
 PHASE1_VERSIONS = ('parallel', 'sequential')
@@ -416,8 +476,16 @@ def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
     }
     for n in sorted(runs, reverse=True):
         for a in algs:
-            out[f'{a}-n{n}'] = Variant({**common, 'settings.kind': 'cvfp', 'settings.diversity': a, 'settings.samples': n,
-                                        'settings.phase2_epochs': 10}, ('embed',))
+            out[f'{a}-n{n}'] = Variant(
+                {
+                    **common,
+                    'settings.kind': 'cvfp',
+                    'settings.diversity': a,
+                    'settings.samples': n,
+                    'settings.phase2_epochs': 10,
+                },
+                ('embed',),
+            )
             if opts.get('train_embedding'):
                 out[f'{a}-n{n}-train-emb'] = Variant(
                     {**out[f'{a}-n{n}'].overrides, 'settings.phase2_train_embedding': True}, ('embed',)
@@ -438,12 +506,18 @@ def load_cvfp_model(spec: RunSpec, find_checkpoint):
 CVFP_STUDY = Study(
     load_model=load_cvfp_model,
     name='cvfp',
-    description='CVFP fixed-point learning: MCDL vs ODCM over sample sizes, parallel vs sequential Phase 1, alpha scaling (the New-LLM guidelines)',
+    description=(
+        'CVFP fixed-point learning: MCDL vs ODCM over sample sizes, parallel vs sequential Phase 1, alpha scaling (the'
+        ' New-LLM guidelines)'
+    ),
     settings=CVFPSettings,
     variants=cvfp_variants,
     run=run_cvfp,
     # the embedding GPT: the tiny preset's recipe with fewer steps (about a minute on one CPU thread)
     train={**TRAIN_PRESETS, 'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 400}},
     data=DATA_PRESETS,
-    options=CVFP_OPTIONS, default_seeds=(0, 1),
-    notebook='experiments/cvfp.ipynb', report='reports/cvfp.ipynb')
+    options=CVFP_OPTIONS,
+    default_seeds=(0, 1),
+    notebook='experiments/cvfp.ipynb',
+    report='reports/cvfp.ipynb',
+)
