@@ -126,7 +126,8 @@ def convergence_verdict(
     std_tol: float = 1e-2,  # a flat series with std below this has converged
     final_threshold: float = FINAL_DIFF_GOOD,  # fixed point reached when the last loss is below this
 ) -> ConvergenceVerdict:
-    "CONVERGING / CONVERGED / DIVERGING / UNSTABLE from the slope and spread of `losses` (the New-LLM guidelines' thresholds)."
+    """CONVERGING / CONVERGED / DIVERGING / UNSTABLE from the slope and spread of `losses` (the New-LLM guidelines'
+    thresholds)."""
     y = np.asarray(losses, dtype=float)
     if len(y) < 2:
         raise ValueError(f'convergence_verdict needs at least 2 losses, got {len(y)}')
@@ -196,21 +197,28 @@ def _er_band(part: str) -> str:
 # %% ../nbs/12a_cvfp_checks.ipynb #92846ee0
 def _er_entry(er: EffectiveRankCheck) -> dict:
     "Check 1 as the summary records it: verdict, numbers, rule and criteria."
-    return {'passed': er.passed, 'verdict': er.verdict, 'train_er_percent': er.train_percent, 'val_er_percent': er.val_percent, 'spread': er.spread,
-            'rule': (f'PASS: train ER >= {ER_BANDS["train"][0]:g}% and val ER >= {ER_BANDS["val"][0]:g}% and no global attractor; '
+    return {'passed': er.passed, 'verdict': er.verdict,
+            'train_er_percent': er.train_percent, 'val_er_percent': er.val_percent, 'spread': er.spread,
+            'rule': (f'PASS: train ER >= {ER_BANDS["train"][0]:g}% and val ER >= {ER_BANDS["val"][0]:g}% '
+                     'and no global attractor; '
                      f'FAIL: an ER < {ER_FAIL:g}% or spread < {ATTRACTOR_SPREAD:g}; else BELOW BAND'),
-            'criteria': [_crit('training effective rank (%)', er.train_percent, _er_band('train'), er_verdict(er.train_percent, 'train')),
-                         _crit('validation effective rank (%)', er.val_percent, _er_band('val'), er_verdict(er.val_percent, 'val')),
+            'criteria': [_crit('training effective rank (%)', er.train_percent, _er_band('train'),
+                               er_verdict(er.train_percent, 'train')),
+                         _crit('validation effective rank (%)', er.val_percent, _er_band('val'),
+                               er_verdict(er.val_percent, 'val')),
                          _crit('spread (mean distance from the mean context / mean context norm)', er.spread,
                                f'global attractor (FAIL) < {ATTRACTOR_SPREAD:g}', pass_fail(not er.attractor))]}
 
 # %% ../nbs/12a_cvfp_checks.ipynb #2565697f
 def _identity_entry(ident: IdentityCheck) -> dict:
     "Check 2 as the summary records it."
-    return {'passed': ident.passed, 'verdict': pass_fail(ident.passed), 'zero_diff': ident.zero_diff, 'token_similarity': ident.token_similarity,
+    return {'passed': ident.passed, 'verdict': pass_fail(ident.passed),
+            'zero_diff': ident.zero_diff, 'token_similarity': ident.token_similarity,
             'rule': f'zero_diff > {ident.diff_threshold} and token similarity < {ident.sim_threshold}',
-            'criteria': [_crit('difference from the zero-context output (mean L2)', ident.zero_diff, f'PASS > {ident.diff_threshold:g}', pass_fail(ident.diff_ok)),
-                         _crit('cosine similarity to the token embedding', ident.token_similarity, f'PASS < {ident.sim_threshold:g}',
+            'criteria': [_crit('difference from the zero-context output (mean L2)', ident.zero_diff,
+                               f'PASS > {ident.diff_threshold:g}', pass_fail(ident.diff_ok)),
+                         _crit('cosine similarity to the token embedding', ident.token_similarity,
+                               f'PASS < {ident.sim_threshold:g}',
                                'n/a (dims differ)' if ident.sim_ok is None else pass_fail(ident.sim_ok))]}
 
 # %% ../nbs/12a_cvfp_checks.ipynb #f84eb5a5
@@ -218,22 +226,28 @@ def _convergence_entry(conv: ConvergenceCheck, passes: int) -> dict:
     "Check 3 as the summary records it."
     v = conv.verdict
     return {'passed': conv.passed, 'verdict': v.verdict, 'final_diff': conv.final_diff, 'slope': v.slope, 'std': v.std,
-            'initial': v.initial, 'reduction_percent': v.reduction_percent, 'final_grade': v.final_grade, 'losses': conv.losses, 'passes': passes,
+            'initial': v.initial, 'reduction_percent': v.reduction_percent, 'final_grade': v.final_grade,
+            'losses': conv.losses, 'passes': passes,
             'rule': f'final_diff < {FINAL_DIFF_GOOD:g} (GOOD) and verdict CONVERGED or CONVERGING',
             'criteria': [_crit(f'loss slope per pass (linear fit over {len(conv.losses)} losses)', v.slope,
-                               'CONVERGING < -0.001; CONVERGED |slope| < 0.001 and std < 0.01; DIVERGING > 0.001; else UNSTABLE', v.verdict),
+                               'CONVERGING < -0.001; CONVERGED |slope| < 0.001 and std < 0.01; DIVERGING > 0.001; '
+                               'else UNSTABLE', v.verdict),
                          _crit('loss std over the passes', v.std, 'CONVERGED needs < 0.01', 'reported'),
-                         _crit('reduction, last loss vs first (%)', v.reduction_percent, 'reported (guidelines example: -59.93%)', 'reported'),
+                         _crit('reduction, last loss vs first (%)', v.reduction_percent,
+                               'reported (guidelines example: -59.93%)', 'reported'),
                          _crit('final diff (last pass-to-pass MSE)', conv.final_diff,
-                               f'GOOD < {FINAL_DIFF_GOOD:g}, FAIL > {FINAL_DIFF_FAIL:g}, else MARGINAL', v.final_grade)]}
+                               f'GOOD < {FINAL_DIFF_GOOD:g}, FAIL > {FINAL_DIFF_FAIL:g}, else MARGINAL',
+                               v.final_grade)]}
 
 # %% ../nbs/12a_cvfp_checks.ipynb #d63b3ec4
 @torch.no_grad()
 def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor, # (N,) validation tokens
-                      check_tokens: int = 1280, # the first validation tokens that the identity and convergence checks use
+                      # the first validation tokens that the identity and convergence checks use
+                      check_tokens: int = 1280,
                       passes: int = 10, # passes of the convergence check
                      ) -> dict:
-    "Numbers and the New-LLM guidelines' three checks (effective rank, identity mapping, CVFP convergence), each criterion with value, band and verdict."
+    """Numbers and the New-LLM guidelines' three checks (effective rank, identity mapping, CVFP convergence), each
+    criterion with value, band and verdict."""
     last = (res.history[res.best_iteration] if res.best_iteration is not None  # the iteration whose weights were kept
             else next((h for h in reversed(res.history) if 'cvfp' in h), {}))
     val_ctx = build_context_cache(model, val_ids)[-1]  # what val_effective_rank measures
@@ -246,7 +260,8 @@ def phase1_evaluation(model: CVFPModel, res: Phase1Result, val_ids: torch.Tensor
         build_context_cache(model, chk_ids)[-1], model.context_block(model.zero_context(len(chk_ids)), e)[-1], e
     )
     return {
-        'train_tokens': res.n_tokens, 'train_converged_tokens': res.converged_tokens, 'train_convergence_rate': 100 * res.convergence_rate,
+        'train_tokens': res.n_tokens, 'train_converged_tokens': res.converged_tokens,
+        'train_convergence_rate': 100 * res.convergence_rate,
         'val_tokens': len(val_ids), 'check_tokens': conv.n_tokens, 'val_converged_tokens': conv.converged_tokens,
         'val_convergence_rate': 100 * conv.convergence_rate,
         'train_er': tr_er.value, 'train_er_dim': tr_er.dim, 'train_er_percent': tr_er.percent,
