@@ -116,7 +116,8 @@ def select_val_tokens(
     n: int,  # validation tokens wanted
     mode: str = 'covered',  # a key of VAL_SELECTIONS
 ) -> tuple[torch.Tensor, dict]:
-    "Validation tokens chosen by `mode` and their coverage by the training tokens (stories available, used, tokens unseen in training)."
+    """Validation tokens chosen by `mode` and their coverage by the training tokens (stories available, used, tokens
+    unseen in training)."""
     if mode not in VAL_SELECTIONS:
         raise ConfigError(f'val_selection={mode!r} is invalid: must be one of {VAL_SELECTIONS}')
     toks = np.asarray(val_tokens).astype(np.int64)
@@ -291,15 +292,20 @@ def cvfp_run(spec: RunSpec) -> dict:
     t3 = time.perf_counter()
     _jsonl(out / 'phase1.jsonl', r1.history); _jsonl(out / 'metrics.jsonl', p2.records)
     save_model(model, str(out / 'model.safetensors'))
-    summary = {'status': 'completed', 'algorithm': s.diversity, 'samples': s.samples, 'parallel': s.parallel, 'dist_reg_weight': cfg.dist_reg_weight,
+    summary = {'status': 'completed', 'algorithm': s.diversity, 'samples': s.samples, 'parallel': s.parallel,
+               'dist_reg_weight': cfg.dist_reg_weight,
                'context_dim': cfg.context_dim, 'embed_dim': model.cfg.embed_dim, 'num_layers': cfg.num_layers,
-               'phase1_lr': cfg.phase1_lr, 'min_iterations': cfg.phase1_min_iterations, 'val_patience': cfg.phase1_val_patience,
+               'phase1_lr': cfg.phase1_lr, 'min_iterations': cfg.phase1_min_iterations,
+               'val_patience': cfg.phase1_val_patience,
                'restore_best': cfg.phase1_restore_best, 'val_tokens_requested': s.val_tokens,
                **ev, **cov, 'phase1_train_s': r1.seconds,
-               'best_val_ppl': p2.best_val_ppl, 'final_val_ppl': p2.val_ppl, 'final_val_loss': p2.val_loss, 'val_acc': p2.val_acc,
-               'common_val_tokens': len(common_ids), 'common_val_ppl': common['val_ppl'], 'common_val_acc': common['val_acc'],
+               'best_val_ppl': p2.best_val_ppl, 'final_val_ppl': p2.val_ppl, 'final_val_loss': p2.val_loss,
+               'val_acc': p2.val_acc,
+               'common_val_tokens': len(common_ids), 'common_val_ppl': common['val_ppl'],
+               'common_val_acc': common['val_acc'],
                'phase2_train_embedding': p2.train_embedding, 'phase2_trainable_params': p2.trainable_params,
-               'phase2_steps': p2.steps, 'phase2_batch_size': p2.sizing.batch_size, 'phase2_batch_source': p2.sizing.source,
+               'phase2_steps': p2.steps, 'phase2_batch_size': p2.sizing.batch_size,
+               'phase2_batch_source': p2.sizing.source,
                'phase1_s': t1 - t0, 'checks_s': t2 - t1, 'phase2_s': t3 - t2, 'wall_time_s': t3 - t0,
                'params_trainable_phase1': sum(p.numel() for p in model.context_block.parameters()),
                'params_trainable_phase2': sum(p.numel() for p in model.token_block.parameters())}
@@ -395,18 +401,24 @@ PHASE1_VERSIONS = ('parallel', 'sequential')
 
 # %% ../nbs/12a_cvfp_study.ipynb #d2d4df8f
 CVFP_OPTIONS = {
-    'algorithms': dict(nargs='+', metavar='ALG', help=f'diversity losses to compare (default: MCDL ODCM; known: {", ".join(DIVERSITY_LOSSES)})'),
-    'samples': dict(nargs='+', type=int, metavar='N', help='training stories per run (default: --init-samples x --multiplier^i)'),
+    'algorithms': dict(nargs='+', metavar='ALG',
+                       help=f'diversity losses to compare (default: MCDL ODCM; known: {", ".join(DIVERSITY_LOSSES)})'),
+    'samples': dict(nargs='+', type=int, metavar='N',
+                    help='training stories per run (default: --init-samples x --multiplier^i)'),
     'init_samples': dict(type=int, metavar='N', help='first sample size (default: 20 on the tiny preset, else 50)'),
     'multiplier': dict(type=float, metavar='M', help='sample-size multiplier (default 2)'),
     'window_size': dict(type=int, metavar='K', help='points per alpha window (default 4)'),
     'num_windows': dict(type=int, metavar='K', help='alpha windows (default 2)'),
     'dist_reg_weight': dict(type=float, metavar='W', help='diversity share w of the Phase 1 loss (default 0.9)'),
     'phase1': dict(choices=PHASE1_VERSIONS,
-                   help="Phase 1's version: parallel (default; token i reads the last iteration's context i-1) or sequential"),
-    'embeddings': dict(metavar='PATH', help='take the embedding from a run directory, a local HF model directory or a .safetensors file instead of training a GPT'),
+                   help="Phase 1's version: parallel (default; token i reads the last iteration's context i-1) "
+                        "or sequential"),
+    'embeddings': dict(metavar='PATH',
+                       help='take the embedding from a run directory, a local HF model directory or a .safetensors '
+                            'file instead of training a GPT'),
     'train_embedding': dict(flags=['--train-embedding'], action='store_const', const=True,
-                            help='also run each algorithm and sample size with the tied embedding trained in Phase 2 (variants ALG-nN-train-emb)'),
+                            help='also run each algorithm and sample size with the tied embedding trained in Phase 2 '
+                                 '(variants ALG-nN-train-emb)'),
 }
 
 # %% ../nbs/12a_cvfp_study.ipynb #a4ba1f80
