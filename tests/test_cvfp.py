@@ -12,8 +12,9 @@ from oelm_nb.rundir import write_json
 from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, build_context_cache, combined_loss, cvfp_config, cvfp_loss,
                           effective_rank, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, odcm_cov_loss, phase2_batch_size,
                           train_phase1, train_phase2, val_effective_rank, context_scan)
-from oelm_nb.cvfp_study import (DIVERSITY_DESCRIPTIONS, convergence_verdict, cvfp_convergence_check, identity_check, context_spread,
-                                effective_rank_check, final_diff_grade)
+from oelm_nb.cvfp_study import DIVERSITY_DESCRIPTIONS
+from oelm_nb.cvfp_checks import (convergence_verdict, cvfp_convergence_check, identity_check, context_spread,
+                                 effective_rank_check, final_diff_grade)
 from oelm_nb.cvfp_alpha import alpha_progression, fit_power_law
 
 SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)  # two layers: the per-layer cache is exercised

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from oelm_nb.rundir import write_json
-from oelm_nb import cvfp_report as cr, cvfp_alpha as ca
+from oelm_nb import cvfp_report as cr, cvfp_alpha as ca, cvfp_guidelines as cg
 
 RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 (GOOD) and verdict CONVERGED or CONVERGING',
          'effective_rank': 'guidelines bands'}
@@ -146,31 +146,31 @@ def test_checks(batch):
 
 def test_against_the_guidelines(batch, tmp_path):
     # the fake runs have 2 layers and no speed-run layer count: every CVFP run breaks the rule, by name
-    s = cr.layers_sentence(batch)
+    s = cg.layers_sentence(batch)
     assert s.startswith("**6 of 7 run(s) break the New-LLM guidelines' one-layer rule** (num_layers = 1, \"absolutely do not change\"): `run0-s0` (2 layers)")
     one = make_batch(tmp_path / 'one', summaries={(a, n, 0): {**cvfp_summary(a, n), 'num_layers': 1} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)})
-    assert cr.layers_sentence(one) == "All 7 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
-    assert cr.phase1_settings_sentence(batch).startswith('**Phase 1 differs from the New-LLM guidelines:** minimum iterations n/a (guidelines 5) in 6 run(s); '
+    assert cg.layers_sentence(one) == "All 7 CVFP and speed runs follow the New-LLM guidelines' one-layer rule (num_layers = 1)."
+    assert cg.phase1_settings_sentence(batch).startswith('**Phase 1 differs from the New-LLM guidelines:** minimum iterations n/a (guidelines 5) in 6 run(s); '
                                                          'maximum iterations 10 (guidelines 40) in 6 run(s); Adam learning rate n/a (guidelines 0.002) in 6 run(s); '
                                                          'validation tokens 640 (guidelines 10,000) in 6 run(s).')
-    assert 'Stopping rule: not recorded;' in cr.phase1_settings_sentence(batch)
+    assert 'Stopping rule: not recorded;' in cg.phase1_settings_sentence(batch)
     like = {(a, n, 0): {**cvfp_summary(a, n), 'min_iterations': 5, 'max_iterations': 40, 'phase1_lr': 0.002, 'val_tokens': 10_000, 'iterations': 40,
                         'val_tokens_requested': 10_000, 'best_iteration': 20 + n // 10, 'stop_reason': 'max_iterations', 'val_patience': 0}
             for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
-    assert cr.phase1_settings_sentence(make_batch(tmp_path / 'like', summaries=like)) == (
+    assert cg.phase1_settings_sentence(make_batch(tmp_path / 'like', summaries=like)) == (
         'Phase 1 as the New-LLM guidelines set it: at least 5 and at most 40 iterations, Adam 0.002, validation effective rank on 10,000 tokens. '
         'Stopping rule: no early stopping, every run runs all its iterations; stopped early by validation effective rank: 0 of 6 runs; 6 kept the weights '
         "of an earlier iteration with a higher validation effective rank, chosen from the minimum iterations on (Phase 1 table: 'weights of iteration').")
-    dt = cr.document_table(batch, ca.report_alpha(batch))
+    dt = cg.document_table(batch, ca.report_alpha(batch))
     assert dt.loc[('ODCM', 'ours (40 stories, 1 seed(s))')].tolist() == ['50.0', '40.0', '0.062500', '10.0', '100.0', f"{2 * ppl('ODCM', 40):.2f}",
                                                                         f"{ppl('ODCM', 40):.2f}", '12.5', '-0.300']
     assert dt.loc[('MCDL', 'the New-LLM guidelines')].tolist() == ['n/a', '82.7', 'n/a', 'n/a', 'n/a', '289.1', 'n/a', '20.3', '-0.423']
     hi = {(a, n, 0): {**cvfp_summary(a, n), 'val_er_percent': 40.0 + (5 if a == 'ODCM' and n > 10 else 0)} for a in ('MCDL', 'ODCM') for n in (10, 20, 40)}
-    assert cr.odcm_sentence(make_batch(tmp_path / 'hi', summaries=hi)) == (
+    assert cg.odcm_sentence(make_batch(tmp_path / 'hi', summaries=hi)) == (
         '**Our ODCM raises the validation effective rank above MCDL at only 2 of 3 sample sizes**, where the New-LLM guidelines found it higher: ODCM 43.3% vs '
         'MCDL 40.0% (mean over 3 sample size(s), +3.3 points; higher at 2 of 3); training effective rank ODCM 50.0% vs MCDL 50.0% (higher at 0 of 3). '
         'The New-LLM guidelines: 86.7% vs 82.7% (+4.0 points).')
-    assert cr.odcm_sentence(batch).startswith('**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines')
+    assert cg.odcm_sentence(batch).startswith('**Our ODCM does not raise the validation effective rank above MCDL**, unlike the New-LLM guidelines')
 
 
 def test_alpha(batch):
@@ -245,15 +245,15 @@ def test_alpha_per_seed_with_mean_and_spread(tmp_path):
     assert t.loc[('MCDL', ca.ALPHA_PPL['final_val_ppl'])].tolist()[1:] == ['-0.3000', '-0.3600', f'-0.3300 ± {0.06 / math.sqrt(2):.4f}', '0.0600']
     assert t.loc[('MCDL', ca.ALPHA_PPL['common_val_ppl']), 'seed 1'] == '-0.3600'  # 3x the PPL: the same slope
     assert ca.alpha_sentences(a)[0].endswith('Per seed: -0.30000 (seed 0), -0.36000 (seed 1); over seeds -0.33000 ± 0.04243 (mean ± sd), range 0.06000.')
-    assert cr.document_table(b, a).loc[('MCDL', 'ours (40 stories, 2 seed(s))'), 'alpha'] == '-0.330 ± 0.042 (2 seeds)'
+    assert cg.document_table(b, a).loc[('MCDL', 'ours (40 stories, 2 seed(s))'), 'alpha'] == '-0.330 ± 0.042 (2 seeds)'
 
 
 def test_coverage_and_embedding_without_records(batch):
     "Runs from before the coverage rule and without --train-embedding say so instead of failing."
     assert cr.coverage_sentence(batch) == 'The runs recorded no validation coverage (they predate the coverage rule).'
     assert cr.coverage_table(batch).loc['run0-s0', 'rule holds'] == 'n/a'
-    assert cr.embedding_sentence(batch).startswith('No run trained the embedding (run the batch with `--train-embedding` for the comparison).')
-    assert len(cr.embedding_table(batch)) == 0
+    assert cg.embedding_sentence(batch).startswith('No run trained the embedding (run the batch with `--train-embedding` for the comparison).')
+    assert len(cg.embedding_table(batch)) == 0
 
 
 def test_embedding_pairs(tmp_path):
@@ -263,11 +263,11 @@ def test_embedding_pairs(tmp_path):
     for (a, n) in (('MCDL', 10), ('MCDL', 40)):
         d = b / f'tw{a}{n}-s0'; d.mkdir(); write_json(d / 'summary.json', trained(a, n, 0))
     write_json(b / 'batch.json', {**json.loads((b / 'batch.json').read_text()), 'variants': json.loads((b / 'batch.json').read_text())['variants'] + ['twMCDL10', 'twMCDL40']})
-    t = cr.embedding_table(b)
+    t = cg.embedding_table(b)
     assert t.index.tolist() == [('MCDL', 10, 0), ('MCDL', 40, 0)]
     f10, t10 = 2 * ppl('MCDL', 10), 3 * ppl('MCDL', 10)
     assert t.loc[('MCDL', 10, 0), ['frozen: val PPL', 'trained: val PPL', 'frozen vs trained (%)']].tolist() == [f'{f10:.2f}', f'{t10:.2f}', f'{100 * (f10 - t10) / t10:+.1f}']
-    s = cr.embedding_sentence(b)
+    s = cg.embedding_sentence(b)
     assert s.startswith('**The frozen embedding gives the lower validation PPL in 1 of 2 pairs**') and 'lower in 1 of 2' in s
     assert len(cr.phase1_table(b)) == 4 and len(cr.cvfp_runs(b, None)) == 6  # the trained twins stay out of the other tables
 
@@ -288,5 +288,5 @@ def test_empty_batch(tmp_path):
         a = ca.report_alpha(b)
         assert len(ca.alpha_table(a)) == 0 and ca.alpha_sentences(a) == ['No algorithm has completed runs to fit.']
     assert cr.checks_counts([]) == {C1: (0, 0), C2: (0, 0), C3: (0, 0)}
-    assert cr.layers_sentence(tmp_path / 'bare') == cr.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
+    assert cg.layers_sentence(tmp_path / 'bare') == cg.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
     assert cr.batch_sentence(tmp_path / 'bare').endswith(': study `None`, preset `None`, data `None`, seeds None, flags none, overrides {}.')
