@@ -88,7 +88,9 @@ def gsm8k_accuracy(model: nn.Module, # a transformers causal LM
     hits, examples = 0, []
     try:
         for rec in records:
-            ids = tokenizer(str(rec['question']) + '\n', return_tensors='pt', add_special_tokens=False)['input_ids'].to(dev)
+            ids = tokenizer(str(rec['question']) + '\n', return_tensors='pt', add_special_tokens=False)['input_ids'].to(
+                dev
+            )
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             ok = gsm8k_correct(text, str(rec['answer']))

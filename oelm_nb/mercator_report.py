@@ -33,8 +33,10 @@ NOT_STUDENTS = ('teacher', 'pretrain')  # roles (and, for summaries without a ro
 RUN_COLUMNS = ('role', 'task', 'best_val_ppl', 'recall_acc', 'task_acc', 'final_kv_cos', 'final_kv_cos_centered', 'teacher_val_ppl',
                'start', 'start_val_ppl', 'start_recall_acc', 'steps', 'wall_time_s')
 
+# %% ../nbs/13b_mercator_report.ipynb #b9524776
 def mercator_runs(batch_dir) -> pd.DataFrame:
-    "`report.load_runs` of a Mercator batch with every column the report reads (NaN where no run wrote it), the task and the collapse flag."
+    """`report.load_runs` of a Mercator batch with every column the report reads (NaN where no run wrote it), the task
+    and the collapse flag."""
     runs = load_runs(batch_dir)
     for col in ('variant', 'seed', 'status', 'error', 'run_dir'):
         if col not in runs: runs[col] = pd.Series(dtype=object)
@@ -43,15 +45,19 @@ def mercator_runs(batch_dir) -> pd.DataFrame:
     if 'settings.role' in runs: runs['role'] = runs.role.fillna(runs['settings.role'])  # a failed run's planned role
     old = runs.task.isna() & runs.recall_acc.notna()  # summaries before `task`: our family, whose task is recall
     runs['task'] = runs.task.astype(object).where(~old, 'recall')
-    runs['task_acc'] = pd.to_numeric(runs.task_acc.where(runs.task_acc.notna() | (runs.task != 'recall'), runs.recall_acc), errors='coerce')
+    runs['task_acc'] = pd.to_numeric(
+        runs.task_acc.where(runs.task_acc.notna() | (runs.task != 'recall'), runs.recall_acc), errors='coerce'
+    )
     runs['collapsed'] = [collapsed(r, c) if pd.notna(r) and pd.notna(c) else None for r, c in zip(runs.final_kv_cos, runs.final_kv_cos_centered)]
     return runs
 
 # %% ../nbs/13b_mercator_report.ipynb #6e428021
 def completed_runs(runs: pd.DataFrame) -> pd.DataFrame: return runs[runs.status == 'completed']
 
+# %% ../nbs/13b_mercator_report.ipynb #a22c1c04
 def is_student(role, variant: str) -> bool:
-    "A run is a student when its role says so; a summary without a role: when the variant is not the teacher or the pre-training."
+    """A run is a student when its role says so; a summary without a role: when the variant is not the teacher or the
+    pre-training."""
     return role == 'student' if isinstance(role, str) else variant not in NOT_STUDENTS
 
 # %% ../nbs/13b_mercator_report.ipynb #10fe31a4
@@ -60,13 +66,17 @@ def student_variants(runs: pd.DataFrame) -> list[str]:
     roles = runs['role'] if 'role' in runs else pd.Series(np.nan, index=runs.index, dtype=object)
     return [v for v in dict.fromkeys(runs.variant) if any(is_student(r, v) for r in roles[runs.variant == v])]
 
+# %% ../nbs/13b_mercator_report.ipynb #dc046d37
 def distilled_variants(runs: pd.DataFrame) -> list[str]: return [v for v in student_variants(runs) if v != BASELINE]
 
 # %% ../nbs/13b_mercator_report.ipynb #7d39a99d
-CAPACITY = {'low': 'low-capacity', 'default': 'mercator-b0.01', 'high': 'high-capacity'}  # the projector's capacity presets
+# the projector's capacity presets
+CAPACITY = {'low': 'low-capacity', 'default': 'mercator-b0.01', 'high': 'high-capacity'}
 
+# %% ../nbs/13b_mercator_report.ipynb #6be32f25
 def is_mercator(v: str) -> bool:
-    "A Mercator student: the direction loss at any beta, with logits, centered, warmed up, or at another projector capacity."
+    """A Mercator student: the direction loss at any beta, with logits, centered, warmed up, or at another projector
+    capacity."""
     return v.startswith('mercator') or v in (CAPACITY['low'], CAPACITY['high'])
 
 # %% ../nbs/13b_mercator_report.ipynb #6d662d64
@@ -77,27 +87,36 @@ def batch_line(batch_dir, runs: pd.DataFrame) -> str:
     mode = (f"HF checkpoints: teacher `{opts.get('teacher')}`, student `{opts.get('student')}`, data `{opts.get('dataset') or 'story corpus'}`"
             if opts.get('teacher') else f"our GPT family, preset `{batch.get('preset')}`, data `{batch.get('data')}`")
     steps = int(runs['steps'].max()) if runs['steps'].notna().any() else 'n/a'
-    return (f"**Batch** `{Path(batch_dir).resolve()}`: study `{batch.get('study')}`, {mode}; variants {', '.join(batch.get('variants', []))}; "
-            f"seeds {batch.get('seeds')}; steps per run {steps}.")
+    return (
+        f"**Batch** `{Path(batch_dir).resolve()}`: study `{batch.get('study')}`, {mode}; variants"
+        f" {', '.join(batch.get('variants', []))}; seeds {batch.get('seeds')}; steps per run {steps}."
+    )
 
 # %% ../nbs/13b_mercator_report.ipynb #ffa6ebd6
 TASK_LABELS = {'recall': 'recall accuracy', 'gsm8k': 'GSM8K exact-match accuracy'}
 
+# %% ../nbs/13b_mercator_report.ipynb #b37b3edb
 def task_label(runs: pd.DataFrame) -> str:
-    "What the task accuracy is, from the `task` column: 'recall accuracy' in our family, 'GSM8K exact-match accuracy' in HF mode."
+    """What the task accuracy is, from the `task` column: 'recall accuracy' in our family, 'GSM8K exact-match accuracy'
+    in HF mode."""
     tasks = list(dict.fromkeys(runs.task.dropna())) if 'task' in runs else []
     return ' / '.join(TASK_LABELS.get(t, f'{t} accuracy') for t in tasks) or 'task accuracy'
 
 # %% ../nbs/13b_mercator_report.ipynb #b8b5b986
 def pass_of(c) -> str: return pass_label(c) if pd.notna(c) else ''
+
+# %% ../nbs/13b_mercator_report.ipynb #c528374b
 def stage_of(c) -> str:
     "The Mercator guide's stage of cosine `c` (`cosine_stage`), '' when there is none."
     return cosine_stage(c) if pd.notna(c) else ''
+
+# %% ../nbs/13b_mercator_report.ipynb #ed81fe03
 def yes_no(b) -> str: return '' if b is None or (isinstance(b, float) and np.isnan(b)) else 'yes' if b else 'no'
 
 # %% ../nbs/13b_mercator_report.ipynb #57b281dd
 def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "One row per run: role, status, best val PPL, task accuracy, centered and raw final cosine with pass labels, collapsed, wall time, error."
+    """One row per run: role, status, best val PPL, task accuracy, centered and raw final cosine with pass labels,
+    collapsed, wall time, error."""
     cols = {'variant': runs.variant, 'seed': runs.seed, 'role': runs.role, 'status': runs.status, 'best val PPL': runs.best_val_ppl,
             task_label(runs): runs.task_acc, 'centered cosine': runs.final_kv_cos_centered, 'pass (centered)': runs.final_kv_cos_centered.map(pass_of),
             'raw cosine': runs.final_kv_cos, 'pass (raw)': runs.final_kv_cos.map(pass_of), 'collapsed': runs.collapsed.map(yes_no),
@@ -106,7 +125,8 @@ def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 # %% ../nbs/13b_mercator_report.ipynb #14302877
 def style_runs_table(tab: pd.DataFrame):
-    "`runs_table` for display: three decimals, accuracy in percent, runs that did not complete shaded red, collapsed ones orange."
+    """`runs_table` for display: three decimals, accuracy in percent, runs that did not complete shaded red, collapsed
+    ones orange."""
     acc = [c for c in tab.columns if c.endswith('accuracy')]
     return (tab.style.format({'best val PPL': '{:.3f}', 'raw cosine': '{:.3f}', 'centered cosine': '{:.3f}', 'wall s': '{:.0f}',
                               **{c: '{:.1%}' for c in acc}}, na_rep='')
@@ -118,24 +138,34 @@ def failed_runs_note(runs: pd.DataFrame) -> str:
     "A sentence (Markdown) naming the runs that did not complete, with status and error; '' when all completed."
     bad = runs[runs.status != 'completed']
     if not len(bad): return ''
-    return f"**{len(bad)} run(s) did not complete:** " + '; '.join(f"`{r.variant}-s{r.seed}` ({r.status}: {r.error})" for r in bad.itertuples())
+    return f"**{len(bad)} run(s) did not complete:** " + '; '.join(
+        f"`{r.variant}-s{r.seed}` ({r.status}: {r.error})" for r in bad.itertuples()
+    )
 
 # %% ../nbs/13b_mercator_report.ipynb #fa4cd3ac
-GUIDE = dict(lr=5e-5, lr_projector=1e-3, batch_size=2, grad_accum=16, max_length=512, grad_clip=0.5)  # the Mercator guide's fine-tuning
+# the Mercator guide's fine-tuning
+GUIDE = dict(lr=5e-5, lr_projector=1e-3, batch_size=2, grad_accum=16, max_length=512, grad_clip=0.5)
 
+# %% ../nbs/13b_mercator_report.ipynb #65b540c7
 def _dig(d: dict, path: str):
     for k in path.split('.'): d = d.get(k) if isinstance(d, dict) else None
     return d
 
 # %% ../nbs/13b_mercator_report.ipynb #12f1af10
 def protocol_values(runs: pd.DataFrame, col: str | None, path: str | None = None, variants=None) -> list:
-    "The distinct values of summary column `col` over the completed students (of `variants`), else of `path` in their config.json."
+    """The distinct values of summary column `col` over the completed students (of `variants`), else of `path` in their
+    config.json."""
     st = completed_runs(runs)[lambda d: d.variant.isin(variants or student_variants(runs))]
     vals = st[col].dropna().tolist() if col and col in st else []
-    if not vals and path: vals = [x for d in st.run_dir if (x := _dig(read_json(Path(d) / 'config.json') or {}, path)) is not None]
+    if not vals and path:
+        vals = [x for d in st.run_dir if (x := _dig(read_json(Path(d) / 'config.json') or {}, path)) is not None]
     return sorted(set(vals), key=str)
 
-def _g(vals: list, unit: str = '') -> str: return ' / '.join(f'{v:g}' if isinstance(v, (int, float)) else str(v) for v in vals) + unit if vals else 'n/a'
+# %% ../nbs/13b_mercator_report.ipynb #03c0d749
+def _g(vals: list, unit: str = '') -> str:
+    return ' / '.join(f'{v:g}' if isinstance(v, (int, float)) else str(v) for v in vals) + unit if vals else 'n/a'
+
+# %% ../nbs/13b_mercator_report.ipynb #f29ebab6
 def _mean(s: pd.Series) -> float: return float(s.mean()) if s.notna().any() else np.nan
 
 # %% ../nbs/13b_mercator_report.ipynb #d5f27b02
@@ -162,16 +192,19 @@ def guide_text(runs: pd.DataFrame) -> str:
     clip = pv('grad_clip', 'train.grad_clip')
     bs, ga = pv(None, 'train.batch_size'), pv(None, 'train.grad_accum')
     T = pv(None, 'settings.max_length') if hf else pv(None, 'model.block_size')
-    return (f" **Against the Mercator guide:** the guide fine-tunes Qwen2.5-0.5B at lr {g['lr']:g} with the projector at {g['lr_projector']:g}, "
-            f"batch {g['batch_size']} x accumulation {g['grad_accum']}, max length {g['max_length']}, grad clip {g['grad_clip']:g}; ours runs at "
-            f"lr {_g(lr)}, projector {_g(lrp)}, batch {_g(bs)} x accumulation {_g(ga)}, length {_g(T)}, grad clip "
-            f"{_g(clip)}. The guide's logged loss equals 1 - CosSim (its example: Loss 0.8234 | CosSim 0.1766), "
-            "so what it logs is the direction term alone; whether its student also gets cross-entropy is not stated. Ours adds "
-            "cross-entropy at weight 1 to the KV term.")
+    return (
+        f" **Against the Mercator guide:** the guide fine-tunes Qwen2.5-0.5B at lr {g['lr']:g} with the projector at"
+        f" {g['lr_projector']:g}, batch {g['batch_size']} x accumulation {g['grad_accum']}, max length"
+        f" {g['max_length']}, grad clip {g['grad_clip']:g}; ours runs at lr {_g(lr)}, projector {_g(lrp)}, batch"
+        f" {_g(bs)} x accumulation {_g(ga)}, length {_g(T)}, grad clip {_g(clip)}. The guide's logged loss equals 1 -"
+        " CosSim (its example: Loss 0.8234 | CosSim 0.1766), so what it logs is the direction term alone; whether its"
+        " student also gets cross-entropy is not stated. Ours adds cross-entropy at weight 1 to the KV term."
+    )
 
 # %% ../nbs/13b_mercator_report.ipynb #6189b715
 def protocol_text(runs: pd.DataFrame) -> str:
-    "The protocol paragraph (Markdown): pre-training and fine-tuning steps, rates and their ratio, clip, weights, warm-up, the start; then the guide's."
+    """The protocol paragraph (Markdown): pre-training and fine-tuning steps, rates and their ratio, clip, weights,
+    warm-up, the start; then the guide's."""
     pv = lambda c, p=None, **k: protocol_values(runs, c, p, **k)
     st = completed_runs(runs)[lambda d: d.variant.isin(student_variants(runs))]
     lr, lrp = pv('lr_student', 'train.lr'), pv('lr_projector', 'settings.lr_projector')
@@ -185,8 +218,10 @@ def protocol_text(runs: pd.DataFrame) -> str:
 # %% ../nbs/13b_mercator_report.ipynb #3d6f4436
 STAGE_COLORS = ('#fde0dd', '#fee8c8', '#e5f5e0', '#c7e9c0', '#a1d99b')
 
+# %% ../nbs/13b_mercator_report.ipynb #f0b21520
 def stage_bands(ax, lo: float = -0.2):
-    "Shade the Mercator guide's stages (Adapting .. Excellent) behind a cosine axis, from `lo` to 1, and name them on the right."
+    """Shade the Mercator guide's stages (Adapting .. Excellent) behind a cosine axis, from `lo` to 1, and name them on
+    the right."""
     for name, a, b, c in zip(STAGES, [lo, *STAGE_BOUNDS], [*STAGE_BOUNDS, 1.0], STAGE_COLORS):
         ax.axhspan(max(a, lo), b, color=c, alpha=0.55, lw=0, zorder=0)
         ax.text(1.01, (max(a, lo) + b) / 2, name, fontsize=8, va='center', transform=ax.get_yaxis_transform())
@@ -196,30 +231,38 @@ def _mean_sd(ax, df: pd.DataFrame, metric: str, **style):
     "Mean over seeds of `metric` against step as a line, with a +-sd band."
     g = df.groupby('step')[metric].agg(['mean', 'std']).reset_index()
     line, = ax.plot(g.step, g['mean'], **style)
-    ax.fill_between(g.step, g['mean'] - g['std'].fillna(0), g['mean'] + g['std'].fillna(0), color=line.get_color(), alpha=0.15, lw=0)
+    ax.fill_between(
+        g.step, g['mean'] - g['std'].fillna(0), g['mean'] + g['std'].fillna(0), color=line.get_color(), alpha=0.15, lw=0
+    )
     return line
 
 # %% ../nbs/13b_mercator_report.ipynb #65539c68
 def _kv_panel(ax, df: pd.DataFrame, base: pd.DataFrame, v: str, centered: bool):
     "Student `v`'s panel: the probe's centered curve (`base`), its raw and centered curves, the pass line."
-    if len(base) and v != BASELINE:  # drawn first, wide and light: a student's centered curve on top of it leaves it visible
+    # drawn first, wide and light: a student's centered curve on top of it leaves it visible
+    if len(base) and v != BASELINE:
         _mean_sd(ax, base, 'val_kv_cos_centered', color='#999999', ls='--', lw=3, alpha=0.7, label='no-distill probe, centered')
     _mean_sd(ax, df.dropna(subset=['val_kv_cos']), 'val_kv_cos', color='tab:blue', marker='o', ms=3, label='raw')
     if centered and df.val_kv_cos_centered.notna().any():
         _mean_sd(ax, df.dropna(subset=['val_kv_cos_centered']), 'val_kv_cos_centered', color='tab:red', marker='s', ms=3, label='centered')
-    ax.axhline(PASS_LINES[0], color='tab:green', lw=1.2, ls=':', label=f'pass line {PASS_LINES[0]:.2f}'); ax.set_ylim(-0.2, 1.03)
+    ax.axhline(PASS_LINES[0], color='tab:green', lw=1.2, ls=':', label=f'pass line {PASS_LINES[0]:.2f}')
+    ax.set_ylim(-0.2, 1.03)
     ax.set_title(v, fontsize=10); ax.grid(alpha=0.3)
 
 # %% ../nbs/13b_mercator_report.ipynb #a974719c
 def plot_kv_curves(curves: pd.DataFrame, students: list[str] | None = None):
-    "Small multiples, one panel per student: raw and centered validation KV cosine against step, the no-distill probe's centered as reference."
+    """Small multiples, one panel per student: raw and centered validation KV cosine against step, the no-distill
+    probe's centered as reference."""
     has = lambda m: m in curves and curves[m].notna().any()
     shown = [v for v in (students or dict.fromkeys(curves.variant)) if has('val_kv_cos') and curves[curves.variant == v].val_kv_cos.notna().any()]
     if not shown:
-        fig, ax = plt.subplots(figsize=(6, 2)); ax.text(0.5, 0.5, 'no completed student runs with KV cosines', ha='center', transform=ax.transAxes)
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.text(0.5, 0.5, 'no completed student runs with KV cosines', ha='center', transform=ax.transAxes)
         ax.set_axis_off(); return fig
     ncol = min(4, len(shown)); nrow = -(-len(shown) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(3.4 * ncol, 2.6 * nrow + 0.6), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        nrow, ncol, figsize=(3.4 * ncol, 2.6 * nrow + 0.6), sharex=True, sharey=True, squeeze=False
+    )
     base = curves[curves.variant == BASELINE].dropna(subset=['val_kv_cos_centered']) if has('val_kv_cos_centered') else curves.iloc[:0]
     for ax, v in zip(axes.flat, shown): _kv_panel(ax, curves[curves.variant == v], base, v, has('val_kv_cos_centered'))
     for ax in axes.flat[len(shown):]: ax.set_axis_off()
@@ -238,21 +281,28 @@ def layer_means(run_dirs) -> str:
 
 # %% ../nbs/13b_mercator_report.ipynb #e1bb98b1
 def agreement_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per student variant (completed seeds): seeds, raw and centered cosine, their stages, the pass label, raw - centered, runs collapsed, centered per layer."
+    """Per student variant (completed seeds): seeds, raw and centered cosine, their stages, the pass label, raw -
+    centered, runs collapsed, centered per layer."""
     st = completed_runs(runs)[lambda d: d.variant.isin(student_variants(runs))]
     if not len(st): return pd.DataFrame()
     g = st.groupby('variant', sort=False)
-    agree = pd.DataFrame({'seeds': g.size(), 'raw cosine': g.final_kv_cos.mean(), 'centered cosine': g.final_kv_cos_centered.mean()})
-    agree['stage (raw)'] = agree['raw cosine'].map(stage_of); agree['stage (centered)'] = agree['centered cosine'].map(stage_of)
+    agree = pd.DataFrame(
+        {'seeds': g.size(), 'raw cosine': g.final_kv_cos.mean(), 'centered cosine': g.final_kv_cos_centered.mean()}
+    )
+    agree['stage (raw)'] = agree['raw cosine'].map(stage_of)
+    agree['stage (centered)'] = agree['centered cosine'].map(stage_of)
     agree['pass (centered)'] = agree['centered cosine'].map(pass_of)
     agree['raw - centered'] = agree['raw cosine'] - agree['centered cosine']
-    agree['runs collapsed'] = g.collapsed.apply(lambda s: f'{int(s.dropna().astype(bool).sum())} of {int(s.notna().sum())}')
+    agree['runs collapsed'] = g.collapsed.apply(
+        lambda s: f'{int(s.dropna().astype(bool).sum())} of {int(s.notna().sum())}'
+    )
     agree['centered per layer'] = [layer_means(st[st.variant == v].run_dir) for v in agree.index]
     return agree
 
 # %% ../nbs/13b_mercator_report.ipynb #6787eb01
 def collapse_guard(agree: pd.DataFrame, gap: float = COLLAPSE_GAP) -> str:
-    "The collapse guard's sentence (Markdown): the variants whose raw cosine exceeds the centered one by more than `gap`."
+    """The collapse guard's sentence (Markdown): the variants whose raw cosine exceeds the centered one by more than
+    `gap`."""
     if not len(agree) or agree['centered cosine'].isna().all():
         return "**Collapse guard:** no completed student recorded a centered cosine; the guard cannot be checked."
     col = agree[agree['raw - centered'] > gap]
@@ -273,15 +323,19 @@ def plot_agreement(agree: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(agree)), 3.8))
     agree[['raw cosine', 'centered cosine']].plot.bar(ax=ax, rot=30, color=['tab:blue', 'tab:red'])
     plt.setp(ax.get_xticklabels(), ha='right')
-    ax.set_ylim(min(-0.1, float(agree[['raw cosine', 'centered cosine']].min().min()) - 0.05), 1.03); ax.set_ylabel('cosine'); ax.set_xlabel('')
+    ax.set_ylim(min(-0.1, float(agree[['raw cosine', 'centered cosine']].min().min()) - 0.05), 1.03)
+    ax.set_ylabel('cosine')
+    ax.set_xlabel('')
     for b in STAGE_BOUNDS: ax.axhline(b, color='grey', lw=0.6, ls=':')
-    ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=9, frameon=False)  # beside the bars, never over them
+    # beside the bars, never over them
+    ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=9, frameon=False)
     plt.tight_layout()
     return fig
 
 # %% ../nbs/13b_mercator_report.ipynb #54c1c7b2
 def layer_table(runs: pd.DataFrame, key: str = 'kv_cos_centered_layers') -> pd.DataFrame:
-    "Per student variant (rows) and student layer (columns): summary list `key`, mean over the completed seeds that recorded it."
+    """Per student variant (rows) and student layer (columns): summary list `key`, mean over the completed seeds that
+    recorded it."""
     rows = {}
     for v in student_variants(runs):
         ls = [l for d in completed_runs(runs)[lambda d: d.variant == v].run_dir if (l := (read_json(Path(d) / 'summary.json') or {}).get(key))]
@@ -290,7 +344,8 @@ def layer_table(runs: pd.DataFrame, key: str = 'kv_cos_centered_layers') -> pd.D
 
 # %% ../nbs/13b_mercator_report.ipynb #92ceafcd
 def plot_layer_heatmap(runs: pd.DataFrame, vmin: float = -0.2, vmax: float = 1.0):
-    "Centered (left) and raw (right) final cosine per student variant and layer, annotated with two decimals, colours fixed to [vmin, vmax]."
+    """Centered (left) and raw (right) final cosine per student variant and layer, annotated with two decimals, colours
+    fixed to [vmin, vmax]."""
     tabs = {'centered cosine': layer_table(runs, 'kv_cos_centered_layers'), 'raw cosine': layer_table(runs, 'kv_cos_layers')}
     n = max([len(t) for t in tabs.values()] + [1]); w = max([t.shape[1] for t in tabs.values()] + [1])
     fig, axes = plt.subplots(1, 2, figsize=(4.5 + 2.4 * w, 0.42 * n + 1.6), sharey=False)
@@ -313,7 +368,8 @@ def _vs(c) -> dict:
 
 # %% ../nbs/13b_mercator_report.ipynb #604fd79c
 def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per student variant: seeds, best val PPL, relative difference to the baseline (mean, low, high: NaN without an interval), paired seeds."
+    """Per student variant: seeds, best val PPL, relative difference to the baseline (mean, low, high: NaN without an
+    interval), paired seeds."""
     ok, rows = completed_runs(runs), []
     for v in student_variants(runs):
         sub = ok[ok.variant == v]
@@ -331,6 +387,7 @@ def teacher_ppl(runs: pd.DataFrame) -> float:
 # %% ../nbs/13b_mercator_report.ipynb #df5baf8b
 PCT, PTS = '{:+.2%}', '{:+.1f} points'  # how a relative PPL difference and an accuracy difference in points are written
 
+# %% ../nbs/13b_mercator_report.ipynb #f4be57ab
 def vs_text(v: str, row, fmt: str = PCT) -> str:
     "A table's text for `v` against the baseline (`report.interval_text`); 'baseline' for itself, 'n/a' unpaired."
     if pd.isna(row['vs no-distill']): return 'baseline' if v == BASELINE else 'n/a'
@@ -340,8 +397,10 @@ def vs_text(v: str, row, fmt: str = PCT) -> str:
 # %% ../nbs/13b_mercator_report.ipynb #3eae09cd
 def _paired_count(n) -> str: return '' if pd.isna(n) else f'{n:.0f}'
 
+# %% ../nbs/13b_mercator_report.ipynb #4bfbbff4
 def style_ppl(ppl: pd.DataFrame):
-    "`ppl_table` for display: seeds, best val PPL (3 decimals), the difference to the baseline as text and the paired seeds."
+    """`ppl_table` for display: seeds, best val PPL (3 decimals), the difference to the baseline as text and the paired
+    seeds."""
     show = ppl[['seeds', 'best val PPL']].copy()
     show['vs no-distill'] = [vs_text(v, r) for v, r in ppl.iterrows()]
     show['paired seeds'] = ppl['paired seeds'].map(_paired_count)
@@ -349,16 +408,20 @@ def style_ppl(ppl: pd.DataFrame):
 
 # %% ../nbs/13b_mercator_report.ipynb #36691a32
 def plot_ppl(ppl: pd.DataFrame, teacher: float = np.nan):
-    "Best val PPL per student (green: below the baseline, orange: not), the baseline and the teacher as lines; log scale."
+    """Best val PPL per student (green: below the baseline, orange: not), the baseline and the teacher as lines; log
+    scale."""
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(ppl)), 3.6))
     below = lambda v: BASELINE in ppl.index and ppl.loc[v, 'best val PPL'] < ppl.loc[BASELINE, 'best val PPL']
     ax.bar(ppl.index, ppl['best val PPL'], color=['tab:gray' if v == BASELINE else 'tab:green' if below(v) else 'tab:orange' for v in ppl.index])
-    if BASELINE in ppl.index: ax.axhline(ppl.loc[BASELINE, 'best val PPL'], color='tab:gray', ls='-', lw=1, label='no-distill')
+    if BASELINE in ppl.index:
+        ax.axhline(ppl.loc[BASELINE, 'best val PPL'], color='tab:gray', ls='-', lw=1, label='no-distill')
     if pd.notna(teacher): ax.axhline(teacher, color='k', ls='--', lw=1, label=f'teacher ({teacher:.2f})')
     for i, y in enumerate(ppl['best val PPL']): ax.text(i, y, f'{y:.2f}', ha='center', va='bottom', fontsize=8)
     lo_y = min(ppl['best val PPL'].min(), teacher if pd.notna(teacher) else np.inf)
     ax.set_yscale('log'); ax.set_ylim(lo_y * 0.9, ppl['best val PPL'].max() * 1.15)
-    log_ticks(ax.yaxis, lo_y, ppl['best val PPL'].max()); ax.set_ylabel('best val PPL (log scale)'); ax.legend(fontsize=8)
+    log_ticks(ax.yaxis, lo_y, ppl['best val PPL'].max())
+    ax.set_ylabel('best val PPL (log scale)')
+    ax.legend(fontsize=8)
     ax.tick_params(axis='x', labelrotation=30); plt.setp(ax.get_xticklabels(), ha='right'); plt.tight_layout()
     return fig
 
@@ -371,7 +434,8 @@ def acc_compare(runs: pd.DataFrame, a: str, b: str):
 
 # %% ../nbs/13b_mercator_report.ipynb #68746df0
 def acc_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per student variant: seeds, mean task accuracy, paired absolute difference to the baseline in points (mean, low, high), paired seeds."
+    """Per student variant: seeds, mean task accuracy, paired absolute difference to the baseline in points (mean, low,
+    high), paired seeds."""
     ok, rows = completed_runs(runs), []
     for v in student_variants(runs):
         sub = ok[(ok.variant == v) & ok.task_acc.notna()]
@@ -390,12 +454,14 @@ def style_acc(acc: pd.DataFrame, label: str = 'task accuracy'):
 
 # %% ../nbs/13b_mercator_report.ipynb #b0e5fa6e
 def beats(c, lower_better: bool) -> bool:
-    "Whether comparison `c` (a - baseline) is better than the baseline beyond seed-to-seed noise (its interval excludes 0 on the good side)."
+    """Whether comparison `c` (a - baseline) is better than the baseline beyond seed-to-seed noise (its interval
+    excludes 0 on the good side)."""
     return c is not None and c.resolvable and (c.mean < 0) == lower_better
 
 # %% ../nbs/13b_mercator_report.ipynb #92019562
 def metric_answer(cmps: dict, what: str, fmt: str, lower_better: bool) -> str:
-    "The answer's clause for one metric from comparisons with the baseline (variant -> `report.Comparison`), written with `fmt`."
+    """The answer's clause for one metric from comparisons with the baseline (variant -> `report.Comparison`), written
+    with `fmt`."""
     if not cmps: return f"on {what}, cannot say (no distilled student has a run paired with the baseline's)"
     best = min(cmps, key=lambda v: cmps[v].mean if lower_better else -cmps[v].mean); c = cmps[best]
     desc, some = f"`{best}` at {c.text(fmt)}", lambda vs: f"{len(vs)} of {len(cmps)} ({', '.join(vs)})"
@@ -411,6 +477,7 @@ def metric_answer(cmps: dict, what: str, fmt: str, lower_better: bool) -> str:
 def _completed_variants(runs: pd.DataFrame, variants) -> list[str]:
     return [v for v in variants if (completed_runs(runs).variant == v).any()]
 
+# %% ../nbs/13b_mercator_report.ipynb #2d7686cf
 def comparisons(runs: pd.DataFrame, variants=None) -> tuple[dict, dict]:
     "Each completed distilled student (of `variants`) against the baseline: relative PPL and task accuracy in points."
     vs = _completed_variants(runs, distilled_variants(runs) if variants is None else variants)
@@ -418,9 +485,12 @@ def comparisons(runs: pd.DataFrame, variants=None) -> tuple[dict, dict]:
             {v: c for v in vs if (c := acc_compare(runs, v, BASELINE)) is not None})
 
 # %% ../nbs/13b_mercator_report.ipynb #df4fee19
-ONE_SEED_NOTE = (' (one seed per variant: the differences are not tested against seed-to-seed noise, which needs >= 2 seeds; '
-                 'run more seeds with --seeds 0 1 2)')
+ONE_SEED_NOTE = (
+    ' (one seed per variant: the differences are not tested against seed-to-seed noise, which needs >= 2 seeds; '
+    'run more seeds with --seeds 0 1 2)'
+)
 
+# %% ../nbs/13b_mercator_report.ipynb #5813bbe7
 def seeds_note(cmps: dict) -> str:
     "`ONE_SEED_NOTE` when a comparison has a single paired seed (naming those variants unless all have one); '' else."
     single = [v for v, c in cmps.items() if c.low is None]
@@ -429,10 +499,13 @@ def seeds_note(cmps: dict) -> str:
 
 # %% ../nbs/13b_mercator_report.ipynb #b90ecf42
 def headline(runs: pd.DataFrame) -> str:
-    "The report's answer (one Markdown sentence): does any distillation variant beat no-distill on PPL and on task accuracy?"
+    """The report's answer (one Markdown sentence): does any distillation variant beat no-distill on PPL and on task
+    accuracy?"""
     q = f"**Does any distillation variant beat `{BASELINE}`?**"
-    if not (completed_runs(runs).variant == BASELINE).any(): return f"{q} Cannot say: the `{BASELINE}` baseline did not complete."
-    if not _completed_variants(runs, distilled_variants(runs)): return f"{q} Cannot say: no distilled student completed."
+    if not (completed_runs(runs).variant == BASELINE).any():
+        return f"{q} Cannot say: the `{BASELINE}` baseline did not complete."
+    if not _completed_variants(runs, distilled_variants(runs)):
+        return f"{q} Cannot say: no distilled student completed."
     ppl, acc = comparisons(runs)
     a = metric_answer(ppl, 'validation PPL', PCT, True) + seeds_note(ppl)
     st = completed_runs(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
@@ -444,8 +517,11 @@ def headline(runs: pd.DataFrame) -> str:
 PROBE_MARGIN = 0.05  # "about the same" centered cosine: the probe within this of the Mercator students' mean
 CE_TAIL = 3          # records at the end of a run whose ce_loss is averaged as its final training cross-entropy
 
-def mercator_variants_of(runs: pd.DataFrame) -> list[str]: return [v for v in distilled_variants(runs) if is_mercator(v)]
+# %% ../nbs/13b_mercator_report.ipynb #4fd89a58
+def mercator_variants_of(runs: pd.DataFrame) -> list[str]:
+    return [v for v in distilled_variants(runs) if is_mercator(v)]
 
+# %% ../nbs/13b_mercator_report.ipynb #fc9aa906
 def collapse_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
     "(a): how many completed Mercator runs are collapsed; points there when more than half are."
     m = completed_runs(runs)[lambda d: d.variant.isin(mercator_variants_of(runs)) & d.collapsed.notna()]
@@ -457,14 +533,19 @@ def collapse_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
 def _centered(runs: pd.DataFrame, v: str) -> float:
     return _mean(completed_runs(runs)[lambda d: d.variant == v].final_kv_cos_centered)
 
+# %% ../nbs/13b_mercator_report.ipynb #ae3267f8
 def projector_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
-    "(b): centered cosine at each projector capacity against the pass line, and the no-distill probe's against the Mercator students' mean."
+    """(b): centered cosine at each projector capacity against the pass line, and the no-distill probe's against the
+    Mercator students' mean."""
     caps = {k: c for k, v in CAPACITY.items() if pd.notna(c := _centered(runs, v))}
     merc = [c for v in mercator_variants_of(runs) if pd.notna(c := _centered(runs, v))]
     probe = _centered(runs, BASELINE)
-    if not caps or not merc or pd.isna(probe): return None, 'projector: not measured (needs the capacity variants, the probe and centered cosines)'
+    if not caps or not merc or pd.isna(probe):
+        return None, 'projector: not measured (needs the capacity variants, the probe and centered cosines)'
     below, mean = all(c < PASS_LINES[0] for c in caps.values()), float(np.mean(merc))
-    n_below, where = sum(c < PASS_LINES[0] for c in caps.values()), ('every capacity' if len(caps) == len(CAPACITY) else f'the {len(caps)} of {len(CAPACITY)} capacities measured')
+    n_below, where = sum(c < PASS_LINES[0] for c in caps.values()), (
+        'every capacity' if len(caps) == len(CAPACITY) else f'the {len(caps)} of {len(CAPACITY)} capacities measured'
+    )
     line = (f"below the pass line {PASS_LINES[0]:.2f} at {where}" if below else f"at or above the pass line {PASS_LINES[0]:.2f} at {where}" if not n_below
             else f"below the pass line {PASS_LINES[0]:.2f} at {n_below} of {len(caps)} capacities")
     same = abs(probe - mean) <= PROBE_MARGIN
@@ -477,7 +558,8 @@ def projector_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
 def warmup_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
     "(c): mercator-warmup against mercator-b0.01, paired PPL; points there when the warm-up is resolvably lower."
     c = compare(runs, 'mercator-warmup', CAPACITY['default'])
-    if c is None: return None, 'learning-rate ratio / warm-up: not measured (needs `mercator-warmup` and `mercator-b0.01`)'
+    if c is None:
+        return None, 'learning-rate ratio / warm-up: not measured (needs `mercator-warmup` and `mercator-b0.01`)'
     w = protocol_values(runs, 'projector_warmup', 'settings.projector_warmup', variants=['mercator-warmup'])
     if w and max(w) == 0: return None, 'learning-rate ratio / warm-up: not tested (the warm-up was 0 steps)'
     return beats(c, True), f"learning-rate ratio / warm-up: `mercator-warmup` against `{CAPACITY['default']}` PPL {c.text(PCT)}"
@@ -485,13 +567,15 @@ def warmup_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
 # %% ../nbs/13b_mercator_report.ipynb #2a8a3f11
 def final_ce(curves: pd.DataFrame, tail: int = CE_TAIL) -> pd.DataFrame:
     "Per run (variant, seed): the mean training ce_loss over its last `tail` records that have one."
-    if 'ce_loss' not in curves or curves.ce_loss.isna().all(): return pd.DataFrame(columns=['variant', 'seed', 'ce_loss'])
+    if 'ce_loss' not in curves or curves.ce_loss.isna().all():
+        return pd.DataFrame(columns=['variant', 'seed', 'ce_loss'])
     return (curves.dropna(subset=['ce_loss']).sort_values('step').groupby(['variant', 'seed']).ce_loss
             .apply(lambda s: s.tail(tail).mean()).reset_index())
 
 # %% ../nbs/13b_mercator_report.ipynb #5dcbd5bd
 def ce_check(runs: pd.DataFrame, curves: pd.DataFrame) -> tuple[bool | None, str]:
-    "(d): the Mercator students' final training cross-entropy against no-distill's, paired by seed; points there when higher in every seed."
+    """(d): the Mercator students' final training cross-entropy against no-distill's, paired by seed; points there when
+    higher in every seed."""
     ce = final_ce(curves)
     merc = ce[ce.variant.isin(mercator_variants_of(runs))].groupby('seed').ce_loss.mean()
     base = ce[ce.variant == BASELINE].set_index('seed').ce_loss
@@ -504,21 +588,27 @@ def ce_check(runs: pd.DataFrame, curves: pd.DataFrame) -> tuple[bool | None, str
 # %% ../nbs/13b_mercator_report.ipynb #3d6b187e
 CAUSES = ('collapse', 'the projector', 'the learning-rate ratio / warm-up', 'a conflict between the KV term and cross-entropy')
 
+# %% ../nbs/13b_mercator_report.ipynb #1b232c65
 def loss_text(runs: pd.DataFrame, ppl: dict, acc: dict) -> str:
-    "How far the best Mercator student (by paired PPL, `ppl`) is from the baseline, on PPL and task accuracy (Markdown)."
+    """How far the best Mercator student (by paired PPL, `ppl`) is from the baseline, on PPL and task accuracy
+    (Markdown)."""
     best = min(ppl, key=lambda v: ppl[v].mean); c = ppl[best]
-    out = (f"**No Mercator student beats `{BASELINE}`:** the best, `{best}`, {'loses' if c.mean > 0 else 'is within seed-to-seed noise of it'}: "
-           f"PPL {c.text(PCT)}")
+    out = (
+        f"**No Mercator student beats `{BASELINE}`:** the best, `{best}`,"
+        f" {'loses' if c.mean > 0 else 'is within seed-to-seed noise of it'}: PPL {c.text(PCT)}"
+    )
     return out + (f" and {task_label(runs)} {acc[best].text(PTS)}" if best in acc else '')
 
 # %% ../nbs/13b_mercator_report.ipynb #f3464169
 def cause_sentence(runs: pd.DataFrame, curves: pd.DataFrame | None = None) -> str:
-    "When no Mercator student beats no-distill: by how much the best one loses, the four measurements (a)-(d) and which one it points to ('' else)."
+    """When no Mercator student beats no-distill: by how much the best one loses, the four measurements (a)-(d) and
+    which one it points to ('' else)."""
     merc = mercator_variants_of(runs)
     if not (completed_runs(runs).variant == BASELINE).any() or not merc: return ''
     ppl, acc = comparisons(runs, merc)
     if not ppl or any(beats(c, True) for c in ppl.values()) or any(beats(c, False) for c in acc.values()): return ''
-    if any(c.low is None and c.mean < 0 for c in ppl.values()): return ''  # better in a single seed: untested, not a loss to explain
+    # better in a single seed: untested, not a loss to explain
+    if any(c.low is None and c.mean < 0 for c in ppl.values()): return ''
     curves = load_curves(None, completed_runs(runs)) if curves is None else curves
     checks = [collapse_check(runs), projector_check(runs), warmup_check(runs), ce_check(runs, curves)]
     found = [name for name, (ok, _) in zip(CAUSES, checks) if ok]
@@ -529,7 +619,8 @@ def cause_sentence(runs: pd.DataFrame, curves: pd.DataFrame | None = None) -> st
 
 # %% ../nbs/13b_mercator_report.ipynb #a46661d1
 def alignment(agree: pd.DataFrame) -> str:
-    "One Markdown sentence: the most aligned distilled student's centered cosine against the no-distill probe's ('' without both)."
+    """One Markdown sentence: the most aligned distilled student's centered cosine against the no-distill probe's (''
+    without both)."""
     if not len(agree) or BASELINE not in agree.index: return ''
     done = [v for v in agree.index if v != BASELINE]
     if not done: return ''
@@ -543,7 +634,8 @@ def alignment(agree: pd.DataFrame) -> str:
 
 # %% ../nbs/13b_mercator_report.ipynb #01421151
 def mse_table(runs: pd.DataFrame) -> pd.DataFrame:
-    "Per Mercator student with completed `mse` and own runs: PPL, task accuracy and cosines next to MSE's, the paired PPL difference (`_d`, and as text)."
+    """Per Mercator student with completed `mse` and own runs: PPL, task accuracy and cosines next to MSE's, the paired
+    PPL difference (`_d`, and as text)."""
     ppl, agree, rows = ppl_table(runs), agreement_table(runs), []
     for v in mercator_variants_of(runs):
         c = compare(runs, v, 'mse')
@@ -565,14 +657,17 @@ def mse_sentence(mm: pd.DataFrame) -> str:
     "How many Mercator variants beat MSE on PPL and on centered cosine (Markdown)."
     if not len(mm): return 'The comparison needs completed `mse` and Mercator runs.'
     n_better, n_align = int((mm._d < 0).sum()), int((mm['centered cosine'] > mm['MSE centered cosine']).sum())
-    return (f"**{n_better} of {len(mm)} Mercator variants reached a lower validation perplexity than MSE** "
-            f"({', '.join(f'{v} {d:+.2%}' for v, d in mm._d.items())}), and {n_align} of {len(mm)} a higher centered KV cosine "
-            f"(MSE {mm['MSE centered cosine'].iloc[0]:.3f}).")
+    return (
+        f"**{n_better} of {len(mm)} Mercator variants reached a lower validation perplexity than MSE**"
+        f" ({', '.join(f'{v} {d:+.2%}' for v, d in mm._d.items())}), and {n_align} of {len(mm)} a higher centered KV"
+        f" cosine (MSE {mm['MSE centered cosine'].iloc[0]:.3f})."
+    )
 
 # %% ../nbs/13b_mercator_report.ipynb #5be0f952
 MARKERS = ('o', 's', '^', 'v', 'D', 'P', 'X', '*', 'h', '<', '>', 'p')
 LINESTYLES = ('-', '--', '-.', ':')
 
+# %% ../nbs/13b_mercator_report.ipynb #d2553e7d
 def student_styles(students: list[str]) -> dict[str, dict]:
     "A distinct colour, marker and line style per student (batch order); the baseline thick black."
     others = [s for s in students if s != BASELINE]
@@ -582,7 +677,8 @@ def student_styles(students: list[str]) -> dict[str, dict]:
 
 # %% ../nbs/13b_mercator_report.ipynb #dc174f63
 def plot_training_curves(curves: pd.DataFrame, students: list[str]):
-    "Training cross-entropy (left) and validation PPL (right, log scale) against step for the `students`, one style each."
+    """Training cross-entropy (left) and validation PPL (right, log scale) against step for the `students`, one style
+    each."""
     styles = student_styles(students)
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
     for ax, metric, title in ((axes[0], 'ce_loss', 'student training cross-entropy'), (axes[1], 'val_ppl', 'validation perplexity')):
@@ -591,8 +687,11 @@ def plot_training_curves(curves: pd.DataFrame, students: list[str]):
             g = df[df.variant == v].groupby('step')[metric].mean()
             if len(g): ax.plot(g.index, g.values, label=v, ms=5, markevery=max(1, len(g) // 8), alpha=0.9, **st)
         if not len(df): ax.text(0.5, 0.5, f'no {metric} records', ha='center', transform=ax.transAxes)
-        if metric == 'val_ppl' and len(df): ax.set_yscale('log'); log_ticks(ax.yaxis, df[metric].min(), df[metric].max())
+        if metric == 'val_ppl' and len(df):
+            ax.set_yscale('log')
+            log_ticks(ax.yaxis, df[metric].min(), df[metric].max())
         ax.set_title(title); ax.set_xlabel('step'); ax.grid(alpha=0.3)
-    if axes[1].get_legend_handles_labels()[0]: fig.legend(*axes[1].get_legend_handles_labels(), loc='center left', bbox_to_anchor=(1.0, 0.5), fontsize=9)
+    if axes[1].get_legend_handles_labels()[0]:
+        fig.legend(*axes[1].get_legend_handles_labels(), loc='center left', bbox_to_anchor=(1.0, 0.5), fontsize=9)
     plt.tight_layout()
     return fig

@@ -42,20 +42,26 @@ STARTS = ('pretrain', 'scratch')
 @dataclass
 class MercatorSettings(MercatorConfig):
     "A run of the Mercator study: the loss and projector (a MercatorConfig) plus the run's role, teacher and data."
-    role: str = 'student' # teacher | pretrain (the student's language-model pre-training) | student (fine-tuned from it)
-    start: str = 'pretrain' # our family: students fine-tune the batch's `pretrain` run (the Mercator guide's protocol) | scratch
-    distill: bool = True # False: the KV loss trains the projector only (probe); the student learns from cross-entropy alone
+    # teacher | pretrain (the student's language-model pre-training) | student (fine-tuned from it)
+    role: str = 'student'
+    # our family: students fine-tune the batch's `pretrain` run (the Mercator guide's protocol) | scratch
+    start: str = 'pretrain'
+    # False: the KV loss trains the projector only (probe); the student learns from cross-entropy alone
+    distill: bool = True
     kv_weight: float = 1.0 # weight of the KV loss next to the student's cross-entropy
     kd_weight: float = 0.0 # weight of logit distillation (Hinton KD, tau^2 KL) next to the cross-entropy (0: off)
     kd_temperature: float = 1.0 # its softening temperature (measured on the tiny preset: 1 beats 2 and 4)
     projector_warmup: int = 0 # optimizer steps in which the projector trains alone before the student moves
-    teacher_run: str | None = None # a finished teacher run directory of this package (default: the batch's `teacher` run)
+    # a finished teacher run directory of this package (default: the batch's `teacher` run)
+    teacher_run: str | None = None
     teacher_hf: str | None = None # HF mode: local checkpoint directory of the teacher
     student_hf: str | None = None # HF mode: local checkpoint directory of the student
-    dataset: str | None = None # HF mode: HF datasets `name[:config]` or a local .jsonl/.txt (None: the story corpus' text)
+    # HF mode: HF datasets `name[:config]` or a local .jsonl/.txt (None: the story corpus' text)
+    dataset: str | None = None
     text_field: str | None = None # HF mode: field holding the text (None: text, question+answer, prompt+completion)
     max_length: int = 512 # HF mode: tokens kept per document
-    teacher_dtype: str = 'auto' # HF mode: teacher weights, auto = bfloat16 on CUDA, float32 elsewhere; nf4 = 4 bits (bitsandbytes, CUDA)
+    # HF mode: teacher weights, auto = bfloat16 on CUDA, float32 elsewhere; nf4 = 4 bits (bitsandbytes, CUDA)
+    teacher_dtype: str = 'auto'
     task_eval: int = 64 # HF mode: validation question/answer records scored by exact match after training (0: off)
     max_new_tokens: int = 256 # HF mode: greedy tokens generated per task question
 
@@ -83,7 +89,8 @@ class MercatorSettings(MercatorConfig):
 
 # %% ../nbs/13a_mercator_study.ipynb #84c7d4b6
 def teacher_model(cfg: ModelConfig) -> dict:
-    "Overrides that scale the preset's model into the teacher: 2x layers, 2x heads, 1.5x width (a multiple of the heads)."
+    """Overrides that scale the preset's model into the teacher: 2x layers, 2x heads, 1.5x width (a multiple of the
+    heads)."""
     n_head = 2 * cfg.n_head
     n_embd = max(1, round(1.5 * cfg.n_embd / n_head)) * n_head
     return {'model.n_layer': 2 * cfg.n_layer, 'model.n_head': n_head, 'model.n_embd': n_embd,
@@ -110,9 +117,11 @@ def resolve_checkpoint(name: str, # a local checkpoint directory, or a hub name 
         return str(p.resolve())
     if p.exists(): raise ConfigError(f"{flag} {p} is a file; pass a checkpoint directory (with config.json)")
     if (snap := _hub_snapshot(name)) is not None and (snap / 'config.json').exists(): return str(snap)
-    raise ConfigError(f"{flag} {name!r} is not a local directory and not in the local Hugging Face cache, and nothing is "
-                      f"downloaded here. On a machine with network run `huggingface-cli download {name} --local-dir DIR`, "
-                      f"copy DIR here and pass {flag} DIR")
+    raise ConfigError(
+        f"{flag} {name!r} is not a local directory and not in the local Hugging Face cache, and nothing is "
+        f"downloaded here. On a machine with network run `huggingface-cli download {name} --local-dir DIR`, "
+        f"copy DIR here and pass {flag} DIR"
+    )
 
 # %% ../nbs/13a_mercator_study.ipynb #23964214
 def resolve_dataset(name: str, # local .jsonl/.txt/.json file, or `hub_name[:config]` already in the HF cache
@@ -120,21 +129,25 @@ def resolve_dataset(name: str, # local .jsonl/.txt/.json file, or `hub_name[:con
     "(local file or cached snapshot directory, config name) of `--dataset`; a clear `ConfigError` otherwise."
     p = Path(name).expanduser()
     if p.is_file():
-        if p.suffix not in ('.jsonl', '.json', '.txt'): raise ConfigError(f"--dataset {p}: give a .jsonl, .json or .txt file (got {p.suffix!r})")
+        if p.suffix not in ('.jsonl', '.json', '.txt'):
+            raise ConfigError(f"--dataset {p}: give a .jsonl, .json or .txt file (got {p.suffix!r})")
         return str(p.resolve()), None
     if p.is_dir(): return str(p.resolve()), None  # a saved / downloaded dataset directory
     repo, _, config = name.partition(':')
     if (snap := _hub_snapshot(repo, 'dataset')) is not None: return str(snap), config or None
-    raise ConfigError(f"--dataset {name!r} is not a local file and the data set {repo!r} is not in the local Hugging Face cache; "
-                      "nothing is downloaded here. On a machine with network run "
-                      f"`huggingface-cli download --repo-type dataset {repo} --local-dir DIR`, copy DIR here and pass --dataset DIR"
-                      f"{':' + config if config else ''} (or export the text as a .jsonl file with one object per line)")
+    raise ConfigError(
+        f"--dataset {name!r} is not a local file and the data set {repo!r} is not in the local Hugging Face cache; "
+        "nothing is downloaded here. On a machine with network run "
+        f"`huggingface-cli download --repo-type dataset {repo} --local-dir DIR`, copy DIR here and pass --dataset DIR"
+        f"{':' + config if config else ''} (or export the text as a .jsonl file with one object per line)"
+    )
 
 # %% ../nbs/13a_mercator_study.ipynb #dde3b7af
 def record_text(rec: dict, field: str | None = None) -> str:
     "The text of one data set record."
     if field:
-        if field not in rec: raise ConfigError(f"DistillSettings.text_field={field!r}: the records have fields {sorted(rec)}")
+        if field not in rec:
+            raise ConfigError(f"DistillSettings.text_field={field!r}: the records have fields {sorted(rec)}")
         return str(rec[field])
     for keys in (('text',), ('question', 'answer'), ('prompt', 'completion'), ('prompt', 'response'), ('instruction', 'output')):
         if all(k in rec for k in keys): return '\n'.join(str(rec[k]) for k in keys)
@@ -146,8 +159,10 @@ def _file_records(p: Path) -> list[dict]:
     if p.suffix == '.txt':
         return [{'text': d} for d in read_documents(p)]
     lines = [l for l in p.read_text(encoding='utf-8').splitlines() if l.strip()]
-    try: recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
-    except json.JSONDecodeError as e: raise ConfigError(f"--dataset {p}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    try:
+        recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--dataset {p}: not valid JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
         raise ConfigError(f"--dataset {p}: expected JSON objects (one per line in .jsonl, a list of them in .json)")
     return recs
@@ -155,8 +170,10 @@ def _file_records(p: Path) -> list[dict]:
 # %% ../nbs/13a_mercator_study.ipynb #0b936684
 def _dataset_records(path: str, config: str | None) -> tuple[list[dict] | None, tuple | None]:
     "A saved or cached HF data set: (None, (train, val)) with a validation or test split, else (train records, None)."
-    try: import datasets
-    except ImportError: raise ConfigError("--dataset with a data set directory needs `datasets`: pip install 'oelm_nb[hf]'") from None
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("--dataset with a data set directory needs `datasets`: pip install 'oelm_nb[hf]'") from None
     ds = datasets.load_dataset(path, config)
     val_name = next((s for s in ('validation', 'test') if s in ds), None)
     splits = (list(ds['train']), list(ds[val_name])) if val_name else None
@@ -177,7 +194,9 @@ def load_records(dataset: str, # --dataset (see resolve_dataset)
     return [recs[i] for i in sorted(perm[n_val:])], [recs[i] for i in sorted(perm[:n_val])]
 
 # %% ../nbs/13a_mercator_study.ipynb #5fda2b1f
-def load_texts(dataset: str, field: str | None = None, val_fraction: float = 0.05, seed: int = 0) -> tuple[list[str], list[str]]:
+def load_texts(
+    dataset: str, field: str | None = None, val_fraction: float = 0.05, seed: int = 0
+) -> tuple[list[str], list[str]]:
     "(train, val) texts of `load_records`, one per record (`record_text`)."
     train, val = load_records(dataset, val_fraction, seed)
     return [record_text(r, field) for r in train], [record_text(r, field) for r in val]
@@ -194,7 +213,8 @@ class DocBatches:
     def make(self, idx) -> tuple[torch.Tensor, torch.Tensor, None]:
         docs = [self.docs[i] for i in idx]
         T = max(map(len, docs)) - 1
-        x = torch.full((len(docs), T), self.pad_id, dtype=torch.long); y = torch.full((len(docs), T), -1, dtype=torch.long)
+        x = torch.full((len(docs), T), self.pad_id, dtype=torch.long)
+        y = torch.full((len(docs), T), -1, dtype=torch.long)
         for b, d in enumerate(docs):
             d = torch.tensor(d, dtype=torch.long)
             x[b, :len(d) - 1], y[b, :len(d) - 1] = d[:-1], d[1:]
@@ -211,11 +231,13 @@ class DocBatches:
         return [self.make(idx[i:i + self.batch_size]) for i in range(0, len(idx), self.batch_size)]
 
     @property
-    def max_len(self) -> int: return max(map(len, self.docs))
+    def max_len(self) -> int:
+        return max(map(len, self.docs))
 
 # %% ../nbs/13a_mercator_study.ipynb #9155d196
 def _eval_kv(student, teacher, projector, lmap: list[int], batches: list[tuple], pad_id: int | None, with_ce: bool):
-    "Per (layer, kind) the student's and projected teacher's vectors at real tokens of `batches`; the summed CE and tokens."
+    """Per (layer, kind) the student's and projected teacher's vectors at real tokens of `batches`; the summed CE and
+    tokens."""
     dev = next(student.parameters()).device
     S, P = {}, {}  # (layer, kind) -> list of (N, D) student / projected teacher vectors
     loss_sum, n_tok = 0.0, 0
@@ -226,7 +248,9 @@ def _eval_kv(student, teacher, projector, lmap: list[int], batches: list[tuple],
         _, t_kv = extract_kv(teacher, x, am)
         logits, s_kv = extract_kv(student, x, am)
         if with_ce:
-            loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction='sum').item()
+            loss_sum += F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction='sum'
+            ).item()
             n_tok += int((y != -1).sum())
         keep = torch.ones(x.shape, dtype=torch.bool, device=dev) if mask is None else mask
         for i, ti in enumerate(lmap):
@@ -238,7 +262,8 @@ def _eval_kv(student, teacher, projector, lmap: list[int], batches: list[tuple],
 
 # %% ../nbs/13a_mercator_study.ipynb #192e78f0
 def _kv_agreement(S: dict, P: dict, n_layers: int) -> dict:
-    "Raw and centered cosine per layer (K and V averaged) and over all layers, and the raw one's stage (`_eval_kv`'s vectors)."
+    """Raw and centered cosine per layer (K and V averaged) and over all layers, and the raw one's stage (`_eval_kv`'s
+    vectors)."""
     raw, cen = [], []
     for i in range(n_layers):
         r = [cosine(torch.cat(S[i, k]), torch.cat(P[i, k])).mean().item() for k in 'kv']
@@ -270,7 +295,8 @@ def distill_eval(student: nn.Module, teacher: nn.Module, projector: KVProjector,
 # %% ../nbs/13a_mercator_study.ipynb #763f403b
 @torch.no_grad()
 def lm_eval_batches(model: nn.Module, batches: list[tuple]) -> dict:
-    "Cross-entropy and perplexity of a GPT of this package or an HF causal LM over (x, y, ...) batches; y = -1 is ignored."
+    """Cross-entropy and perplexity of a GPT of this package or an HF causal LM over (x, y, ...) batches; y = -1 is
+    ignored."""
     was = model.training; model.eval()
     dev = next(model.parameters()).device
     loss_sum, n_tok = 0.0, 0
@@ -278,7 +304,8 @@ def lm_eval_batches(model: nn.Module, batches: list[tuple]) -> dict:
         for x, y, *_ in batches:
             x, y = x.to(dev), y.to(dev)
             m = _unwrap(model)
-            logits = m(x)[0] if isinstance(m, GPT) else m(input_ids=x, attention_mask=(y != -1).long()).logits  # y = -1 exactly at padding
+            # y = -1 exactly at padding
+            logits = m(x)[0] if isinstance(m, GPT) else m(input_ids=x, attention_mask=(y != -1).long()).logits
             loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction='sum').item()
             n_tok += int((y != -1).sum())
     finally: model.train(was)
@@ -289,7 +316,8 @@ def lm_eval_batches(model: nn.Module, batches: list[tuple]) -> dict:
 def teacher_checkpoint(run_dir: Path) -> Path:
     "The checkpoint a student distils from: the teacher run's best (lowest val loss), else its final one."
     for tag in ('best', 'final'):
-        if (Path(run_dir) / 'checkpoints' / tag / 'model.safetensors').exists(): return (Path(run_dir) / 'checkpoints' / tag).resolve()
+        if (Path(run_dir) / 'checkpoints' / tag / 'model.safetensors').exists():
+            return (Path(run_dir) / 'checkpoints' / tag).resolve()
     raise ConfigError(f"teacher run {run_dir} has no checkpoints/best or checkpoints/final with model.safetensors; "
                       "did it complete? (run the `teacher` variant first, or pass --teacher-run DIR of a finished run)")
 
@@ -297,16 +325,21 @@ def teacher_checkpoint(run_dir: Path) -> Path:
 def _teacher_dir(spec: RunSpec, ds: MercatorSettings) -> Path:
     return Path(ds.teacher_run) if ds.teacher_run else spec.upstream_dir('teacher')
 
+# %% ../nbs/13a_mercator_study.ipynb #34986626
 def _load_gpt_teacher(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, Path, dict]:
     tdir = _teacher_dir(spec, ds)
     tspec = RunSpec.load_json(tdir / 'config.json')
     if tspec.model.vocab_size != spec.model.vocab_size:
-        raise ConfigError(f"teacher {tdir} has vocab_size {tspec.model.vocab_size}, the student {spec.model.vocab_size}: "
-                          "both must use the same tokenizer (set model.vocab_size alike)")
+        raise ConfigError(
+            f"teacher {tdir} has vocab_size {tspec.model.vocab_size}, the student {spec.model.vocab_size}: "
+            "both must use the same tokenizer (set model.vocab_size alike)"
+        )
     t_tok, s_tok = tspec.resolved_data_dir / 'tokenizer.json', spec.resolved_data_dir / 'tokenizer.json'
     if t_tok.exists() and s_tok.exists() and t_tok.read_bytes() != s_tok.read_bytes():
-        raise ConfigError(f"teacher {tdir} was trained with another tokenizer ({t_tok}) than this run's data ({s_tok}); "
-                          "distil on the teacher's data (--data of the teacher's batch)")
+        raise ConfigError(
+            f"teacher {tdir} was trained with another tokenizer ({t_tok}) than this run's data ({s_tok}); "
+            "distil on the teacher's data (--data of the teacher's batch)"
+        )
     ckpt = teacher_checkpoint(tdir)
     teacher = load_weights(GPT(tspec.model, init_seed=0), ckpt, 'model')
     return teacher, ckpt, read_json(tdir / 'summary.json') or {}
@@ -329,7 +362,8 @@ def _student_summary(spec, ds, summary, ev, lmap, teacher_info, extra) -> dict:
 
 # %% ../nbs/13a_mercator_study.ipynb #332747cf
 def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad_id, eval_extra=None, progress=None, kd_vocab=None):
-    "Build the projector and the hook, train the student through the Trainer; returns (summary, final eval, projector, layer map)."
+    """Build the projector and the hook, train the student through the Trainer; returns (summary, final eval, projector,
+    layer map)."""
     (n_t, _), (n_s, _) = kv_width(teacher), kv_width(student)
     lmap = layer_map(n_t, n_s)
     torch.manual_seed(spec.train.seed + 1)  # the projector's init: the same in every variant of this seed
@@ -348,7 +382,8 @@ def _train_student(spec, ds, student, teacher, train_kw: dict, eval_batches, pad
 
 # %% ../nbs/13a_mercator_study.ipynb #845820c0
 def _gpt_lm_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
-    "The teacher or the student's pre-training: a language-model run (a teacher given by --teacher-run is checked, not trained)."
+    """The teacher or the student's pre-training: a language-model run (a teacher given by --teacher-run is checked, not
+    trained)."""
     if ds.role == 'teacher' and ds.teacher_run:
         start_run(spec)
         teacher, ckpt, ts = _load_gpt_teacher(spec, ds)
@@ -362,12 +397,15 @@ def _gpt_lm_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
 # %% ../nbs/13a_mercator_study.ipynb #614f1160
 def _initial_student(spec: RunSpec, ds: MercatorSettings) -> tuple[GPT, dict]:
     "The student before distillation: the batch's pre-trained student (same seed), or a random init; and what it was."
-    student = GPT(spec.model, init_seed=spec.train.seed)  # with start='scratch': the same initial student in every variant of this seed
+    # with start='scratch': the same initial student in every variant of this seed
+    student = GPT(spec.model, init_seed=spec.train.seed)
     if ds.start == 'scratch': return student, {'start': 'scratch'}
     pdir = spec.upstream_dir('pretrain')
     if not (pdir / 'config.json').exists():
-        raise ConfigError(f"the student fine-tunes the pre-trained student {pdir}, which does not exist; run the `pretrain` variant first "
-                          "(`oelm run mercator` adds it), or --set settings.start=scratch")
+        raise ConfigError(
+            f"the student fine-tunes the pre-trained student {pdir}, which does not exist; run the `pretrain` variant"
+            " first (`oelm run mercator` adds it), or --set settings.start=scratch"
+        )
     pspec = RunSpec.load_json(pdir / 'config.json')
     if pspec.model.to_dict() != spec.model.to_dict():
         raise ConfigError(f"pre-trained student {pdir} has another model configuration than this student; both come from the same preset and --set flags")
@@ -385,7 +423,8 @@ def _gpt_student_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict
     starts = eval_starts(len(val_d.tokens), T, bs * nb)
     batches = [make_batch(val_d, starts[i * bs:(i + 1) * bs], T) for i in range(nb)]
     dev = pick_device(spec.train.device)
-    lm_eval = lambda m: evaluate(m, val_d, T, bs, nb, dev)  # loss, PPL and recall on the same windows as the teacher's evaluation
+    # loss, PPL and recall on the same windows as the teacher's evaluation
+    lm_eval = lambda m: evaluate(m, val_d, T, bs, nb, dev)
     summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, dict(train_data=train_d, val_data=val_d), batches, None, lm_eval,
                                              progress, kd_vocab=spec.model.vocab_size)
     (n_t, d_t), (n_s, d_s) = kv_width(teacher), kv_width(student)
@@ -402,15 +441,19 @@ def nf4_unavailable() -> str | None:
     except ImportError: return 'bitsandbytes is not installed (pip install bitsandbytes)'
     return None
 
+# %% ../nbs/13a_mercator_study.ipynb #0d2045dc
 def check_teacher_dtype(dtype: str):
     "A clear `ConfigError` before any run starts when the teacher's dtype cannot be had here."
     if dtype == 'nf4' and (why := nf4_unavailable()):
-        raise ConfigError(f"--teacher-dtype nf4 loads the teacher in 4 bits through bitsandbytes, which needs a CUDA GPU, and {why}; "
-                          "use --teacher-dtype bfloat16 (or float32) here, or run on a GPU machine")
+        raise ConfigError(
+            f"--teacher-dtype nf4 loads the teacher in 4 bits through bitsandbytes, which needs a CUDA GPU, and {why}; "
+            "use --teacher-dtype bfloat16 (or float32) here, or run on a GPU machine"
+        )
 
 # %% ../nbs/13a_mercator_study.ipynb #8c8ce4f5
 def teacher_load_kwargs(dtype: str, device: torch.device) -> dict:
-    "`from_pretrained` keyword arguments of the teacher's dtype: a torch dtype, or a 4-bit NF4 quantization (the Mercator guide's)."
+    """`from_pretrained` keyword arguments of the teacher's dtype: a torch dtype, or a 4-bit NF4 quantization (the
+    Mercator guide's)."""
     if dtype == 'nf4':
         check_teacher_dtype(dtype)
         from transformers import BitsAndBytesConfig
@@ -429,8 +472,10 @@ def _hf_pair(spec: RunSpec, ds: MercatorSettings, device) -> tuple:
     student = load_causal_lm(s_path, dtype=torch.float32).to(device)
     tok = AutoTokenizer.from_pretrained(s_path)
     if teacher.get_input_embeddings().num_embeddings < len(tok) or student.get_input_embeddings().num_embeddings < len(tok):
-        raise ConfigError(f"the tokenizer of {s_path} has {len(tok)} tokens, more than the teacher's or the student's embedding; "
-                          "teacher and student must share a tokenizer (e.g. one Qwen2.5 family)")
+        raise ConfigError(
+            f"the tokenizer of {s_path} has {len(tok)} tokens, more than the teacher's or the student's embedding; "
+            "teacher and student must share a tokenizer (e.g. one Qwen2.5 family)"
+        )
     if (Path(t_path) / 'tokenizer_config.json').exists():
         t_tok = AutoTokenizer.from_pretrained(t_path)
         probe = 'Natalia sold clips to 48 of her friends in April.'
@@ -452,7 +497,8 @@ def _hf_data(spec: RunSpec, ds: MercatorSettings, tok, pad_id: int) -> tuple['Do
 
 # %% ../nbs/13a_mercator_study.ipynb #ac73e91f
 def task_records(spec: RunSpec, ds: MercatorSettings) -> list[dict]:
-    "The validation records the task is scored on: the first `task_eval` with question and answer fields ([] when none or off)."
+    """The validation records the task is scored on: the first `task_eval` with question and answer fields ([] when none
+    or off)."""
     if not ds.dataset or not ds.task_eval: return []
     _, val = load_records(ds.dataset, spec.data.val_fraction, spec.data.seed)
     return [r for r in val if 'question' in r and 'answer' in r][:ds.task_eval]
@@ -471,12 +517,15 @@ def _hf_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     vb = val_b.fixed(spec.train.eval_batches)
     tasks = task_records(spec, ds)
     score = lambda m: gsm8k_accuracy(m, tok, tasks, ds.max_new_tokens) if tasks else {'task': None, 'task_acc': None}
-    if ds.role == 'teacher':  # HF mode: the teacher is given; check both load, and score the teacher on the validation sample and the task
+    # HF mode: the teacher is given; check both load, and score the teacher on the validation sample and the task
+    if ds.role == 'teacher':
         ev = lm_eval_batches(_freeze_teacher(teacher), vb)
         return {'status': 'completed', 'role': 'teacher', **info, 'val_loss': ev['val_loss'], 'best_val_ppl': ev['val_ppl'],
                 'best_val_loss': ev['val_loss'], 'final_val_ppl': ev['val_ppl'], **score(teacher)}
     tcfg_kw = dict(train_data=None, batch_fn=lambda step, micro: train_b.train(step, micro), tokens_per_batch=spec.train.batch_size * train_b.max_len)
-    summary, ev, proj, lmap = _train_student(spec, ds, student, teacher, tcfg_kw, vb, pad_id, None, progress, kd_vocab=len(tok))
+    summary, ev, proj, lmap = _train_student(
+        spec, ds, student, teacher, tcfg_kw, vb, pad_id, None, progress, kd_vocab=len(tok)
+    )
     student.save_pretrained(run_dir / 'student'); tok.save_pretrained(run_dir / 'student')
     ts = read_json(spec.upstream_dir('teacher') / 'summary.json') or {}
     return _student_summary(spec, ds, summary, ev, lmap, {**info, 'teacher_val_ppl': ts.get('best_val_ppl'), 'teacher_task_acc': ts.get('task_acc'),
@@ -497,7 +546,8 @@ def mercator_run(spec: RunSpec, # the run's specification (study 'mercator')
 
 # %% ../nbs/13a_mercator_study.ipynb #c2177c9a
 HF_SETTINGS = {'train.batch_size': 2, 'train.grad_accum': 16, 'train.lr': 5e-5, 'train.min_lr': 5e-6, 'train.ckpt_every': 200,
-               'train.grad_clip': 0.5, 'settings.lr_projector': 1e-3, 'settings.max_length': 512}  # the Mercator guide's values
+               # the Mercator guide's values
+               'train.grad_clip': 0.5, 'settings.lr_projector': 1e-3, 'settings.max_length': 512}
 MERCATOR_TRAIN = {  # the pre-training schedules of the teacher and the student, per preset
     'tiny': dict(max_steps=400, batch_size=8, grad_accum=2, lr=5e-3, min_lr=5e-4, warmup_steps=40, weight_decay=0.1,
                  eval_every=50, eval_batches=8, log_every=10),
@@ -511,8 +561,10 @@ def fine_tune_steps(steps: int) -> int:
     "Optimizer steps of a student's distillation (our family): half the pre-training's."
     return max(1, steps // 2)
 
+# %% ../nbs/13a_mercator_study.ipynb #e009a9eb
 def fine_tune_schedule(steps: int, preset: str = 'tiny') -> dict:
-    "The train.* overrides of a fine-tuning run of our family: the rate the pre-training ended at (the projector 20x that), clip 0.5, its steps and cadences."
+    """The train.* overrides of a fine-tuning run of our family: the rate the pre-training ended at (the projector 20x
+    that), clip 0.5, its steps and cadences."""
     lr = (MERCATOR_TRAIN.get(preset) or TRAIN_PRESETS.get(preset) or {}).get('min_lr', 5e-4)
     f = fine_tune_steps(steps)
     return {'train.lr': lr, 'train.min_lr': lr / 10, 'train.grad_clip': 0.5, 'settings.lr_projector': float(f'{PROJECTOR_RATIO * lr:.6g}'),
@@ -523,14 +575,16 @@ def mercator_common(options: dict, # the flags given: teacher, student, dataset,
                     preset: str) -> dict:
     "Overrides every run of the batch shares, from `oelm run mercator` flags (checked here, before anything runs)."
     t, s, d, tr, dt = (options.get(k) for k in ('teacher', 'student', 'dataset', 'teacher_run', 'teacher_dtype'))
-    if (t is None) != (s is None): raise ConfigError('HF mode needs both --teacher DIR and --student DIR (local checkpoints)')
+    if (t is None) != (s is None):
+        raise ConfigError('HF mode needs both --teacher DIR and --student DIR (local checkpoints)')
     if dt is not None:
         if t is None: raise ConfigError('--teacher-dtype is for HF checkpoints (--teacher DIR --student DIR); a teacher of our family trains in the run dtype')
         check_teacher_dtype(dt)
     if tr is not None:
         if t is not None: raise ConfigError('--teacher-run (a teacher of this package) and --teacher (an HF checkpoint) exclude each other')
         p = Path(tr).expanduser()
-        if not (p / 'config.json').exists(): raise ConfigError(f"--teacher-run {p}: not a run directory (no config.json); pass a finished teacher run")
+        if not (p / 'config.json').exists():
+            raise ConfigError(f"--teacher-run {p}: not a run directory (no config.json); pass a finished teacher run")
         teacher_checkpoint(p)
         return {'settings.teacher_run': str(p.resolve())}
     if d is not None and t is None:
@@ -538,12 +592,15 @@ def mercator_common(options: dict, # the flags given: teacher, student, dataset,
     if t is None: return {}
     out = {**HF_SETTINGS, 'settings.teacher_hf': resolve_checkpoint(t, '--teacher'), 'settings.student_hf': resolve_checkpoint(s, '--student')}
     if dt is not None: out['settings.teacher_dtype'] = dt
-    if d is not None: resolve_dataset(d); out['settings.dataset'] = str(Path(d).resolve()) if Path(d).expanduser().exists() else d
+    if d is not None:
+        resolve_dataset(d)
+        out['settings.dataset'] = str(Path(d).resolve()) if Path(d).expanduser().exists() else d
     return out
 
 # %% ../nbs/13a_mercator_study.ipynb #e22851cd
 STUDENTS = {  # variant -> settings of a student: what each one adds to the fine-tuning of the pre-trained student
-    'no-distill': dict(distill=False),                       # the equal-steps control: cross-entropy only (its projector probes)
+    # the equal-steps control: cross-entropy only (its projector probes)
+    'no-distill': dict(distill=False),
     'mercator-b0': dict(beta=0.0), 'mercator-b0.01': dict(beta=0.01), 'mercator-b0.1': dict(beta=0.1),
     'mse': dict(loss='mse'),
     'logit-kd': dict(distill=False, kd_weight=1.0),           # Hinton KD on the logits (the projector only probes)
@@ -563,7 +620,9 @@ def mercator_variants(preset: str, steps: int, options: dict) -> dict[str, Varia
     warmup = 0 if hf else fine_tune_steps(steps) // 5  # HF mode: --set settings.projector_warmup=N
     def student(name):
         s = {**STUDENTS[name], **({'projector_warmup': warmup} if name == 'mercator-warmup' else {})}
-        return Variant({**common, **tuning, 'settings.role': 'student', **{f'settings.{k}': v for k, v in s.items()}}, upstream)
+        return Variant(
+            {**common, **tuning, 'settings.role': 'student', **{f'settings.{k}': v for k, v in s.items()}}, upstream
+        )
     out = {'teacher': Variant({**common, **teacher_model(model_config(preset)), 'settings.role': 'teacher'})}
     if not hf: out['pretrain'] = Variant({**common, 'settings.role': 'pretrain'})
     return {**out, **{name: student(name) for name in STUDENTS}}
