@@ -4,10 +4,9 @@
 
 # %% ../nbs/13a_mercator_study.ipynb #33e94be1
 from __future__ import annotations
-import json, math
+import math
 from dataclasses import dataclass
 from pathlib import Path
-import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -19,7 +18,8 @@ from .model import GPT, model_config
 from .mercator import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,
                              cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, extract_kv, flatten_heads, _freeze_teacher, _unwrap)
 from .gsm8k import gsm8k_accuracy
-from .data import read_documents
+from .mercator_hf import (resolve_checkpoint, resolve_dataset, load_records, load_texts, DocBatches, check_teacher_dtype,
+                                 teacher_load_kwargs)
 from .checkpoint import load_weights
 from .train import Trainer
 from .train import evaluate, eval_starts
@@ -28,10 +28,8 @@ from .data import synthetic_splits
 
 # %% auto #0
 __all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR_STUDY',
-           'MercatorSettings', 'teacher_model', 'resolve_checkpoint', 'resolve_dataset', 'record_text', 'load_records',
-           'load_texts', 'DocBatches', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'nf4_unavailable',
-           'check_teacher_dtype', 'teacher_load_kwargs', 'task_records', 'mercator_run', 'fine_tune_steps',
-           'fine_tune_schedule', 'mercator_common', 'mercator_variants']
+           'MercatorSettings', 'teacher_model', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'task_records',
+           'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants']
 
 # %% ../nbs/13a_mercator_study.ipynb #01cbcafb
 ROLES = ('teacher', 'pretrain', 'student')
@@ -95,144 +93,6 @@ def teacher_model(cfg: ModelConfig) -> dict:
     n_embd = max(1, round(1.5 * cfg.n_embd / n_head)) * n_head
     return {'model.n_layer': 2 * cfg.n_layer, 'model.n_head': n_head, 'model.n_embd': n_embd,
             'model.d_ff': None if cfg.d_ff is None else cfg.d_ff * n_embd // cfg.n_embd}
-
-# %% ../nbs/13a_mercator_study.ipynb #42bb378e
-def _hub_snapshot(name: str, repo_type: str = 'model') -> Path | None:
-    "The local snapshot of hub repository `name` in the HF cache, or None (never touches the network)."
-    try: from huggingface_hub import snapshot_download
-    except ImportError: return None
-    try: return Path(snapshot_download(name, repo_type=repo_type, local_files_only=True))
-    except Exception: return None
-
-# %% ../nbs/13a_mercator_study.ipynb #ab351b8a
-def resolve_checkpoint(name: str, # a local checkpoint directory, or a hub name already in the HF cache
-                       flag: str = '--teacher', # the option, for the message
-                      ) -> str:
-    "Absolute path of a local HF checkpoint directory; a clear `ConfigError` for anything that cannot load offline."
-    p = Path(name).expanduser()
-    if p.is_dir():
-        if not (p / 'config.json').exists():
-            raise ConfigError(f"{flag} {p}: the directory has no config.json; pass the directory that save_pretrained "
-                              "(or huggingface-cli download --local-dir) wrote")
-        return str(p.resolve())
-    if p.exists(): raise ConfigError(f"{flag} {p} is a file; pass a checkpoint directory (with config.json)")
-    if (snap := _hub_snapshot(name)) is not None and (snap / 'config.json').exists(): return str(snap)
-    raise ConfigError(
-        f"{flag} {name!r} is not a local directory and not in the local Hugging Face cache, and nothing is "
-        f"downloaded here. On a machine with network run `huggingface-cli download {name} --local-dir DIR`, "
-        f"copy DIR here and pass {flag} DIR"
-    )
-
-# %% ../nbs/13a_mercator_study.ipynb #23964214
-def resolve_dataset(name: str, # local .jsonl/.txt/.json file, or `hub_name[:config]` already in the HF cache
-                   ) -> tuple[str, str | None]:
-    "(local file or cached snapshot directory, config name) of `--dataset`; a clear `ConfigError` otherwise."
-    p = Path(name).expanduser()
-    if p.is_file():
-        if p.suffix not in ('.jsonl', '.json', '.txt'):
-            raise ConfigError(f"--dataset {p}: give a .jsonl, .json or .txt file (got {p.suffix!r})")
-        return str(p.resolve()), None
-    if p.is_dir(): return str(p.resolve()), None  # a saved / downloaded dataset directory
-    repo, _, config = name.partition(':')
-    if (snap := _hub_snapshot(repo, 'dataset')) is not None: return str(snap), config or None
-    raise ConfigError(
-        f"--dataset {name!r} is not a local file and the data set {repo!r} is not in the local Hugging Face cache; "
-        "nothing is downloaded here. On a machine with network run "
-        f"`huggingface-cli download --repo-type dataset {repo} --local-dir DIR`, copy DIR here and pass --dataset DIR"
-        f"{':' + config if config else ''} (or export the text as a .jsonl file with one object per line)"
-    )
-
-# %% ../nbs/13a_mercator_study.ipynb #dde3b7af
-def record_text(rec: dict, field: str | None = None) -> str:
-    "The text of one data set record."
-    if field:
-        if field not in rec:
-            raise ConfigError(f"DistillSettings.text_field={field!r}: the records have fields {sorted(rec)}")
-        return str(rec[field])
-    for keys in (('text',), ('question', 'answer'), ('prompt', 'completion'), ('prompt', 'response'), ('instruction', 'output')):
-        if all(k in rec for k in keys): return '\n'.join(str(rec[k]) for k in keys)
-    raise ConfigError(f"cannot tell which field holds the text among {sorted(rec)}; set --set extra.text_field=NAME")
-
-# %% ../nbs/13a_mercator_study.ipynb #0f0d6bbc
-def _file_records(p: Path) -> list[dict]:
-    "The records of a local file: {'text': document} per document of a .txt, the JSON objects of a .jsonl or .json."
-    if p.suffix == '.txt':
-        return [{'text': d} for d in read_documents(p)]
-    lines = [l for l in p.read_text(encoding='utf-8').splitlines() if l.strip()]
-    try:
-        recs = [json.loads(l) for l in lines] if p.suffix == '.jsonl' else json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--dataset {p}: not valid JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
-        raise ConfigError(f"--dataset {p}: expected JSON objects (one per line in .jsonl, a list of them in .json)")
-    return recs
-
-# %% ../nbs/13a_mercator_study.ipynb #0b936684
-def _dataset_records(path: str, config: str | None) -> tuple[list[dict] | None, tuple | None]:
-    "A saved or cached HF data set: (None, (train, val)) with a validation or test split, else (train records, None)."
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError("--dataset with a data set directory needs `datasets`: pip install 'oelm_nb[hf]'") from None
-    ds = datasets.load_dataset(path, config)
-    val_name = next((s for s in ('validation', 'test') if s in ds), None)
-    splits = (list(ds['train']), list(ds[val_name])) if val_name else None
-    return None if splits else list(ds['train']), splits
-
-# %% ../nbs/13a_mercator_study.ipynb #9fe2fd2d
-def load_records(dataset: str, # --dataset (see resolve_dataset)
-                 val_fraction: float = 0.05, # share held out when the data set has no validation/test split
-                 seed: int = 0,
-                ) -> tuple[list[dict], list[dict]]:
-    "(train, val) records of a local file or a cached HF data set; a .txt file gives {'text': document} records."
-    path, config = resolve_dataset(dataset)
-    recs, splits = (_file_records(Path(path)), None) if Path(path).is_file() else _dataset_records(path, config)
-    if splits: return splits
-    if len(recs) < 2: raise ConfigError(f"--dataset {dataset}: {len(recs)} record(s); need at least 2 to hold some out for validation")
-    perm = np.random.default_rng(seed).permutation(len(recs))
-    n_val = min(max(1, round(len(recs) * val_fraction)), len(recs) - 1)
-    return [recs[i] for i in sorted(perm[n_val:])], [recs[i] for i in sorted(perm[:n_val])]
-
-# %% ../nbs/13a_mercator_study.ipynb #5fda2b1f
-def load_texts(
-    dataset: str, field: str | None = None, val_fraction: float = 0.05, seed: int = 0
-) -> tuple[list[str], list[str]]:
-    "(train, val) texts of `load_records`, one per record (`record_text`)."
-    train, val = load_records(dataset, val_fraction, seed)
-    return [record_text(r, field) for r in train], [record_text(r, field) for r in val]
-
-# %% ../nbs/13a_mercator_study.ipynb #cd284c6e
-class DocBatches:
-    "Tokenized documents served as right-padded (x, y, None) batches; y = -1 where there is no next token."
-    def __init__(self, docs: list[list[int]], # token ids per document (each at least 2 tokens)
-                 batch_size: int, pad_id: int, seed: int = 0):
-        self.docs = [d for d in docs if len(d) >= 2]
-        if not self.docs: raise ConfigError('no document has 2 or more tokens')
-        self.batch_size, self.pad_id, self.seed = batch_size, pad_id, seed
-
-    def make(self, idx) -> tuple[torch.Tensor, torch.Tensor, None]:
-        docs = [self.docs[i] for i in idx]
-        T = max(map(len, docs)) - 1
-        x = torch.full((len(docs), T), self.pad_id, dtype=torch.long)
-        y = torch.full((len(docs), T), -1, dtype=torch.long)
-        for b, d in enumerate(docs):
-            d = torch.tensor(d, dtype=torch.long)
-            x[b, :len(d) - 1], y[b, :len(d) - 1] = d[:-1], d[1:]
-        return x, y, None
-
-    def train(self, step: int, micro: int, rank: int = 0):
-        "The micro-batch of (step, micro): documents drawn at random, deterministic by seed."
-        rng = np.random.default_rng([self.seed, step, micro, rank])
-        return self.make(rng.choice(len(self.docs), size=self.batch_size, replace=len(self.docs) < self.batch_size))
-
-    def fixed(self, n_batches: int) -> list[tuple]:
-        "The fixed evaluation sample: evenly spaced documents."
-        idx = np.linspace(0, len(self.docs) - 1, num=min(len(self.docs), n_batches * self.batch_size)).astype(int)
-        return [self.make(idx[i:i + self.batch_size]) for i in range(0, len(idx), self.batch_size)]
-
-    @property
-    def max_len(self) -> int:
-        return max(map(len, self.docs))
 
 # %% ../nbs/13a_mercator_study.ipynb #9155d196
 def _eval_kv(student, teacher, projector, lmap: list[int], batches: list[tuple], pad_id: int | None, with_ce: bool):
@@ -432,34 +292,6 @@ def _gpt_student_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict
              'teacher_recall_acc': ts.get('recall_acc'), 'teacher_kv': [n_t, d_t], 'student_kv': [n_s, d_s]}
     return _student_summary(spec, ds, summary, ev, lmap, tinfo, {**start, 'task': 'recall', 'task_acc': summary.get('recall_acc'),
                             'unigram_ppl': train_d.meta.get('unigram_ppl'), 'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level')})
-
-# %% ../nbs/13a_mercator_study.ipynb #039cf9ef
-def nf4_unavailable() -> str | None:
-    "Why a 4-bit (nf4) teacher cannot load here, or None when it can (a CUDA device and bitsandbytes)."
-    if not torch.cuda.is_available(): return 'this machine has no CUDA device'
-    try: import bitsandbytes  # noqa: F401
-    except ImportError: return 'bitsandbytes is not installed (pip install bitsandbytes)'
-    return None
-
-# %% ../nbs/13a_mercator_study.ipynb #0d2045dc
-def check_teacher_dtype(dtype: str):
-    "A clear `ConfigError` before any run starts when the teacher's dtype cannot be had here."
-    if dtype == 'nf4' and (why := nf4_unavailable()):
-        raise ConfigError(
-            f"--teacher-dtype nf4 loads the teacher in 4 bits through bitsandbytes, which needs a CUDA GPU, and {why}; "
-            "use --teacher-dtype bfloat16 (or float32) here, or run on a GPU machine"
-        )
-
-# %% ../nbs/13a_mercator_study.ipynb #8c8ce4f5
-def teacher_load_kwargs(dtype: str, device: torch.device) -> dict:
-    """`from_pretrained` keyword arguments of the teacher's dtype: a torch dtype, or a 4-bit NF4 quantization (the
-    Mercator guide's)."""
-    if dtype == 'nf4':
-        check_teacher_dtype(dtype)
-        from transformers import BitsAndBytesConfig
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.bfloat16)
-        return {'quantization_config': q, 'device_map': {'': device.index or 0}}
-    return {'dtype': torch.bfloat16 if device.type == 'cuda' else torch.float32} if dtype == 'auto' else {'dtype': getattr(torch, dtype)}
 
 # %% ../nbs/13a_mercator_study.ipynb #02750174
 def _hf_pair(spec: RunSpec, ds: MercatorSettings, device) -> tuple:
