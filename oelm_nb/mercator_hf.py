@@ -68,7 +68,8 @@ def record_text(rec: dict, field: str | None = None) -> str:
         if field not in rec:
             raise ConfigError(f"DistillSettings.text_field={field!r}: the records have fields {sorted(rec)}")
         return str(rec[field])
-    for keys in (('text',), ('question', 'answer'), ('prompt', 'completion'), ('prompt', 'response'), ('instruction', 'output')):
+    for keys in (('text',), ('question', 'answer'), ('prompt', 'completion'), ('prompt', 'response'),
+                 ('instruction', 'output')):
         if all(k in rec for k in keys): return '\n'.join(str(rec[k]) for k in keys)
     raise ConfigError(f"cannot tell which field holds the text among {sorted(rec)}; set --set extra.text_field=NAME")
 
@@ -107,7 +108,9 @@ def load_records(dataset: str, # --dataset (see resolve_dataset)
     path, config = resolve_dataset(dataset)
     recs, splits = (_file_records(Path(path)), None) if Path(path).is_file() else _dataset_records(path, config)
     if splits: return splits
-    if len(recs) < 2: raise ConfigError(f"--dataset {dataset}: {len(recs)} record(s); need at least 2 to hold some out for validation")
+    if len(recs) < 2:
+        raise ConfigError(f"--dataset {dataset}: {len(recs)} record(s); "
+                          "need at least 2 to hold some out for validation")
     perm = np.random.default_rng(seed).permutation(len(recs))
     n_val = min(max(1, round(len(recs) * val_fraction)), len(recs) - 1)
     return [recs[i] for i in sorted(perm[n_val:])], [recs[i] for i in sorted(perm[:n_val])]
@@ -179,4 +182,5 @@ def teacher_load_kwargs(dtype: str, device: torch.device) -> dict:
         from transformers import BitsAndBytesConfig
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.bfloat16)
         return {'quantization_config': q, 'device_map': {'': device.index or 0}}
-    return {'dtype': torch.bfloat16 if device.type == 'cuda' else torch.float32} if dtype == 'auto' else {'dtype': getattr(torch, dtype)}
+    return ({'dtype': torch.bfloat16 if device.type == 'cuda' else torch.float32} if dtype == 'auto'
+            else {'dtype': getattr(torch, dtype)})
