@@ -26,8 +26,8 @@ __all__ = ['BASELINE', 'NOT_STUDENTS', 'RUN_COLUMNS', 'CAPACITY', 'TASK_LABELS',
 # %% ../nbs/13b_mercator_report.ipynb #b36f5e5a
 BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
 NOT_STUDENTS = ('teacher', 'pretrain')  # roles (and, for summaries without a role, variant names) that are not students
-RUN_COLUMNS = ('role', 'task', 'best_val_ppl', 'recall_acc', 'task_acc', 'final_kv_cos', 'final_kv_cos_centered', 'teacher_val_ppl',
-               'start', 'start_val_ppl', 'start_recall_acc', 'steps', 'wall_time_s')
+RUN_COLUMNS = ('role', 'task', 'best_val_ppl', 'recall_acc', 'task_acc', 'final_kv_cos', 'final_kv_cos_centered',
+               'teacher_val_ppl', 'start', 'start_val_ppl', 'start_recall_acc', 'steps', 'wall_time_s')
 
 # %% ../nbs/13b_mercator_report.ipynb #b9524776
 def mercator_runs(batch_dir) -> pd.DataFrame:
@@ -44,7 +44,8 @@ def mercator_runs(batch_dir) -> pd.DataFrame:
     runs['task_acc'] = pd.to_numeric(
         runs.task_acc.where(runs.task_acc.notna() | (runs.task != 'recall'), runs.recall_acc), errors='coerce'
     )
-    runs['collapsed'] = [collapsed(r, c) if pd.notna(r) and pd.notna(c) else None for r, c in zip(runs.final_kv_cos, runs.final_kv_cos_centered)]
+    runs['collapsed'] = [collapsed(r, c) if pd.notna(r) and pd.notna(c) else None
+                         for r, c in zip(runs.final_kv_cos, runs.final_kv_cos_centered)]
     return runs
 
 # %% ../nbs/13b_mercator_report.ipynb #6e428021
@@ -80,7 +81,8 @@ def batch_line(batch_dir, runs: pd.DataFrame) -> str:
     "The report's first line (Markdown): the batch directory, its models and data, variants, seeds and steps per run."
     batch = read_json(Path(batch_dir) / 'batch.json') or {}
     opts = batch.get('options') or {}
-    mode = (f"HF checkpoints: teacher `{opts.get('teacher')}`, student `{opts.get('student')}`, data `{opts.get('dataset') or 'story corpus'}`"
+    mode = (f"HF checkpoints: teacher `{opts.get('teacher')}`, student `{opts.get('student')}`, "
+            f"data `{opts.get('dataset') or 'story corpus'}`"
             if opts.get('teacher') else f"our GPT family, preset `{batch.get('preset')}`, data `{batch.get('data')}`")
     steps = int(runs['steps'].max()) if runs['steps'].notna().any() else 'n/a'
     return (
@@ -113,10 +115,11 @@ def yes_no(b) -> str: return '' if b is None or (isinstance(b, float) and np.isn
 def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per run: role, status, best val PPL, task accuracy, centered and raw final cosine with pass labels,
     collapsed, wall time, error."""
-    cols = {'variant': runs.variant, 'seed': runs.seed, 'role': runs.role, 'status': runs.status, 'best val PPL': runs.best_val_ppl,
-            task_label(runs): runs.task_acc, 'centered cosine': runs.final_kv_cos_centered, 'pass (centered)': runs.final_kv_cos_centered.map(pass_of),
-            'raw cosine': runs.final_kv_cos, 'pass (raw)': runs.final_kv_cos.map(pass_of), 'collapsed': runs.collapsed.map(yes_no),
-            'wall s': runs.wall_time_s, 'error': runs.error}
+    cols = {'variant': runs.variant, 'seed': runs.seed, 'role': runs.role, 'status': runs.status,
+            'best val PPL': runs.best_val_ppl, task_label(runs): runs.task_acc,
+            'centered cosine': runs.final_kv_cos_centered, 'pass (centered)': runs.final_kv_cos_centered.map(pass_of),
+            'raw cosine': runs.final_kv_cos, 'pass (raw)': runs.final_kv_cos.map(pass_of),
+            'collapsed': runs.collapsed.map(yes_no), 'wall s': runs.wall_time_s, 'error': runs.error}
     return pd.DataFrame(cols).reset_index(drop=True)
 
 # %% ../nbs/13b_mercator_report.ipynb #14302877
@@ -124,8 +127,8 @@ def style_runs_table(tab: pd.DataFrame):
     """`runs_table` for display: three decimals, accuracy in percent, runs that did not complete shaded red, collapsed
     ones orange."""
     acc = [c for c in tab.columns if c.endswith('accuracy')]
-    return (tab.style.format({'best val PPL': '{:.3f}', 'raw cosine': '{:.3f}', 'centered cosine': '{:.3f}', 'wall s': '{:.0f}',
-                              **{c: '{:.1%}' for c in acc}}, na_rep='')
+    return (tab.style.format({'best val PPL': '{:.3f}', 'raw cosine': '{:.3f}', 'centered cosine': '{:.3f}',
+                              'wall s': '{:.0f}', **{c: '{:.1%}' for c in acc}}, na_rep='')
             .apply(lambda r: ['background-color: #fde0dd' if r.status != 'completed' else '' for _ in r], axis=1)
             .map(lambda x: 'background-color: #fdd49e' if x == 'yes' else '', subset=['collapsed']).hide(axis='index'))
 
@@ -172,12 +175,16 @@ def start_text(runs: pd.DataFrame) -> str:
     st = ok[ok.variant.isin(student_variants(runs))]
     sp = _mean(st.start_val_ppl if st.start_val_ppl.notna().any() else pre.best_val_ppl)
     sa = _mean(st.start_recall_acc if st.start_recall_acc.notna().any() else pre.recall_acc)
-    if len(pre): return (f"the student is first pre-trained as a language model for {_g(sorted(set(pre.steps.dropna().astype(int))))} steps "
-                         f"(best val PPL {sp:.3f}" + (f", recall accuracy {sa:.1%}" if pd.notna(sa) else '') + ", mean over seeds); "
-                         "every student starts from it and fine-tunes")
+    if len(pre):
+        return ("the student is first pre-trained as a language model for "
+                f"{_g(sorted(set(pre.steps.dropna().astype(int))))} steps "
+                f"(best val PPL {sp:.3f}" + (f", recall accuracy {sa:.1%}" if pd.notna(sa) else '')
+                + ", mean over seeds); "
+                "every student starts from it and fine-tunes")
     if 'student_hf' in [s for s in protocol_values(runs, 'start') if isinstance(s, str)]:
         return 'every student starts from the HF student checkpoint and fine-tunes'
-    return 'no pre-training run: the students start from their initial weights (an older batch, or start=scratch) and train'
+    return ('no pre-training run: the students start from their initial weights (an older batch, or start=scratch) '
+            'and train')
 
 # %% ../nbs/13b_mercator_report.ipynb #9d6d01d6
 def guide_text(runs: pd.DataFrame) -> str:
@@ -204,12 +211,17 @@ def protocol_text(runs: pd.DataFrame) -> str:
     pv = lambda c, p=None, **k: protocol_values(runs, c, p, **k)
     st = completed_runs(runs)[lambda d: d.variant.isin(student_variants(runs))]
     lr, lrp = pv('lr_student', 'train.lr'), pv('lr_projector', 'settings.lr_projector')
-    ratio = f" ({lrp[0] / lr[0]:g}x the student's; the guide's ratio is 1e-3 / 5e-5 = 20)" if len(lr) == 1 and len(lrp) == 1 and lr[0] else ''
+    ratio = (f" ({lrp[0] / lr[0]:g}x the student's; the guide's ratio is 1e-3 / 5e-5 = 20)"
+             if len(lr) == 1 and len(lrp) == 1 and lr[0] else '')
     warm = pv('projector_warmup', 'settings.projector_warmup', variants=['mercator-warmup'])
-    return (f"**Protocol (read from the runs):** {start_text(runs)} for {_g(sorted(set(st.steps.dropna().astype(int))))} steps at lr {_g(lr)} "
-            f"with the projector at {_g(lrp)}{ratio}, grad clip {_g(pv('grad_clip', 'train.grad_clip'))}, KV-loss weight "
-            f"{_g(pv('kv_weight', 'settings.kv_weight'))}, KD temperature {_g(pv('kd_temperature', 'settings.kd_temperature'))} (logit-KD "
-            f"variants), projector warm-up {_g(warm, ' steps') if warm else 'n/a'} (`mercator-warmup`)." + guide_text(runs))
+    return (f"**Protocol (read from the runs):** {start_text(runs)} for "
+            f"{_g(sorted(set(st.steps.dropna().astype(int))))} steps at lr {_g(lr)} "
+            f"with the projector at {_g(lrp)}{ratio}, grad clip {_g(pv('grad_clip', 'train.grad_clip'))}, "
+            "KV-loss weight "
+            f"{_g(pv('kv_weight', 'settings.kv_weight'))}, KD temperature "
+            f"{_g(pv('kd_temperature', 'settings.kd_temperature'))} (logit-KD "
+            f"variants), projector warm-up {_g(warm, ' steps') if warm else 'n/a'} (`mercator-warmup`)."
+            + guide_text(runs))
 
 # %% ../nbs/13b_mercator_report.ipynb #3d6f4436
 STAGE_COLORS = ('#fde0dd', '#fee8c8', '#e5f5e0', '#c7e9c0', '#a1d99b')
@@ -237,10 +249,12 @@ def _kv_panel(ax, df: pd.DataFrame, base: pd.DataFrame, v: str, centered: bool):
     "Student `v`'s panel: the probe's centered curve (`base`), its raw and centered curves, the pass line."
     # drawn first, wide and light: a student's centered curve on top of it leaves it visible
     if len(base) and v != BASELINE:
-        _mean_sd(ax, base, 'val_kv_cos_centered', color='#999999', ls='--', lw=3, alpha=0.7, label='no-distill probe, centered')
+        _mean_sd(ax, base, 'val_kv_cos_centered', color='#999999', ls='--', lw=3, alpha=0.7,
+                 label='no-distill probe, centered')
     _mean_sd(ax, df.dropna(subset=['val_kv_cos']), 'val_kv_cos', color='tab:blue', marker='o', ms=3, label='raw')
     if centered and df.val_kv_cos_centered.notna().any():
-        _mean_sd(ax, df.dropna(subset=['val_kv_cos_centered']), 'val_kv_cos_centered', color='tab:red', marker='s', ms=3, label='centered')
+        _mean_sd(ax, df.dropna(subset=['val_kv_cos_centered']), 'val_kv_cos_centered', color='tab:red', marker='s',
+                 ms=3, label='centered')
     ax.axhline(PASS_LINES[0], color='tab:green', lw=1.2, ls=':', label=f'pass line {PASS_LINES[0]:.2f}')
     ax.set_ylim(-0.2, 1.03)
     ax.set_title(v, fontsize=10); ax.grid(alpha=0.3)
@@ -250,7 +264,8 @@ def plot_kv_curves(curves: pd.DataFrame, students: list[str] | None = None):
     """Small multiples, one panel per student: raw and centered validation KV cosine against step, the no-distill
     probe's centered as reference."""
     has = lambda m: m in curves and curves[m].notna().any()
-    shown = [v for v in (students or dict.fromkeys(curves.variant)) if has('val_kv_cos') and curves[curves.variant == v].val_kv_cos.notna().any()]
+    shown = [v for v in (students or dict.fromkeys(curves.variant))
+             if has('val_kv_cos') and curves[curves.variant == v].val_kv_cos.notna().any()]
     if not shown:
         fig, ax = plt.subplots(figsize=(6, 2))
         ax.text(0.5, 0.5, 'no completed student runs with KV cosines', ha='center', transform=ax.transAxes)
@@ -259,7 +274,8 @@ def plot_kv_curves(curves: pd.DataFrame, students: list[str] | None = None):
     fig, axes = plt.subplots(
         nrow, ncol, figsize=(3.4 * ncol, 2.6 * nrow + 0.6), sharex=True, sharey=True, squeeze=False
     )
-    base = curves[curves.variant == BASELINE].dropna(subset=['val_kv_cos_centered']) if has('val_kv_cos_centered') else curves.iloc[:0]
+    base = (curves[curves.variant == BASELINE].dropna(subset=['val_kv_cos_centered']) if has('val_kv_cos_centered')
+            else curves.iloc[:0])
     for ax, v in zip(axes.flat, shown): _kv_panel(ax, curves[curves.variant == v], base, v, has('val_kv_cos_centered'))
     for ax in axes.flat[len(shown):]: ax.set_axis_off()
     for ax in axes[:, 0]: ax.set_ylabel('KV cosine')
@@ -303,9 +319,11 @@ def collapse_guard(agree: pd.DataFrame, gap: float = COLLAPSE_GAP) -> str:
         return "**Collapse guard:** no completed student recorded a centered cosine; the guard cannot be checked."
     col = agree[agree['raw - centered'] > gap]
     if not len(col):
-        return f"**Collapse guard:** no variant loses more than {gap:g} of cosine to centering; the raw cosines reflect token-by-token agreement."
+        return (f"**Collapse guard:** no variant loses more than {gap:g} of cosine to centering; "
+                "the raw cosines reflect token-by-token agreement.")
     return (f"**Collapse guard:** {len(col)} variant(s) lose more than {gap:g} of cosine to centering: " + ', '.join(
-        f"`{v}` raw {r['raw cosine']:.3f} ({r['stage (raw)']}) but centered {r['centered cosine']:.3f} ({r['stage (centered)']})" for v, r in col.iterrows())
+        f"`{v}` raw {r['raw cosine']:.3f} ({r['stage (raw)']}) "
+        f"but centered {r['centered cosine']:.3f} ({r['stage (centered)']})" for v, r in col.iterrows())
         + '. Their raw agreement is largely one shared direction, not token-by-token agreement.')
 
 # %% ../nbs/13b_mercator_report.ipynb #39b51727
@@ -334,7 +352,8 @@ def layer_table(runs: pd.DataFrame, key: str = 'kv_cos_centered_layers') -> pd.D
     recorded it."""
     rows = {}
     for v in student_variants(runs):
-        ls = [l for d in completed_runs(runs)[lambda d: d.variant == v].run_dir if (l := (read_json(Path(d) / 'summary.json') or {}).get(key))]
+        ls = [l for d in completed_runs(runs)[lambda d: d.variant == v].run_dir
+              if (l := (read_json(Path(d) / 'summary.json') or {}).get(key))]
         if ls: rows[v] = pd.DataFrame(ls).mean(axis=0)
     return pd.DataFrame(rows).T.rename(columns=lambda k: f'layer {k}') if rows else pd.DataFrame()
 
@@ -342,16 +361,21 @@ def layer_table(runs: pd.DataFrame, key: str = 'kv_cos_centered_layers') -> pd.D
 def plot_layer_heatmap(runs: pd.DataFrame, vmin: float = -0.2, vmax: float = 1.0):
     """Centered (left) and raw (right) final cosine per student variant and layer, annotated with two decimals, colours
     fixed to [vmin, vmax]."""
-    tabs = {'centered cosine': layer_table(runs, 'kv_cos_centered_layers'), 'raw cosine': layer_table(runs, 'kv_cos_layers')}
+    tabs = {'centered cosine': layer_table(runs, 'kv_cos_centered_layers'),
+            'raw cosine': layer_table(runs, 'kv_cos_layers')}
     n = max([len(t) for t in tabs.values()] + [1]); w = max([t.shape[1] for t in tabs.values()] + [1])
     fig, axes = plt.subplots(1, 2, figsize=(4.5 + 2.4 * w, 0.42 * n + 1.6), sharey=False)
     for ax, (title, t) in zip(axes, tabs.items()):
-        if t.empty: ax.text(0.5, 0.5, f'no per-layer {title}', ha='center', transform=ax.transAxes); ax.set_axis_off(); continue
+        if t.empty:
+            ax.text(0.5, 0.5, f'no per-layer {title}', ha='center', transform=ax.transAxes); ax.set_axis_off(); continue
         im = ax.imshow(t.to_numpy(float), cmap='viridis', vmin=vmin, vmax=vmax, aspect='auto')
         for (i, j), x in np.ndenumerate(t.to_numpy(float)):
-            if np.isfinite(x): ax.text(j, i, f'{x:.2f}', ha='center', va='center', fontsize=9, color='white' if x < 0.5 * (vmin + vmax) else 'black')
+            if np.isfinite(x):
+                ax.text(j, i, f'{x:.2f}', ha='center', va='center', fontsize=9,
+                        color='white' if x < 0.5 * (vmin + vmax) else 'black')
         ax.set_xticks(range(t.shape[1]), t.columns); ax.set_title(title); ax.grid(False)
-        ax.set_yticks(range(len(t)), t.index if ax is axes[0] or not t.index.equals(tabs['centered cosine'].index) else [''] * len(t))
+        ax.set_yticks(range(len(t)),
+                      t.index if ax is axes[0] or not t.index.equals(tabs['centered cosine'].index) else [''] * len(t))
     if 'im' in locals(): fig.colorbar(im, ax=list(axes), fraction=0.04, pad=0.02, label='cosine')
     return fig
 
@@ -359,8 +383,8 @@ def plot_layer_heatmap(runs: pd.DataFrame, vmin: float = -0.2, vmax: float = 1.0
 def _vs(c) -> dict:
     "A table row's comparison with the baseline (`report.Comparison` or None): difference, interval, paired seeds."
     tested = c is not None and c.low is not None
-    return {'vs no-distill': c.mean if c else np.nan, 'low': c.low if tested else np.nan, 'high': c.high if tested else np.nan,
-            'paired seeds': c.n if c else np.nan}
+    return {'vs no-distill': c.mean if c else np.nan, 'low': c.low if tested else np.nan,
+            'high': c.high if tested else np.nan, 'paired seeds': c.n if c else np.nan}
 
 # %% ../nbs/13b_mercator_report.ipynb #604fd79c
 def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -408,7 +432,8 @@ def plot_ppl(ppl: pd.DataFrame, teacher: float = np.nan):
     scale."""
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(ppl)), 3.6))
     below = lambda v: BASELINE in ppl.index and ppl.loc[v, 'best val PPL'] < ppl.loc[BASELINE, 'best val PPL']
-    ax.bar(ppl.index, ppl['best val PPL'], color=['tab:gray' if v == BASELINE else 'tab:green' if below(v) else 'tab:orange' for v in ppl.index])
+    ax.bar(ppl.index, ppl['best val PPL'],
+           color=['tab:gray' if v == BASELINE else 'tab:green' if below(v) else 'tab:orange' for v in ppl.index])
     if BASELINE in ppl.index:
         ax.axhline(ppl.loc[BASELINE, 'best val PPL'], color='tab:gray', ls='-', lw=1, label='no-distill')
     if pd.notna(teacher): ax.axhline(teacher, color='k', ls='--', lw=1, label=f'teacher ({teacher:.2f})')
@@ -463,10 +488,14 @@ def metric_answer(cmps: dict, what: str, fmt: str, lower_better: bool) -> str:
     desc, some = f"`{best}` at {c.text(fmt)}", lambda vs: f"{len(vs)} of {len(cmps)} ({', '.join(vs)})"
     better = [v for v, x in cmps.items() if (x.mean < 0 if lower_better else x.mean > 0)]
     worse = [v for v, x in cmps.items() if beats(x, not lower_better)]
-    if (won := [v for v in better if beats(cmps[v], lower_better)]): out = f"yes: {some(won)} beat it beyond seed-to-seed noise, the best {desc}"
-    elif better and c.low is None: out = f"untested: better for {some(better)} in a single paired seed, the best {desc}"
-    elif better: out = f"not resolvably: better on average for {some(better)} but within seed-to-seed noise, the best {desc}"
-    else: out = f"no: even the best, {desc}, is not better"
+    if (won := [v for v in better if beats(cmps[v], lower_better)]):
+        out = f"yes: {some(won)} beat it beyond seed-to-seed noise, the best {desc}"
+    elif better and c.low is None:
+        out = f"untested: better for {some(better)} in a single paired seed, the best {desc}"
+    elif better:
+        out = f"not resolvably: better on average for {some(better)} but within seed-to-seed noise, the best {desc}"
+    else:
+        out = f"no: even the best, {desc}, is not better"
     return f"on {what}, {out}" + (f", and resolvably worse: {some(worse)}" if worse else '')
 
 # %% ../nbs/13b_mercator_report.ipynb #7327d508
@@ -491,7 +520,8 @@ def seeds_note(cmps: dict) -> str:
     "`ONE_SEED_NOTE` when a comparison has a single paired seed (naming those variants unless all have one); '' else."
     single = [v for v, c in cmps.items() if c.low is None]
     if not single: return ''
-    return ONE_SEED_NOTE if len(single) == len(cmps) else ONE_SEED_NOTE.replace('one seed per variant', f"one paired seed for {', '.join(single)}")
+    return (ONE_SEED_NOTE if len(single) == len(cmps)
+            else ONE_SEED_NOTE.replace('one seed per variant', f"one paired seed for {', '.join(single)}"))
 
 # %% ../nbs/13b_mercator_report.ipynb #b90ecf42
 def headline(runs: pd.DataFrame) -> str:
@@ -505,6 +535,6 @@ def headline(runs: pd.DataFrame) -> str:
     ppl, acc = comparisons(runs)
     a = metric_answer(ppl, 'validation PPL', PCT, True) + seeds_note(ppl)
     st = completed_runs(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
-    b = (f"on {task_label(runs)}, cannot tell: every student and `{BASELINE}` score 0.0% ({len(st)} runs)" if acc and (st == 0).all()
-         else metric_answer(acc, task_label(runs), PTS, False))
+    b = (f"on {task_label(runs)}, cannot tell: every student and `{BASELINE}` score 0.0% ({len(st)} runs)"
+         if acc and (st == 0).all() else metric_answer(acc, task_label(runs), PTS, False))
     return f"{q} {a[0].upper()}{a[1:]}; {b}."
