@@ -12,8 +12,8 @@ import pandas as pd
 from .mercator import COLLAPSE_GAP, PASS_LINES
 from .report import compare, load_curves, log_ticks, variant_colors
 from .mercator_report import (BASELINE, CAPACITY, PCT, PTS, _mean, acc_compare, agreement_table, beats, comparisons,
-                                     completed_runs, distilled_variants, is_mercator, ppl_table, protocol_values, stage_of,
-                                     task_label)
+                                     completed_runs, distilled_variants, is_mercator, ppl_table, protocol_values,
+                                     stage_of, task_label)
 
 # %% auto #0
 __all__ = ['PROBE_MARGIN', 'CE_TAIL', 'CAUSES', 'MARKERS', 'LINESTYLES', 'mercator_variants_of', 'collapse_check',
@@ -53,12 +53,15 @@ def projector_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
     n_below, where = sum(c < PASS_LINES[0] for c in caps.values()), (
         'every capacity' if len(caps) == len(CAPACITY) else f'the {len(caps)} of {len(CAPACITY)} capacities measured'
     )
-    line = (f"below the pass line {PASS_LINES[0]:.2f} at {where}" if below else f"at or above the pass line {PASS_LINES[0]:.2f} at {where}" if not n_below
+    line = (f"below the pass line {PASS_LINES[0]:.2f} at {where}" if below
+            else f"at or above the pass line {PASS_LINES[0]:.2f} at {where}" if not n_below
             else f"below the pass line {PASS_LINES[0]:.2f} at {n_below} of {len(caps)} capacities")
     same = abs(probe - mean) <= PROBE_MARGIN
-    return below and same, (f"projector: centered cosine {' / '.join(f'{c:.3f}' for c in caps.values())} at {' / '.join(caps)} capacity "
+    return below and same, (f"projector: centered cosine {' / '.join(f'{c:.3f}' for c in caps.values())} "
+                            f"at {' / '.join(caps)} capacity "
                             f"({line}), the `{BASELINE}` probe "
-                            f"{probe:.3f} against {mean:.3f} for the Mercator students ({'about the same' if same else 'not the same'}, "
+                            f"{probe:.3f} against {mean:.3f} for the Mercator students "
+                            f"({'about the same' if same else 'not the same'}, "
                             f"margin {PROBE_MARGIN:g})")
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #d6f3ad46
@@ -69,7 +72,8 @@ def warmup_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
         return None, 'learning-rate ratio / warm-up: not measured (needs `mercator-warmup` and `mercator-b0.01`)'
     w = protocol_values(runs, 'projector_warmup', 'settings.projector_warmup', variants=['mercator-warmup'])
     if w and max(w) == 0: return None, 'learning-rate ratio / warm-up: not tested (the warm-up was 0 steps)'
-    return beats(c, True), f"learning-rate ratio / warm-up: `mercator-warmup` against `{CAPACITY['default']}` PPL {c.text(PCT)}"
+    return beats(c, True), ("learning-rate ratio / warm-up: `mercator-warmup` against "
+                            f"`{CAPACITY['default']}` PPL {c.text(PCT)}")
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #2a8a3f11
 def final_ce(curves: pd.DataFrame, tail: int = CE_TAIL) -> pd.DataFrame:
@@ -88,12 +92,14 @@ def ce_check(runs: pd.DataFrame, curves: pd.DataFrame) -> tuple[bool | None, str
     base = ce[ce.variant == BASELINE].set_index('seed').ce_loss
     d = (merc - base).dropna()
     if d.empty: return None, 'KV term against cross-entropy: not measured (no ce_loss records)'
-    return bool((d > 0).all()), (f"KV term against cross-entropy: the Mercator students' final training cross-entropy {merc[d.index].mean():.3f} "
-                                 f"against {base[d.index].mean():.3f} for `{BASELINE}` ({d.mean():+.3f} nats, higher in {int((d > 0).sum())} of {len(d)} "
+    return bool((d > 0).all()), ("KV term against cross-entropy: the Mercator students' final training cross-entropy "
+                                 f"{merc[d.index].mean():.3f} against {base[d.index].mean():.3f} for `{BASELINE}` "
+                                 f"({d.mean():+.3f} nats, higher in {int((d > 0).sum())} of {len(d)} "
                                  "paired seeds)")
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #3d6b187e
-CAUSES = ('collapse', 'the projector', 'the learning-rate ratio / warm-up', 'a conflict between the KV term and cross-entropy')
+CAUSES = ('collapse', 'the projector', 'the learning-rate ratio / warm-up',
+          'a conflict between the KV term and cross-entropy')
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #1b232c65
 def loss_text(runs: pd.DataFrame, ppl: dict, acc: dict) -> str:
@@ -120,8 +126,8 @@ def cause_sentence(runs: pd.DataFrame, curves: pd.DataFrame | None = None) -> st
     checks = [collapse_check(runs), projector_check(runs), warmup_check(runs), ce_check(runs, curves)]
     found = [name for name, (ok, _) in zip(CAUSES, checks) if ok]
     said = '; '.join(f"({k}) {t}" for k, (_, t) in zip('abcd', checks))
-    end = (f"this points to {found[0]}" + (f" (also consistent with {', '.join(found[1:])})" if found[1:] else '')) if found else \
-          'no single measurement explains it'
+    end = ((f"this points to {found[0]}" + (f" (also consistent with {', '.join(found[1:])})" if found[1:] else ''))
+           if found else 'no single measurement explains it')
     return f"{loss_text(runs, ppl, acc)}; checked in order, {said}: {end}."
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #a46661d1
@@ -134,9 +140,11 @@ def alignment(agree: pd.DataFrame) -> str:
     base_c = agree.loc[BASELINE, 'centered cosine']
     best = max(done, key=lambda v: agree.loc[v, 'centered cosine'])
     c = agree.loc[best, 'centered cosine']
-    return (f"KV agreement: the most aligned distilled student, `{best}`, reached a centered cosine of {c:.3f} ({stage_of(c)}; raw "
+    return (f"KV agreement: the most aligned distilled student, `{best}`, reached a centered cosine of {c:.3f} "
+            f"({stage_of(c)}; raw "
             f"{agree.loc[best, 'raw cosine']:.3f}) against {base_c:.3f} for the probe of the undistilled student "
-            f"({'higher' if c > base_c else 'not higher'}: distillation {'did' if c > base_c else 'did not'} make the student's keys and values "
+            f"({'higher' if c > base_c else 'not higher'}: distillation {'did' if c > base_c else 'did not'} "
+            "make the student's keys and values "
             "more like the teacher's beyond what a projector finds by itself).")
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #01421151
@@ -148,16 +156,21 @@ def mse_table(runs: pd.DataFrame) -> pd.DataFrame:
         c = compare(runs, v, 'mse')
         if c is None or 'mse' not in agree.index or v not in agree.index: continue
         a = acc_compare(runs, v, 'mse')
-        rows.append({'Mercator variant': v, 'val PPL': ppl.loc[v, 'best val PPL'], 'MSE val PPL': ppl.loc['mse', 'best val PPL'],
+        rows.append({'Mercator variant': v, 'val PPL': ppl.loc[v, 'best val PPL'],
+                     'MSE val PPL': ppl.loc['mse', 'best val PPL'],
                      'PPL vs MSE': c.text(PCT), 'accuracy vs MSE': a.text(PTS) if a else 'n/a',
-                     'centered cosine': agree.loc[v, 'centered cosine'], 'MSE centered cosine': agree.loc['mse', 'centered cosine'],
-                     'raw cosine': agree.loc[v, 'raw cosine'], 'MSE raw cosine': agree.loc['mse', 'raw cosine'], '_d': c.mean})
+                     'centered cosine': agree.loc[v, 'centered cosine'],
+                     'MSE centered cosine': agree.loc['mse', 'centered cosine'],
+                     'raw cosine': agree.loc[v, 'raw cosine'], 'MSE raw cosine': agree.loc['mse', 'raw cosine'],
+                     '_d': c.mean})
     return pd.DataFrame(rows).set_index('Mercator variant') if rows else pd.DataFrame()
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #bdd3c0ae
 def style_mse(mm: pd.DataFrame):
     "`mse_table` for display, without the numeric `_d`."
-    return mm.drop(columns='_d').style.format({c: '{:.3f}' for c in ('val PPL', 'MSE val PPL', 'centered cosine', 'MSE centered cosine', 'raw cosine', 'MSE raw cosine')})
+    return mm.drop(columns='_d').style.format({c: '{:.3f}' for c in ('val PPL', 'MSE val PPL', 'centered cosine',
+                                                                     'MSE centered cosine', 'raw cosine',
+                                                                     'MSE raw cosine')})
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #4574105c
 def mse_sentence(mm: pd.DataFrame) -> str:
@@ -179,7 +192,8 @@ def student_styles(students: list[str]) -> dict[str, dict]:
     "A distinct colour, marker and line style per student (batch order); the baseline thick black."
     others = [s for s in students if s != BASELINE]
     colors = variant_colors(others)  # the package's one colour per variant (tab10, tab20 beyond 10)
-    out = {v: dict(color=colors[v], marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)], lw=1.4) for i, v in enumerate(others)}
+    out = {v: dict(color=colors[v], marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)], lw=1.4)
+           for i, v in enumerate(others)}
     return {**({BASELINE: dict(color='black', marker='o', ls='-', lw=2.6)} if BASELINE in students else {}), **out}
 
 # %% ../nbs/13e_mercator_diagnosis.ipynb #dc174f63
@@ -188,7 +202,8 @@ def plot_training_curves(curves: pd.DataFrame, students: list[str]):
     each."""
     styles = student_styles(students)
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
-    for ax, metric, title in ((axes[0], 'ce_loss', 'student training cross-entropy'), (axes[1], 'val_ppl', 'validation perplexity')):
+    for ax, metric, title in ((axes[0], 'ce_loss', 'student training cross-entropy'),
+                              (axes[1], 'val_ppl', 'validation perplexity')):
         df = curves[curves.variant.isin(students)].dropna(subset=[metric]) if metric in curves else curves.iloc[:0]
         for v, st in (styles.items() if metric in df else ()):  # no student completed: no such column
             g = df[df.variant == v].groupby('step')[metric].mean()
