@@ -18,7 +18,8 @@ from oelm_nb.core import ConfigError
 from oelm_nb.experiment import resolve_spec
 from oelm_nb.studies import get_study
 from oelm_nb.mercator import cosine_stage, layer_map, pass_label
-from oelm_nb.mercator_study import mercator_common, mercator_run, resolve_checkpoint, resolve_dataset, MercatorSettings, load_texts, load_records
+from oelm_nb.mercator_study import mercator_common, mercator_run, MercatorSettings
+from oelm_nb.mercator_hf import resolve_checkpoint, resolve_dataset, load_texts, load_records
 from cli_helpers import run_oelm as oelm, read_json, html_text
 from shared_runs import shared_batch, completed
 

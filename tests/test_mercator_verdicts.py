@@ -13,9 +13,10 @@ import pytest
 from scipy import stats
 
 from oelm_nb.rundir import write_json
-from oelm_nb.mercator_report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, alignment, batch_line, cause_sentence,
-                                     collapse_guard, failed_runs_note, headline, mercator_runs, mse_sentence, mse_table, ppl_table,
-                                     protocol_text, runs_table, student_variants, style_acc, style_agreement, style_ppl, style_runs_table)
+from oelm_nb.mercator_report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, batch_line, collapse_guard,
+                                     failed_runs_note, headline, mercator_runs, ppl_table, protocol_text, runs_table,
+                                     student_variants, style_acc, style_agreement, style_ppl, style_runs_table)
+from oelm_nb.mercator_diagnosis import alignment, cause_sentence, mse_sentence, mse_table
 
 
 def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | None = None, name: str = 'batch',
