@@ -16,14 +16,15 @@ from .metrics import read_metrics
 # %% auto #0
 __all__ = ['FORMATION_SHARE', 'FORMATION_COLUMNS', 'CONVERGENCE_RULE', 'CONVERGENCE_COLUMNS', 'run_curves', 'recall_span',
            'formation_level', 'formation', 'formation_rule', 'formation_note', 'power_law_fit', 'predicted_fall',
-           'convergence', 'budget_text', 'convergence_rule_text', 'convergence_note', 'convergence_caveat']
+           'convergence', 'budget_text', 'convergence_rule_text', 'convergence_note', 'not_settled',
+           'convergence_caveat']
 
-# %% ../nbs/08b_convergence.ipynb #3184ad4b
+# %% ../nbs/08b_convergence.ipynb #e0cf0e88
 def run_curves(runs: pd.DataFrame) -> pd.DataFrame:
     "The metrics records of `runs` (a `report.load_runs` table), long format, with variant and seed columns."
     frames = []
     for r in runs.itertuples():
-        recs = read_metrics(r.run_dir) if r.run_dir else []
+        recs = read_metrics(r.run_dir) if getattr(r, 'run_dir', None) else []
         if recs: frames.append(pd.DataFrame(recs).assign(variant=r.variant, seed=r.seed))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=['variant', 'seed', 'step'])
 
@@ -204,7 +205,7 @@ def _fit_row(steps, loss, w: int, T: int, rule: dict) -> dict:
     return {'flag': flag, 'why': why, 'reason': reason, 'fit_points': k, 'L_inf': L, 'a': a, 'b': b,
             'predicted_fall': fall}
 
-# %% ../nbs/08b_convergence.ipynb #e056cf52
+# %% ../nbs/08b_convergence.ipynb #c0be6ec3
 def _judge(r, g: pd.DataFrame | None, recs: pd.DataFrame | None, f: dict, rule: dict) -> dict:
     "The convergence rule on one run (a `load_runs` row): its evaluations `g`, records `recs` and formation `f`."
     if r.status != 'completed':
@@ -216,7 +217,7 @@ def _judge(r, g: pd.DataFrame | None, recs: pd.DataFrame | None, f: dict, rule: 
     if (late := _late(f, T, rule['late'])):
         return {'flag': 'still forming', 'why': late, 'reason': late + ': the recall circuit is still forming, a '
                 'phase transition the run has not settled after', 'last_step': T}
-    w = _warmup(r.run_dir, recs)
+    w = _warmup(getattr(r, 'run_dir', None), recs)
     out = {'last_step': T, 'warmup': w, **_fit_row(steps, loss, w, T, rule)}
     if f.get('text', '').startswith('no formation level'):
         out['reason'] += f"; recall formation not judged ({f['text']})"
@@ -294,11 +295,16 @@ def convergence_note(conv: pd.DataFrame) -> str:
         out += 'Verdicts that rest on these runs hold at this budget and may change with longer training. '
     return out + f"Rule: {convergence_rule_text(conv.attrs.get('rule', CONVERGENCE_RULE))}."
 
-# %% ../nbs/08b_convergence.ipynb #b90b4568
+# %% ../nbs/08b_convergence.ipynb #eaeb894c
+def not_settled(conv: pd.DataFrame, variants) -> str:
+    "Which completed runs of `variants` did not reach a plateau, by flag ('still forming: a-s1; unknown: b-s0'); ''."
+    c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
+    return '; '.join(f'{flag}: {_names(c.index[c.flag == flag])}' for flag in ('still forming', 'still improving',
+                                                                               'unknown') if (c.flag == flag).any())
+
+# %% ../nbs/08b_convergence.ipynb #3c26b11b
 def convergence_caveat(conv: pd.DataFrame, variants) -> str:
     """A clause to append to a verdict on `variants`: '' when all their completed runs reached a plateau, else which
     did not and that the verdict holds at the budget."""
-    c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
-    bits = [f'{flag}: {_names(c.index[c.flag == flag])}' for flag in ('still forming', 'still improving', 'unknown')
-            if (c.flag == flag).any()]
-    return f" (holds {conv.attrs.get('budget', 'at its budget')}; {'; '.join(bits)})" if bits else ''
+    bits = not_settled(conv, variants)
+    return f" (holds {conv.attrs.get('budget', 'at its budget')}; {bits})" if bits else ''

@@ -379,10 +379,11 @@ def seeds_needed(c: Comparison | None, # a paired comparison
 def seeds_command(batch_dir, # a batch directory: its batch.json gives study, preset, data, steps, overrides, flags
                   n: int, # seeds 0 .. n-1
                   variants=None, # the variants to run (default: the batch's)
+                  study: str | None = None, # the study, where batch.json does not name one
                  ) -> str:
     "The `oelm run` command that trains seeds 0 .. n-1 of `variants` into the batch (its completed runs are skipped)."
     b, q = read_json(Path(batch_dir) / 'batch.json') or {}, shlex.quote
-    parts = ['oelm', 'run', q(str(b.get('study') or 'STUDY'))]
+    parts = ['oelm', 'run', q(str(b.get('study') or study or 'STUDY'))]
     for flag in ('preset', 'data', 'steps'):
         if b.get(flag) is not None: parts += [f'--{flag}', q(str(b[flag]))]
     if (vs := list(variants or b.get('variants') or [])): parts += ['--variants', q(','.join(map(str, vs)))]
