@@ -164,14 +164,15 @@ def predicted_fall(L: float, a: float, b: float, T: float, horizon: float = 2.0)
     now = L + a * T ** -b
     return a * T ** -b * (1 - horizon ** -b) / now
 
-# %% ../nbs/08b_convergence.ipynb #87ca6fd7
+# %% ../nbs/08b_convergence.ipynb #24f73eaf
 def _warmup(run_dir, recs: pd.DataFrame | None) -> int:
     "A run's warmup steps: config.json's train.warmup_steps, else the step of its highest learning rate, else 0."
     cfg = read_json(Path(run_dir) / 'config.json') if run_dir else None
     w = (cfg.get('train') or {}).get('warmup_steps') if isinstance(cfg, dict) else None
     if isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < math.inf: return int(w)
-    lr = pd.to_numeric(recs.lr, errors='coerce') if recs is not None and 'lr' in recs else None
-    return int(recs.step[lr.idxmax()]) if lr is not None and lr.notna().any() else 0
+    lr = pd.to_numeric(recs.lr, errors='coerce').to_numpy(float) if recs is not None and 'lr' in recs else None
+    if lr is None or not np.isfinite(lr).any() or lr[0] >= np.nanmax(lr): return 0  # no warmup: it starts at its peak
+    return int(recs.step.iloc[int(np.nanargmax(lr))])
 
 # %% ../nbs/08b_convergence.ipynb #f474226b
 def _late(f: dict, T: int, late: float) -> str | None:
