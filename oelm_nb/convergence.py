@@ -164,7 +164,7 @@ def predicted_fall(L: float, a: float, b: float, T: float, horizon: float = 2.0)
     now = L + a * T ** -b
     return a * T ** -b * (1 - horizon ** -b) / now
 
-# %% ../nbs/08b_convergence.ipynb #24f73eaf
+# %% ../nbs/08b_convergence.ipynb #afa859cb
 def _warmup(run_dir, recs: pd.DataFrame | None) -> int:
     "A run's warmup steps: config.json's train.warmup_steps, else the step of its highest learning rate, else 0."
     cfg = read_json(Path(run_dir) / 'config.json') if run_dir else None
@@ -174,7 +174,7 @@ def _warmup(run_dir, recs: pd.DataFrame | None) -> int:
     if lr is None or not np.isfinite(lr).any() or lr[0] >= np.nanmax(lr): return 0  # no warmup: it starts at its peak
     return int(recs.step.iloc[int(np.nanargmax(lr))])
 
-# %% ../nbs/08b_convergence.ipynb #f474226b
+# %% ../nbs/08b_convergence.ipynb #75d6a3f4
 def _late(f: dict, T: int, late: float) -> str | None:
     "Why a run is still forming the recall circuit (`_formed`'s dict), or None when it is not."
     if 'last_step' in f and 'formed_step' not in f:
@@ -184,7 +184,7 @@ def _late(f: dict, T: int, late: float) -> str | None:
                 "of the steps")
     return None
 
-# %% ../nbs/08b_convergence.ipynb #3b6161cb
+# %% ../nbs/08b_convergence.ipynb #23889b6e
 def _fit_row(steps, loss, w: int, T: int, rule: dict) -> dict:
     "The power-law part of the rule on one run's evaluations: flag, why, reason and the fit."
     use = (steps > w) & (steps >= rule['head'] * T) & (steps <= (1 - rule['tail']) * T) & np.isfinite(loss)
@@ -206,7 +206,7 @@ def _fit_row(steps, loss, w: int, T: int, rule: dict) -> dict:
     return {'flag': flag, 'why': why, 'reason': reason, 'fit_points': k, 'L_inf': L, 'a': a, 'b': b,
             'predicted_fall': fall}
 
-# %% ../nbs/08b_convergence.ipynb #c0be6ec3
+# %% ../nbs/08b_convergence.ipynb #7ed7d765
 def _judge(r, g: pd.DataFrame | None, recs: pd.DataFrame | None, f: dict, rule: dict) -> dict:
     "The convergence rule on one run (a `load_runs` row): its evaluations `g`, records `recs` and formation `f`."
     if r.status != 'completed':
@@ -224,14 +224,14 @@ def _judge(r, g: pd.DataFrame | None, recs: pd.DataFrame | None, f: dict, rule: 
         out['reason'] += f"; recall formation not judged ({f['text']})"
     return out
 
-# %% ../nbs/08b_convergence.ipynb #ad849766
+# %% ../nbs/08b_convergence.ipynb #56cee8cf
 CONVERGENCE_COLUMNS = ['variant', 'seed', 'status', 'flag', 'why', 'evals', 'last_step', 'warmup', 'formed_step',
                        'fit_points', 'L_inf', 'a', 'b', 'predicted_fall', 'reason']
 
-# %% ../nbs/08b_convergence.ipynb #90aee6a6
+# %% ../nbs/08b_convergence.ipynb #ea77c305
 def convergence(runs: pd.DataFrame, # `report.load_runs` of a batch
                 curves: pd.DataFrame | None = None, # their metrics records (default: read from the run directories)
-                **rule, # CONVERGENCE_RULE's fields to change: tail, late, rise, min_points
+                **rule, # CONVERGENCE_RULE's fields to change: head, tail, late, rise, min_points
                ) -> pd.DataFrame:
     """Per run (indexed by run name): 'still forming' (recall circuit not formed, or after 75% of the steps), 'still
     improving' or 'plateau' (a power-law fit before the cosine tail, extrapolated to 2T), or 'unknown', and why."""
@@ -253,14 +253,14 @@ def convergence(runs: pd.DataFrame, # `report.load_runs` of a batch
     t.attrs.update(rule=rule, budget=budget_text(runs), formation=form.attrs)
     return t
 
-# %% ../nbs/08b_convergence.ipynb #91d037a6
+# %% ../nbs/08b_convergence.ipynb #79a71725
 def _si(x: float) -> str:
     "A token count for people: 3.1M, 512k, 1.2B."
     for div, unit in ((1e9, 'B'), (1e6, 'M'), (1e3, 'k')):
         if x >= div: return f'{x / div:.3g}{unit}'
     return f'{x:.0f}'
 
-# %% ../nbs/08b_convergence.ipynb #fe71e2bd
+# %% ../nbs/08b_convergence.ipynb #201c041e
 def budget_text(runs: pd.DataFrame) -> str:
     """'at 3.1M tokens per run (3,000 steps)': the training budget of a batch's completed runs (a range where they
     differ), which every verdict on them holds at."""
@@ -271,7 +271,7 @@ def budget_text(runs: pd.DataFrame) -> str:
     if not len(tok): return f'at {steps(st)} steps per run'
     return f'at {span(tok, _si)} tokens per run' + (f' ({steps(st)} steps)' if len(st) else '')
 
-# %% ../nbs/08b_convergence.ipynb #547055e6
+# %% ../nbs/08b_convergence.ipynb #eba36b30
 def convergence_rule_text(rule: dict) -> str:
     "The convergence rule in one sentence, with its numbers."
     return (f"a run is still forming when it has not formed the recall circuit or formed it after {rule['late']:.0%} "
@@ -280,7 +280,7 @@ def convergence_rule_text(rule: dict) -> str:
             f"the cosine tail), predicts its fall from the last step T to 2T: still improving above "
             f"{rule['rise']:.0%}, else a plateau")
 
-# %% ../nbs/08b_convergence.ipynb #a2542b08
+# %% ../nbs/08b_convergence.ipynb #6bbfda6c
 def convergence_note(conv: pd.DataFrame) -> str:
     "One Markdown paragraph: the budget, which completed runs reached a plateau, which did not and why, and the rule."
     done, budget = conv[conv.status == 'completed'], conv.attrs.get('budget', 'at its budget')
@@ -296,14 +296,14 @@ def convergence_note(conv: pd.DataFrame) -> str:
         out += 'Verdicts that rest on these runs hold at this budget and may change with longer training. '
     return out + f"Rule: {convergence_rule_text(conv.attrs.get('rule', CONVERGENCE_RULE))}."
 
-# %% ../nbs/08b_convergence.ipynb #eaeb894c
+# %% ../nbs/08b_convergence.ipynb #e37f8619
 def not_settled(conv: pd.DataFrame, variants) -> str:
     "Which completed runs of `variants` did not reach a plateau, by flag ('still forming: a-s1; unknown: b-s0'); ''."
     c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
     return '; '.join(f'{flag}: {_names(c.index[c.flag == flag])}' for flag in ('still forming', 'still improving',
                                                                                'unknown') if (c.flag == flag).any())
 
-# %% ../nbs/08b_convergence.ipynb #3c26b11b
+# %% ../nbs/08b_convergence.ipynb #27ca9e9f
 def convergence_caveat(conv: pd.DataFrame, variants) -> str:
     """A clause to append to a verdict on `variants`: '' when all their completed runs reached a plateau, else which
     did not and that the verdict holds at the budget."""
