@@ -112,14 +112,17 @@ def print_batch_summary(batch_dir):
         print('\n' + people_table(variant_table(runs)).to_string() + '\n')
         h = study.verdicts(runs) if study.verdicts else pd.DataFrame()
         for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
-    print('\n' + textwrap.fill(convergence_text(batch_dir, runs), 120) + '\n')
+    print('\n' + convergence_text(batch_dir, runs) + '\n')
 
 # %% ../nbs/10_cli.ipynb #7903bfc6
 def convergence_text(batch_dir, runs) -> str:
-    "The report's convergence note as plain text, for the console: which runs were still improving when they stopped."
-    from oelm_nb.report import convergence, convergence_note, load_curves
-    done = runs[runs.status == 'completed']
-    return convergence_note(convergence(runs, load_curves(batch_dir, done))).replace('**', '')
+    """The report's convergence and recall-circuit notes as plain text for the console (120 columns): the budget, which
+    runs had not settled and why, and when each variant formed the recall circuit."""
+    from oelm_nb.report import convergence, convergence_note, formation, formation_note, load_curves
+    curves = load_curves(batch_dir, runs[runs.status == 'completed'])
+    notes = [convergence_note(convergence(runs, curves)), formation_note(formation(runs, curves))]
+    notes = [n for n in notes if not n.startswith('Recall not evaluated')]  # a study without recall positions
+    return '\n\n'.join(textwrap.fill(n.replace('**', ''), 120) for n in notes)
 
 # %% ../nbs/10_cli.ipynb #f1139743
 def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:

@@ -14,12 +14,14 @@ from .bench import bench
 from .freeze import param_report
 from .model import GPT
 from .report import (compare, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
-                            interval_text)
+                            interval_text, seeds_needed, seeds_command, formation_comparison, formed_count, budget_text)
+from .convergence import run_curves, convergence, formation, formation_rule, not_settled
 
 # %% auto #0
 __all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict',
-           'load_timing', 'h3_verdict', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
-           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note']
+           'load_timing', 'h3_verdict', 'budget_note', 'what_it_takes', 'formation_row', 'hypotheses',
+           'interleaved_timing', 'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence',
+           'tokens_per_run', 'scale_note']
 
 # %% ../nbs/06a_qk_freeze.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -89,20 +91,75 @@ def h3_verdict(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreez
 def _batch_dir(runs: pd.DataFrame) -> Path | None:
     return Path(runs.run_dir.iloc[0]).parent if len(runs) and 'run_dir' in runs else None
 
-# %% ../nbs/06a_qk_freeze.ipynb #50a53f6f
+# %% ../nbs/06a_qk_freeze.ipynb #8c024d93
+def budget_note(runs: pd.DataFrame, conv: pd.DataFrame, variants) -> str:
+    """What a verdict on `variants` holds at: the runs' budget, the completed seeds per variant, and whether those runs
+    reached a plateau (`convergence`)."""
+    ok = runs[(runs.status == 'completed') & runs.variant.isin(list(variants))] if len(runs) else runs
+    seeds = ', '.join(f'{v} {int((ok.variant == v).sum()) if len(ok) else 0}' for v in variants)
+    out = f"Budget {budget_text(runs).removeprefix('at ')}; completed seeds: {seeds}"
+    if not len(ok): return out + '.'
+    if (bits := not_settled(conv, variants)):
+        return out + f'. Convergence not established ({bits}): the verdict holds at this budget.'
+    return out + f'. All {len(ok)} runs reached a plateau (convergence rule: power-law fit before the cosine tail).'
+
+# %% ../nbs/06a_qk_freeze.ipynb #87a489cc
+def what_it_takes(c: Comparison | None, # an unresolved paired comparison
+                  threshold: float, # the value its interval must exclude
+                  batch_dir, # the batch the command adds seeds to (None: DIR)
+                  variants, what: str) -> str:
+    "How many seeds would resolve `what` at the observed mean and paired spread, and the command that runs them."
+    if c is None: return ''
+    cmd = lambda n: f'`{seeds_command(batch_dir or "DIR", n, list(variants), QK_FREEZE.name)}`'
+    if c.n < 2: return f' A paired spread needs >= 2 seeds: {cmd(2)}.'
+    if (n := seeds_needed(c, threshold)) is None:
+        return f' No count up to 1,000 seeds resolves {what} at this mean and paired spread.'
+    return f' {n} seeds would resolve {what} at this mean and paired spread: {cmd(n)} (completed runs are skipped).'
+
+# %% ../nbs/06a_qk_freeze.ipynb #03a82d32
+def _threshold_row(hid: str, c: Comparison | None, limit: float, a: str, b: str, batch_dir) -> tuple:
+    "H2/H4: the paired val PPL gap of `a` vs `b` against `limit`, with what it would take when unresolved."
+    verdict = threshold_verdict(c, limit)
+    evidence = str(c) if c else f'needs {a} and {b} runs'
+    if verdict.startswith('inconclusive'):
+        evidence += '.' + what_it_takes(c, limit, batch_dir, [a, b], f'the {limit:.0%} threshold')
+    return (hid, f'{a} vs {b}: val PPL gap < {limit:.0%}', verdict, evidence)
+
+# %% ../nbs/06a_qk_freeze.ipynb #66d02d5d
+def formation_row(rid: str, form: pd.DataFrame, a: str, b: str, batch_dir) -> tuple:
+    "When the recall circuit forms, `a` vs `b`: the paired formation step, how many seeds formed it, and the level."
+    text = f'{a} forms the recall circuit at the same step as {b} (formation step; lower: earlier)'
+    done = form[(form.status == 'completed') & form.variant.isin([a, b])]
+    if done.empty or done.text.eq('no recall evaluations').all():
+        return (rid, text, 'no data', f'needs completed {a} and {b} runs with recall evaluations')
+    c = formation_comparison(form, a, b)
+    gap = f"formation step {a} - {b} (steps): {c.text('{:+,.0f}')}" if c else f'no seed where {a} and {b} formed it'
+    verdict = difference_verdict(c) if c else 'no seed formed it in both'
+    counts = f'formed: {a} {formed_count(form, a)}, {b} {formed_count(form, b)}'
+    evidence = f'{gap}; {counts}; formed = {formation_rule(form)}'
+    if verdict == 'no resolvable difference': evidence += '.' + what_it_takes(c, 0.0, batch_dir, [a, b], 'a difference')
+    return (rid, text, verdict, evidence)
+
+# %% ../nbs/06a_qk_freeze.ipynb #25308411
 def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
                freeze: str = 'oelm-freeze', nofreeze: str = 'oelm', base: str = 'gpt',
                timing: pd.DataFrame | None = None, # `load_timing` of the batch (default: read beside the runs)
+               curves: pd.DataFrame | None = None, # the runs' metrics records (default: read from their directories)
               ) -> pd.DataFrame:
-    "The H1-H4 verdict table of the Q/K freeze log, computed from the runs and the batch's interleaved timing."
-    if timing is None and (d := _batch_dir(runs)) is not None: timing = load_timing(d)
-    c2, c4 = compare(runs, freeze, nofreeze), compare(runs, freeze, base)
+    """The H1-H4 verdicts of the Q/K freeze log and when the recall circuit forms (R1: vs `base`, R2: vs `nofreeze`),
+    each with its budget, seeds and convergence; an unresolved one says how many seeds would resolve it."""
+    d = _batch_dir(runs)
+    if timing is None and d is not None: timing = load_timing(d)
+    curves = run_curves(runs) if curves is None else curves
+    conv, form = convergence(runs, curves), formation(runs, curves)
     rows = [h1_verdict(runs, freeze, nofreeze),
-            ('H2', f'{freeze} vs {nofreeze}: val PPL gap < 5%', threshold_verdict(c2, 0.05),
-             str(c2) if c2 else f'needs {freeze} and {nofreeze} runs'),
+            _threshold_row('H2', compare(runs, freeze, nofreeze), 0.05, freeze, nofreeze, d),
             h3_verdict(timing, freeze, nofreeze),
-            ('H4', f'{freeze} vs {base}: val PPL gap < 10%', threshold_verdict(c4, 0.10),
-             str(c4) if c4 else f'needs {freeze} and {base} runs')]
+            _threshold_row('H4', compare(runs, freeze, base), 0.10, freeze, base, d),
+            formation_row('R1', form, freeze, base, d), formation_row('R2', form, freeze, nofreeze, d)]
+    against = [nofreeze, nofreeze, nofreeze, base, base, nofreeze]  # each row compares `freeze` with this variant
+    rows = [(i, h, v, f"{e.rstrip('.')}. {budget_note(runs, conv, [freeze, b])}")
+            for (i, h, v, e), b in zip(rows, against)]
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
 
 # %% ../nbs/06a_qk_freeze.ipynb #c64c13cb

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_report.ipynb #4303f552
 from __future__ import annotations
-import html, json, math, os, urllib.parse
+import html, json, math, os, shlex, urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,15 +14,23 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 from .rundir import read_json, parse_run_name, run_name
-from .metrics import read_metrics
 from .rundir import flatten
+from .convergence import (run_curves, formation, formation_level, formation_note, convergence, convergence_note,
+                                 convergence_caveat, budget_text)
 
 # %% auto #0
 __all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root',
            'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 't_interval', 'interval_text', 'Comparison',
            'paired', 'compare', 'threshold_verdict', 'difference_verdict', 'mean_sd', 'people_number', 'people_table',
-           'axis_label', 'variant_colors', 'log_ticks', 'plot_curves', 'convergence', 'convergence_note',
-           'convergence_caveat', 'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links']
+           'axis_label', 'variant_colors', 'log_ticks', 'plot_curves', 'formation_comparison', 'formed_count',
+           'seeds_needed', 'seeds_command', 'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table',
+           'run_links', 'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note',
+           'convergence_caveat', 'budget_text']
+
+# %% ../nbs/08_report.ipynb #a11c0e7e
+# re-exported: a report imports every tool from here
+_all_ = ['formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat',
+         'budget_text']
 
 # %% ../nbs/08_report.ipynb #c879ad34
 PROJECT_ENV = 'OELM_PROJECT'  # a project root to resolve report batch paths against
@@ -120,12 +128,7 @@ def load_runs(batch_dir) -> pd.DataFrame:
 # %% ../nbs/08_report.ipynb #a2a7f2b0
 def load_curves(batch_dir, runs: pd.DataFrame | None = None) -> pd.DataFrame:
     "The metrics records of every run, long format, with variant and seed columns."
-    runs = load_runs(batch_dir) if runs is None else runs
-    frames = []
-    for r in runs.itertuples():
-        recs = read_metrics(r.run_dir)
-        if recs: frames.append(pd.DataFrame(recs).assign(variant=r.variant, seed=r.seed))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=['variant', 'seed', 'step'])
+    return run_curves(load_runs(batch_dir) if runs is None else runs)
 
 # %% ../nbs/08_report.ipynb #637cf37d
 def variant_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
@@ -340,110 +343,57 @@ def plot_curves(curves: pd.DataFrame, metric: str = 'val_ppl', x: str = 'step', 
     ax.set_xlabel(axis_label(x)); ax.set_ylabel(axis_label(metric))
     return ax
 
-# %% ../nbs/08_report.ipynb #864df9d9
-def convergence(runs: pd.DataFrame, curves: pd.DataFrame | None = None, tail: float = 0.2, floor: float = 0.01,
-                min_evals: int = 3) -> pd.DataFrame:
-    """Per run (indexed by run name): val loss at the start and end of the last `tail` of its steps, their relative
-    fall, the variant's seed spread and a flag: 'converged', 'still improving' or 'unknown'."""
-    curves = load_curves(None, runs) if curves is None else curves
-    ev = curves.dropna(subset=['val_loss']) if 'val_loss' in curves and len(curves) else None
-    by_run = {} if ev is None else {k: g.sort_values('step').drop_duplicates('step', keep='last')
-                                    for k, g in ev.groupby(['variant', 'seed'], sort=False)}
-    rows = []
-    for r in runs.itertuples():
-        g = by_run.get((r.variant, r.seed))
-        row = {'run': run_name(r.variant, r.seed), 'variant': r.variant, 'seed': r.seed, 'status': r.status,
-               'evals': 0 if g is None else len(g), 'tail_from_step': None, 'tail_to_step': None,
-               'val_loss_start': np.nan, 'val_loss_end': np.nan, 'improvement': np.nan, 'reason': None}
-        if r.status != 'completed':
-            row['reason'] = f'run {r.status}: not judged'
-        elif row['evals'] < min_evals:
-            row['reason'] = f"{row['evals']} evaluation(s): too few to judge (needs >= {min_evals})"
-        else:
-            steps, loss = g.step.to_numpy(), g.val_loss.to_numpy(float)
-            before = np.flatnonzero(steps <= steps[-1] * (1 - tail))
-            if not len(before):
-                row['reason'] = f'no evaluation at or before {1 - tail:.0%} of the steps'
-            else:
-                a = before[-1]
-                row.update(
-                    tail_from_step=int(steps[a]),
-                    tail_to_step=int(steps[-1]),
-                    val_loss_start=loss[a],
-                    val_loss_end=loss[-1],
-                    improvement=(loss[a] - loss[-1]) / loss[a],
-                )
-        rows.append(row)
-    t = pd.DataFrame(rows, columns=['run', 'variant', 'seed', 'status', 'evals', 'tail_from_step', 'tail_to_step',
-                                    'val_loss_start', 'val_loss_end', 'improvement', 'reason']).set_index('run')
-    judged = t.dropna(subset=['val_loss_end'])
-    g = judged.groupby('variant').val_loss_end
-    t['seeds'] = t.variant.map(g.size()).fillna(0).astype(int)
-    t['seed_spread'] = t.variant.map(g.std(ddof=1) / g.mean())  # NaN with one seed
-    t['threshold'] = t.seed_spread.where(t.seed_spread > floor, floor)
-    improving = t.improvement > t.threshold
-    t['flag'] = np.where(t.improvement.isna(), 'unknown', np.where(improving, 'still improving', 'converged'))
-    for run, r in t[t.improvement.notna()].iterrows():
-        src = (
-            f'{r.seeds}-seed spread'
-            if r.seed_spread > floor
-            else f'{floor:.0%} floor'
-            + ('; one seed: no spread' if r.seeds < 2 else f'; {r.seeds}-seed spread {r.seed_spread:.2%}')
-        )
-        t.loc[run, 'reason'] = (
-            f"val loss {'fell' if r.improvement >= 0 else 'rose'} {abs(r.improvement):.2%} over steps "
-            f"{int(r.tail_from_step)}-{int(r.tail_to_step)}; threshold {r.threshold:.2%} ({src})"
-        )
-    t.attrs.update(tail=tail, floor=floor)
-    return t
+# %% ../nbs/08_report.ipynb #ddefee07
+def formation_comparison(form: pd.DataFrame, # `formation` of a batch
+                         a: str, b: str) -> Comparison | None:
+    "Paired difference of the recall-circuit formation step (a - b, in steps) over the seeds where both formed it."
+    f = form[form.formed_step.notna() & (form.status == 'completed')]
+    piv = f.pivot_table(index='seed', columns='variant', values='formed_step')
+    if a not in piv or b not in piv: return None
+    return paired(piv[a], piv[b], 'formation_step', a, b, relative=False)
 
-# %% ../nbs/08_report.ipynb #6ae1310b
-def _names(names, limit: int = 8) -> str:
-    names = list(names)
-    return ', '.join(names[:limit]) + (f' and {len(names) - limit} more' if len(names) > limit else '')
+# %% ../nbs/08_report.ipynb #1ca1f92b
+def formed_count(form: pd.DataFrame, variant: str) -> str:
+    "'3 of 4 seeds': how many completed seeds of `variant` formed the recall circuit."
+    g = form[(form.variant == variant) & (form.status == 'completed')]
+    return f'{int(g.formed_step.notna().sum())} of {len(g)} seeds'
 
-# %% ../nbs/08_report.ipynb #ec3c2143
-def convergence_note(conv: pd.DataFrame) -> str:
-    """One Markdown paragraph for a report: how many completed runs converged, which were still improving (their
-    verdicts describe early training)."""
-    tail, floor = conv.attrs.get('tail', 0.2), conv.attrs.get('floor', 0.01)
-    rule = (
-        f"a run counts as still improving when its validation loss fell by more than max({floor:.0%}, its variant's "
-        f"seed-to-seed spread) over the last {tail:.0%} of its steps"
-    )
-    done = conv[conv.status == 'completed']
-    n, imp, unk = len(done), done.index[done.flag == 'still improving'], done.index[done.flag == 'unknown']
-    if n == 0:
-        return 'No completed runs: convergence not judged.'
-    if not len(imp) and not len(unk):
-        out = f'**Convergence:** all {n} completed runs converged ({rule}).'
-    else:
-        out = '**Convergence:** '
-        if len(imp):
-            out += (
-                f'{len(imp)} of {n} runs were still improving at their last step ({_names(imp)}): verdicts that rest on'
-                ' them describe early training, not trained models. '
-            )
-        if len(unk):
-            out += (
-                f'{len(unk)} of {n} could not be judged'
-                f' ({_names(f"{k}: {r}" for k, r in done.loc[unk, "reason"].items())}). '
-            )
-        out += f'{int((done.flag == "converged").sum())} of {n} converged; {rule}.'
-    if (done.seeds[done.flag != 'unknown'] == 1).any():
-        out += f' With one seed a variant has no seed-to-seed spread: its threshold is the {floor:.0%} floor.'
-    return out
+# %% ../nbs/08_report.ipynb #2a710312
+def seeds_needed(c: Comparison | None, # a paired comparison
+                 threshold: float, # the value its interval must exclude (0 for a difference)
+                 confidence: float = 0.95, # the interval's confidence
+                 cap: int = 1000, # the most seeds considered
+                ) -> int | None:
+    """The fewest seeds n >= 2 whose t-interval, at the observed mean and paired spread, would exclude `threshold`
+    (t_{(1+conf)/2, n-1} sd / sqrt(n) < |mean - threshold|); None without a spread, or beyond `cap`."""
+    if c is None or c.n < 2: return None
+    d = np.asarray(list(c.per_seed.values()), float)
+    sd, gap = float(d.std(ddof=1)), abs(c.mean - threshold)
+    if not (sd > 0 and gap > 0): return None
+    from scipy import stats  # here: see t_interval
+    n = np.arange(2, cap + 1)
+    ok = np.flatnonzero(stats.t.ppf((1 + confidence) / 2, n - 1) * sd / np.sqrt(n) < gap)
+    return int(n[ok[0]]) if len(ok) else None
 
-# %% ../nbs/08_report.ipynb #22663401
-def convergence_caveat(conv: pd.DataFrame, variants) -> str:
-    """A clause to append to a verdict on `variants`: '' when all their completed runs converged, else which runs were
-    still improving or unjudged."""
-    c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
-    imp, unk = c.index[c.flag == 'still improving'], c.index[c.flag == 'unknown']
-    bits = ([f'still improving at the last step: {_names(imp)}'] if len(imp) else []) + (
-        [f'convergence unknown: {_names(unk)}'] if len(unk) else []
-    )
-    return f" (early training: {'; '.join(bits)})" if bits else ''
+# %% ../nbs/08_report.ipynb #f67d530d
+def seeds_command(batch_dir, # a batch directory: its batch.json gives study, preset, data, steps, overrides, flags
+                  n: int, # seeds 0 .. n-1
+                  variants=None, # the variants to run (default: the batch's)
+                  study: str | None = None, # the study, where batch.json does not name one
+                 ) -> str:
+    "The `oelm run` command that trains seeds 0 .. n-1 of `variants` into the batch (its completed runs are skipped)."
+    b, q = read_json(Path(batch_dir) / 'batch.json') or {}, shlex.quote
+    parts = ['oelm', 'run', q(str(b.get('study') or study or 'STUDY'))]
+    for flag in ('preset', 'data', 'steps'):
+        if b.get(flag) is not None: parts += [f'--{flag}', q(str(b[flag]))]
+    if (vs := list(variants or b.get('variants') or [])): parts += ['--variants', q(','.join(map(str, vs)))]
+    parts += ['--seeds', *map(str, range(n)), '--out', q(str(batch_dir))]
+    for k, v in (b.get('overrides') or {}).items():
+        parts += ['--set', q(f'{k}={v if isinstance(v, str) else json.dumps(v)}')]
+    for k, v in (b.get('options') or {}).items():  # the study's own flags, written --NAME VALUE
+        if v is None or v is False: continue
+        parts += [f"--{str(k).replace('_', '-')}"] + ([] if v is True else [q(str(v))])
+    return ' '.join(parts)
 
 # %% ../nbs/08_report.ipynb #b8e2f4a6
 import html
