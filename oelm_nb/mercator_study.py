@@ -584,4 +584,5 @@ MERCATOR_STUDY = Study(
              'teacher_run': dict(metavar='RUN_DIR', help='distil from this finished teacher run of our family instead of training one'),
              'teacher_dtype': dict(choices=TEACHER_DTYPES, help='HF mode: teacher weights (default auto: bfloat16 on CUDA, float32 elsewhere; '
                                    'nf4 = 4-bit through bitsandbytes, CUDA only)')},
-    default_seeds=(0, 1))
+    default_seeds=(0, 1),
+    main=('best_val_ppl', 'mercator-b0.01', 'no-distill'))  # the guide's default beta against the undistilled student
