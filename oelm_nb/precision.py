@@ -95,12 +95,13 @@ def main_comparison(study, # a `Study`
     metric, a, b = m(preset, steps, dict(options or {})) if callable(m) else m
     return metric, a, b
 
-# %% ../nbs/07d_precision.ipynb #224acd53
+# %% ../nbs/07d_precision.ipynb #b637878f
 def design_seeds(pilot: list[int], # the pilot's seeds that gave a difference
-                 n: int) -> list[int]:
-    "The design's seeds: the pilot, then the smallest seeds not in it, `n` in all."
-    taken, fresh = set(pilot), (s for s in count() if s not in set(pilot))
-    return sorted(taken) + [next(fresh) for _ in range(max(0, n - len(taken)))]
+                 n: int, avoid=()) -> list[int]: # avoid: seeds never added (the pilot's failed ones)
+    "The design's seeds: the pilot, then the smallest seeds not in it (nor in `avoid`), `n` in all."
+    taken = set(pilot) | set(avoid)
+    fresh = (s for s in count() if s not in taken)
+    return sorted(set(pilot)) + [next(fresh) for _ in range(max(0, n - len(set(pilot))))]
 
 # %% ../nbs/07d_precision.ipynb #2134a3ee
 def paired_differences(batch_dir, metric: str, a: str, b: str, seeds) -> dict[int, float]:
@@ -146,7 +147,7 @@ def precision_record(plan: SteinPlan, comparison: tuple[str, str, str], pilot: l
             'mean': _finite(m), 'low': _finite(lo), 'high': _finite(hi),
             'written': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
 
-# %% ../nbs/07d_precision.ipynb #7e128a13
+# %% ../nbs/07d_precision.ipynb #ef7b7030
 def run_with_precision(study: str,
                        half_width: float, # the interval's half-width on the main relative difference (0.05: ±5%)
                        max_seeds: int = MAX_SEEDS, # the most seeds per variant, the pilot's included
@@ -169,7 +170,7 @@ def run_with_precision(study: str,
                           f"difference(s) of {metric}, {a} vs {b} (failed runs: {', '.join(first.failed) or 'none'}); "
                           "Stein's procedure needs at least 2. Run the command again to retry failed runs.")
     plan = stein_seeds(pilot_diffs.values(), half_width, confidence, max_seeds)
-    design = design_seeds(list(pilot_diffs), plan.n)
+    design = design_seeds(list(pilot_diffs), plan.n, avoid=pilot)  # a failed pilot run stays out of the design
     log(f"[oelm run] --precision: pilot of {plan.n0} seeds, s0 = {plan.s0:.2%}, t = {plan.t:.2f}: ±{half_width:.2%} "
         f"needs {plan.needed} seeds" + (f', capped at --max-seeds {max_seeds}' if plan.capped else '')
         + (f'; running seeds {design[plan.n0:]}' if plan.n > plan.n0 else '; the pilot is enough'))
