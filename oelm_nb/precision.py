@@ -86,14 +86,16 @@ def stein_interval(diffs, # every difference of the design: the pilot's and the 
     m, h = float(d.mean()), plan.t * plan.s0 / math.sqrt(len(d))
     return m, m - h, m + h
 
-# %% ../nbs/07d_precision.ipynb #cbd073dc
+# %% ../nbs/07d_precision.ipynb #ecb383d6
 def main_comparison(study, # a `Study`
                     preset: str = 'tiny', steps: int = 1000, options: dict | None = None) -> tuple[str, str, str]:
     "The study's main comparison (metric, a, b) for these flags: the relative difference a / b - 1 --precision sizes."
     m = getattr(study, 'main', None)
     if m is None: raise ConfigError(f"--precision: study {study.name!r} names no main comparison (Study.main) to size")
-    metric, a, b = m(preset, steps, dict(options or {})) if callable(m) else m
-    return metric, a, b
+    m = m(preset, steps, dict(options or {})) if callable(m) else m
+    if not (isinstance(m, tuple) and len(m) == 3 and all(isinstance(x, str) for x in m)):
+        raise ConfigError(f"study {study.name!r}: Study.main gives {m!r}; it must be (metric, a, b), three names")
+    return m
 
 # %% ../nbs/07d_precision.ipynb #b637878f
 def design_seeds(pilot: list[int], # the pilot's seeds that gave a difference
