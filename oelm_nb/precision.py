@@ -210,8 +210,9 @@ def read_precision(batch_dir) -> tuple[dict | None, str]:
         return None, 'has a bad interval'
     return r, ''
 
-# %% ../nbs/07d_precision.ipynb #aebe6b52
+# %% ../nbs/07d_precision.ipynb #7c1bf44a
 def _seeds_text(seeds) -> str: return ', '.join(map(str, seeds))
+def _count(n: int, word: str) -> str: return f"{n} {word}{'' if n == 1 else 's'}"
 
 def fixed_design_text(batch_dir) -> str:
     "The design of a batch without precision.json: the seeds fixed before the runs (from batch.json)."
@@ -221,17 +222,17 @@ def fixed_design_text(batch_dir) -> str:
             + ", chosen before the runs: the number of seeds was not computed from the data. `oelm run STUDY "
             "--precision 5%` runs as many seeds as an interval of ±5% on the study's main comparison needs.")
 
-# %% ../nbs/07d_precision.ipynb #6072d79e
+# %% ../nbs/07d_precision.ipynb #c4d54a81
 def precision_text(batch_dir) -> str:
     "Which design sized the batch, in Markdown (for `report.safe_markdown`): fixed seeds, or Stein's with its numbers."
     r, why = read_precision(batch_dir)
     if r is None: return fixed_design_text(batch_dir) if not why else f"**Design: unknown**: precision.json {why}."
     c, pct = r['confidence'], lambda x: f'{x:+.2%}'
     out = (f"**Design: Stein's two-stage procedure** on `{r['metric']}`, `{r['a']}` vs `{r['b']}` (the relative "
-           f"difference a / b - 1, the study's main comparison). A pilot of {r['n0']} seeds "
+           f"difference a / b - 1, the study's main comparison). A pilot of {_count(r['n0'], 'seed')} "
            f"({_seeds_text(r['pilot_seeds'])}) gave a paired standard deviation s0 = {r['s0']:.2%}; with t = "
-           f"{r['t']:.2f} ({c:.0%}, {r['n0'] - 1} degrees of freedom) an interval of at most ±{r['half_width']:.2%} "
-           f"needs N = max(n0, ceil((t s0 / d)^2)) = {r['needed']} seeds per variant")
+           f"{r['t']:.2f} ({c:.0%}, {_count(r['n0'] - 1, 'degree')} of freedom) an interval of at most "
+           f"±{r['half_width']:.2%} needs N = max(n0, ceil((t s0 / d)^2)) = {r['needed']} seeds per variant")
     out += (f", capped at --max-seeds {r['max_seeds']}: the interval is wider than asked. " if r['capped'] else '. ')
     if r['mean'] is not None and r['low'] is not None and r['high'] is not None:
         out += (f"Over the design's {r['n_used']} paired seeds ({_seeds_text(r['seeds'])}): {pct(r['mean'])} "
