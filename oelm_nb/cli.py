@@ -12,9 +12,9 @@ from .core import ModelConfig, DataConfig, ConfigError
 
 # %% auto #0
 __all__ = ['RETIRED_FLAGS', 'add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train',
-           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'cmd_run', 'cmd_status',
-           'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'study_variants_text', 'add_study_parser',
-           'build_parser', 'main']
+           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run',
+           'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'study_variants_text',
+           'add_seed_options', 'add_study_parser', 'build_parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #ec5943c2
 def _parse_value(text: str, annotation: str):
@@ -170,6 +170,18 @@ def cluster_config(args):
                                 cpus_per_run=args.cpus_per_run, time=args.time).items() if v is not None}
     return ClusterConfig(cluster='slurm' if args.backend == 'slurm' else 'local', options=opts, **kw)
 
+# %% ../nbs/10_cli.ipynb #b7a0a6c2
+def precision_flags(args, study, seeds, variants, options) -> float | None:
+    """`--precision` as a fraction (None without it), checked with `--max-seeds` against the study before anything
+    runs (`precision.check_precision`)."""
+    if args.precision is None:
+        if args.max_seeds is not None: raise ConfigError('--max-seeds caps --precision: give --precision too, e.g. 5%')
+        return None
+    from oelm_nb.precision import parse_precision, check_precision, MAX_SEEDS
+    half = parse_precision(args.precision)
+    check_precision(study.name, seeds, half, args.max_seeds or MAX_SEEDS, args.preset, args.steps, options, variants)
+    return half
+
 # %% ../nbs/10_cli.ipynb #d7021947
 def cmd_run(args) -> int:
     from oelm_nb.runner import run_study, open_batch
@@ -182,6 +194,7 @@ def cmd_run(args) -> int:
     jobs = args.jobs or (1 if cluster is None else 64)
     backend = ClusterBackend(cluster, shlex.join(['oelm', *args.argv])) if cluster else None
     if backend: backend.check()
+    half = precision_flags(args, study, seeds, variants, options)  # bad --precision / --max-seeds fail here
     if args.detach:  # bad flags fail here, not in the background
         open_batch(args.study, out, args.preset, args.data, args.steps, options, overrides, variants, seeds,
                    log=lambda s: None)
@@ -198,10 +211,15 @@ def cmd_run(args) -> int:
         return 0
     # a batch started with --detach on this directory: show its progress until it is done, then go on as usual
     follow(out)
-    res = run_study(args.study, args.preset, args.data, variants, seeds, args.steps, out, args.gpus, args.concurrent,
-                    jobs, overrides, report=not args.no_report, options=options, restart=args.restart,
-                    execute=backend)
+    kw = dict(preset=args.preset, data=args.data, variants=variants, steps=args.steps, gpus=args.gpus,
+              parallel=args.concurrent, jobs=jobs, overrides=overrides, report=not args.no_report, options=options,
+              restart=args.restart, execute=backend)
+    if half is None: res = run_study(args.study, seeds=seeds, out_dir=out, **kw)
+    else:  # Stein's two stages: the pilot (--seeds), then as many seeds as the half-width needs
+        from oelm_nb.precision import run_with_precision, precision_text, MAX_SEEDS
+        res = run_with_precision(args.study, half, args.max_seeds or MAX_SEEDS, seeds=seeds, out_dir=out, **kw)
     print_batch_summary(res.out_dir)
+    if half is not None: print(textwrap.fill(precision_text(res.out_dir).replace('**', '').replace('`', ''), 120))
     n_ok = sum(s == 'completed' for s in res.statuses.values())
     print(f'[oelm run] {n_ok}/{len(res.statuses)} runs completed in {res.out_dir}'
           + (f'; report: {res.report}' if res.report else ''))
@@ -312,6 +330,17 @@ def study_variants_text(study, preset: str = 'tiny') -> str:
         f"; also available (--variants): {', '.join(extra)}" if extra else ''
     )
 
+# %% ../nbs/10_cli.ipynb #0284bfd1
+def add_seed_options(r, study):
+    "How many seeds `oelm run <study>` trains: the seeds given, or as many as `--precision` needs."
+    r.add_argument('--seeds', type=_non_negative, nargs='+', default=None,
+                   help=f"default: {' '.join(map(str, study.default_seeds))}; with --precision, the pilot (at least 2)")
+    r.add_argument('--precision', default=None, metavar='PCT',
+                   help="run seeds until the 95%% interval on the study's main comparison is at most +-PCT (e.g. 5%% "
+                   "or 0.05): Stein's two-stage procedure sizes the batch from the pilot's spread (default: none)")
+    r.add_argument('--max-seeds', type=_positive, default=None, metavar='N',
+                   help='with --precision: the most seeds per variant, the pilot included (default: 20)')
+
 # %% ../nbs/10_cli.ipynb #3cfa90b6
 def add_study_parser(sub, study, presets):
     "`oelm run <study>`: the flags every study shares, then the study's own."
@@ -324,8 +353,7 @@ def add_study_parser(sub, study, presets):
                    help='synthetic | tinystories | a prepared data DIR or a .txt/.jsonl file (default: synthetic)')
     r.add_argument('--variants', default=None, help='comma-separated, among those the flags below plan (default: '
                    + (','.join(study.default_variants) if study.default_variants else 'all of them') + ')')
-    r.add_argument('--seeds', type=_non_negative, nargs='+', default=None,
-                   help=f"default: {' '.join(map(str, study.default_seeds))}")
+    add_seed_options(r, study)  # --seeds, --precision, --max-seeds
     r.add_argument('--steps', type=_positive, default=None,
                    help="optimizer steps per run (default: the study's for the preset)")
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through "

@@ -24,7 +24,7 @@ from .cvfp_checks import phase1_evaluation
 __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP_OPTIONS',
            'CVFP_STUDY', 'CVFPSettings', 'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding',
            'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp', 'sample_schedule', 'sample_sizes', 'common_settings',
-           'cvfp_variants', 'load_cvfp_model']
+           'cvfp_variants', 'load_cvfp_model', 'cvfp_main']
 
 # %% ../nbs/12a_cvfp_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -515,6 +515,14 @@ def load_cvfp_model(spec: RunSpec, find_checkpoint):
     )
 
 # %% ../nbs/12a_cvfp_study.ipynb #ed82c37d
+def cvfp_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
+    """The comparison `--precision` sizes: ODCM against MCDL in validation effective rank (%) at the largest sample
+    size (the New-LLM guidelines' 86.7% vs 82.7%)."""
+    if not {'MCDL', 'ODCM'} <= set(options.get('algorithms') or ['MCDL', 'ODCM']):
+        raise ConfigError('--precision sizes ODCM vs MCDL: --algorithms must include both')
+    n = max(sample_sizes(options, preset))
+    return 'val_er_percent', f'ODCM-n{n}', f'MCDL-n{n}'
+
 CVFP_STUDY = Study(
     load_model=load_cvfp_model,
     name='cvfp',
@@ -532,4 +540,5 @@ CVFP_STUDY = Study(
     default_seeds=(0, 1),
     notebook='experiments/cvfp.ipynb',
     report='reports/cvfp.ipynb',
+    main=cvfp_main,
 )

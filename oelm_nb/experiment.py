@@ -142,6 +142,9 @@ class Study:
     # (spec, find_checkpoint) -> (model, checkpoint dir), or None for a plain GPT: how sample/export rebuild a run's
     # model
     load_model: Callable | None = None
+    # (metric, a, b), or (preset, steps, options) -> (metric, a, b): the paired relative comparison a / b - 1 that
+    # `oelm run STUDY --precision` sizes (`oelm_nb.precision`)
+    main: tuple | Callable | None = None
 
 # %% ../nbs/06_experiment.ipynb #a04ec12a
 STUDIES: dict[str, Study] = {}  # the studies this process knows, by name (`register_study`)

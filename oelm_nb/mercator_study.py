@@ -529,4 +529,6 @@ MERCATOR_STUDY = Study(
              'teacher_dtype': dict(choices=TEACHER_DTYPES,
                                    help='HF mode: teacher weights (default auto: bfloat16 on CUDA, float32 elsewhere; '
                                         'nf4 = 4-bit through bitsandbytes, CUDA only)')},
-    default_seeds=(0, 1))
+    default_seeds=(0, 1),
+    # the guide's default beta against the undistilled student: the comparison --precision sizes
+    main=('best_val_ppl', 'mercator-b0.01', 'no-distill'))

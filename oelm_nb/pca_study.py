@@ -31,7 +31,7 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
            'pca_variants', 'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k',
            'method_means', 'ppl_table', 'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references',
            'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff',
-           'load_pca_model', 'pca_verdicts']
+           'load_pca_model', 'pca_verdicts', 'pca_main']
 
 # %% ../nbs/11a_pca_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -581,6 +581,12 @@ def pca_verdicts(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).T
 
 # %% ../nbs/11a_pca_study.ipynb #08737577
+def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
+    """The comparison `--precision` sizes: PCA + LoRA at the smallest k (the strongest compression) against
+    baseline-cont (matched in steps), in best validation PPL."""
+    k = min(check_ks(options.get('ks') or default_ks(preset), preset))
+    return 'best_val_ppl', f'pca-lora-k{k}', 'baseline-cont'
+
 PCA_STUDY = Study(
     load_model=load_pca_model,
     name='pca',
@@ -597,4 +603,5 @@ PCA_STUDY = Study(
     default_seeds=(0, 1),
     notebook='experiments/pca.ipynb',
     report='reports/pca.ipynb',
-    verdicts=pca_verdicts)
+    verdicts=pca_verdicts,
+    main=pca_main)

@@ -294,4 +294,5 @@ QK_FREEZE = Study(
     default_variants=('gpt', 'oelm', 'oelm-freeze', 'gauss', 'gauss-freeze'),
     report='reports/qk_freeze.ipynb',
     verdicts=hypotheses,
+    main=('best_val_ppl', 'oelm-freeze', 'gpt'),  # H4's comparison: what --precision sizes
     after_batch=interleaved_timing)
