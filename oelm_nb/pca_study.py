@@ -588,20 +588,13 @@ def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'best_val_ppl', f'pca-lora-k{k}', 'baseline-cont'
 
 PCA_STUDY = Study(
-    load_model=load_pca_model,
-    name='pca',
+    name='pca', settings=PCASettings, variants=pca_variants, run=pca_run, load_model=load_pca_model,
     description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, '
                 'against the baseline and the baseline continued (the PCA document)',
-    settings=PCASettings,
-    variants=pca_variants,
-    run=pca_run,
     train={**TRAIN_PRESETS, **{p: {**TRAIN_PRESETS[p], 'dtype': 'float16'} for p in ('gpt2-124m', 'gpt2-124m-1024')}},
     data=DATA_PRESETS,
     options={'ks': dict(type=int, nargs='+', metavar='K',
                         help='embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m '
                              'and gpt2-124m-1024)')},
-    default_seeds=(0, 1),
-    notebook='experiments/pca.ipynb',
-    report='reports/pca.ipynb',
-    verdicts=pca_verdicts,
+    default_seeds=(0, 1), notebook='experiments/pca.ipynb', report='reports/pca.ipynb', verdicts=pca_verdicts,
     main=pca_main)
