@@ -17,8 +17,8 @@ from .report import hyperparameter_table
 from .rundir import read_json
 
 # %% auto #0
-__all__ = ['NO_DATA', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'answer_sentence', 'answers',
-           'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded']
+__all__ = ['BUDGET', 'NO_DATA', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'answer_sentence',
+           'answers', 'answer_lines', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded']
 
 # %% ../nbs/08b_page.ipynb #efb0fc55
 def code_span(text) -> str:
@@ -54,16 +54,17 @@ def _span(values, fmt) -> str | None:
     if not v: return None
     return fmt(v[0]) if v[0] == v[-1] else f'{fmt(v[0])}-{fmt(v[-1])}'
 
-# %% ../nbs/08b_page.ipynb #fd3ce3a9
+# %% ../nbs/08b_page.ipynb #7d954506
+BUDGET = (('steps', 'steps'), ('tokens', 'tokens'))  # (summary field, its name in the sentence)
+
 def budget_text(runs: pd.DataFrame, # `report.load_runs` of a batch
                 variants=None, # only these variants (default: all)
+                fields=BUDGET, # the summary fields that measure a run's budget, with their names
                ) -> str:
     "What one completed run trained: '1,500 steps, 3.07M tokens per run' (ranges where runs differ)."
     ok = _completed(runs, variants)
-    steps = _span(ok['steps'], lambda x: f'{x:,.0f}') if 'steps' in ok else None
-    tokens = _span(ok['tokens'], people_count) if 'tokens' in ok else None
-    if steps is None and tokens is None: return 'budget not recorded'
-    return ', '.join([f'{steps} steps'] * bool(steps) + [f'{tokens} tokens'] * bool(tokens)) + ' per run'
+    parts = [f'{span} {name}' for col, name in fields if col in ok and (span := _span(ok[col], people_count))]
+    return ', '.join(parts) + ' per run' if parts else 'budget not recorded'
 
 # %% ../nbs/08b_page.ipynb #4a0bda89
 def seeds_text(runs: pd.DataFrame, variants=None) -> str:
@@ -97,7 +98,16 @@ def answers(verdicts: pd.DataFrame, # index: question id; columns hypothesis, ve
     return '\n'.join(f'- {answer_sentence(q, r.hypothesis, r.verdict, r.evidence, pick(budget, q), pick(seeds, q))}'
                      for q, r in verdicts.iterrows())
 
-# %% ../nbs/08b_page.ipynb #35410298
+# %% ../nbs/08b_page.ipynb #4008a715
+def answer_lines(items: dict, # question id -> a study's answer sentence (Markdown)
+                 budget: str | dict, seeds: str | dict, # as for `answers`
+                ) -> str:
+    "Answer sentences as a Markdown list, each with the budget and seeds it holds at."
+    pick = lambda v, q: v.get(q, '') if isinstance(v, dict) else v
+    line = lambda q, t: f"- **{q}** {str(t).strip().rstrip('.')}; at {pick(budget, q)}, {pick(seeds, q)}."
+    return '\n'.join(line(q, t) for q, t in items.items())
+
+# %% ../nbs/08b_page.ipynb #a8d9d6dc
 def plot_comparisons(cmps: dict, # label -> `report.Comparison` (None: left out)
                      limits: dict | None = None, # label -> the threshold of that question
                      ax=None):
@@ -119,14 +129,14 @@ def plot_comparisons(cmps: dict, # label -> `report.Comparison` (None: left out)
     ax.set_xlabel(f"paired difference per seed ({'A / B - 1' if relative else 'A - B'}); mean and 95% interval")
     return ax
 
-# %% ../nbs/08b_page.ipynb #74c84138
+# %% ../nbs/08b_page.ipynb #a90277b3
 def split_no_data(table: pd.DataFrame, column: str = 'verdict') -> tuple[pd.DataFrame, pd.DataFrame]:
     "(rows with data, rows whose `column` says 'no data')."
     if column not in table: return table, table.iloc[:0]
     empty = table[column].astype(str).str.startswith(NO_DATA)
     return table[~empty], table[empty]
 
-# %% ../nbs/08b_page.ipynb #13d99e57
+# %% ../nbs/08b_page.ipynb #5f0137e5
 def config_diff_table(batch_dir, runs: pd.DataFrame | None = None) -> pd.DataFrame:
     """The configuration fields (rows) that differ between the batch's variants (columns); with none, the fields the
     batch set away from the preset (one column, 'set to'). Text; shown through `report.safe_table`."""
@@ -138,7 +148,7 @@ def config_diff_table(batch_dir, runs: pd.DataFrame | None = None) -> pd.DataFra
     return pd.DataFrame({'set to': [str(v) for v in over.values()]},
                         index=pd.Index([str(k) for k in over], name='field'))
 
-# %% ../nbs/08b_page.ipynb #41ed892c
+# %% ../nbs/08b_page.ipynb #d323394b
 def html_of(content) -> str:
     """The HTML of a table or output for the page: a Styler or DataFrame as its table, an object with `_repr_html_`
     (`IPython.display.HTML`) as it renders, a list of these one after another, anything else as escaped text."""
@@ -148,7 +158,7 @@ def html_of(content) -> str:
     if hasattr(content, '_repr_html_'): return content._repr_html_() or ''
     return f'<p>{html.escape(str(content))}</p>'
 
-# %% ../nbs/08b_page.ipynb #4fe0f1e5
+# %% ../nbs/08b_page.ipynb #a226e021
 def folded(content, # what to fold: a (safe) Styler, a DataFrame, an HTML object, or text (escaped)
            summary: str, # the line shown while folded (escaped)
           ) -> HTML:
