@@ -13,12 +13,13 @@ import pandas as pd
 from IPython.display import HTML
 from pandas.io.formats.style import Styler
 
-from .report import hyperparameter_table
+from .report import hyperparameter_table, safe_table
 from .rundir import read_json
 
 # %% auto #0
 __all__ = ['BUDGET', 'NO_DATA', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'answer_sentence',
-           'answers', 'answer_lines', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded']
+           'answers', 'answer_lines', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded',
+           'configuration']
 
 # %% ../nbs/08b_page.ipynb #efb0fc55
 def code_span(text) -> str:
@@ -82,8 +83,8 @@ NO_DATA = 'no data'
 def answer_sentence(qid, question, verdict, evidence, budget: str, seeds: str) -> str:
     "One Markdown sentence: the question, its verdict in bold, the number with its interval, the budget and seeds."
     ev = str(evidence).strip().rstrip('.')
-    if str(verdict).startswith(NO_DATA): return f"**{qid}** {question}: **{verdict}**: {ev}."
-    return f"**{qid}** {question}: **{verdict}**: {ev}; at {budget}, {seeds}."
+    if str(verdict).startswith(NO_DATA): return f"**{qid}** {question}: **{verdict}** — {ev}."
+    return f"**{qid}** {question}: **{verdict}** — {ev}; at {budget}, {seeds}."
 
 # %% ../nbs/08b_page.ipynb #67abb121
 def answers(verdicts: pd.DataFrame, # index: question id; columns hypothesis, verdict, evidence
@@ -164,3 +165,14 @@ def folded(content, # what to fold: a (safe) Styler, a DataFrame, an HTML object
           ) -> HTML:
     "`content` in a `<details>` element that opens on a click, headed by `summary`."
     return HTML(f'<details><summary>{html.escape(str(summary))}</summary>\n{html_of(content)}\n</details>')
+
+# %% ../nbs/08b_page.ipynb #c417a275
+def configuration(batch_dir, runs: pd.DataFrame | None = None) -> list:
+    "A report's configuration: a line saying what is shown, the fields that differ, the full table folded."
+    diff, full = config_diff_table(batch_dir, runs), hyperparameter_table(batch_dir, runs)
+    where = 'from the preset (set for the whole batch)' if 'set to' in diff.columns else 'between the variants'
+    n = 'The field that differs' if len(diff) == 1 else f'The {len(diff)} fields that differ'
+    said = f'{n} {where}' if len(diff) else 'The variants have the same configuration'
+    line = HTML(f'<p><strong>Configuration.</strong> {html.escape(said)}; every field of config.json below.</p>')
+    return [line, *([safe_table(diff)] if len(diff) else []),
+            folded(full, f'The full configuration: {len(full.data)} fields per variant')]

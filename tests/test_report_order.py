@@ -170,7 +170,7 @@ def mercator_report(tmp_path_factory):
     root = tmp_path_factory.mktemp('mercator-order') / 'batch'
     student = lambda v: lambda s: {'status': 'completed', 'role': 'student', 'best_val_ppl': MERC_PPL[v] + 0.2 * s * (v == 'mse'),
                                    'steps': 30, 'tokens': 30 * 256, 'wall_time_s': 3.0, 'final_kv_cos': 0.6, 'final_kv_cos_centered': 0.55,
-                                   'kv_cos_centered_layers': [0.5, 0.6]}
+                                   'kv_cos_centered_layers': [0.5, 0.6], 'task': 'recall', 'task_acc': 0.3 + 0.01 * s + 0.05 * (v == 'mercator-b0.01')}
     runs = {'teacher': lambda s: {'status': 'completed', 'role': 'teacher', 'best_val_ppl': 10.0, 'steps': 60, 'wall_time_s': 3.0},
             **{v: student(v) for v in MERC_PPL}}
     fake_batch(root, 'mercator', runs, seeds=SEEDS, plan={v: {'settings.beta': v} for v in runs})
@@ -183,8 +183,10 @@ def test_mercator_report_answers_first(mercator_report):
     from oelm_nb.mercator_report import mercator_runs, headline
     root, html_file = mercator_report
     answer = headline(mercator_runs(root))
-    assert answer.startswith('**Does any distillation variant beat `no-distill`?** Yes')
-    page = answers_first(html_file, {'Q1': 'Does any distillation variant beat no-distill? Yes', 'Q2': 'Mercator variants reached a lower'})
+    assert answer.startswith('**Does any distillation variant beat `no-distill`?** On validation PPL, yes: 2 of 3')
+    assert 'on recall accuracy, yes: 1 of 3 (mercator-b0.01)' in answer
+    page = answers_first(html_file, {'Q1': 'Does any distillation variant beat no-distill? On validation PPL, yes: 2 of 3',
+                                     'Q2': 'Mercator variants reached a lower'})
     items = page.section('Questions and answers')['items']
     assert all(i.endswith('at 30 steps, 7,680 tokens per run, 3 seeds per variant.') for i in items)  # the students' budget, not the teacher's
 
