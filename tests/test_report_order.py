@@ -14,7 +14,6 @@ import json, math, re
 from html.parser import HTMLParser
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from fake_runs import fake_batch, fake_run
