@@ -223,6 +223,6 @@ def test_pca_report_answers_first(tmp_path_factory):
     from oelm_nb.pca_study import pca_verdicts
     out = completed(pca_batch(tmp_path_factory))
     v = pca_verdicts(load_runs(out))
-    assert len(v) >= 2  # a verdict per k and reference that has a gap to recover
+    assert len(v) >= 1  # a verdict for each k and reference with a gap to recover (4-step runs: at least k=16 vs baseline)
     page = answers_first(out / 'report.html', dict(v.verdict))
     assert all('2 seeds per variant.' in i for i in page.section('Questions and answers')['items'])
