@@ -127,7 +127,7 @@ def test_report_answers_with_numbers_from_the_runs(batch):
     out, _ = batch
     text = html_text(out / 'report.html')
     sums = {v: read_json(out / f'{v}-s0' / 'summary.json') for v in (*STUDENTS, 'pretrain')}
-    for heading in ('The answer', 'Protocol', 'Task accuracy against no-distill', 'KV agreement per layer', 'MSE against Mercator'):
+    for heading in ('Questions and answers', 'Protocol', 'Task accuracy against no-distill', 'KV agreement per layer', 'MSE against Mercator'):
         assert heading in text
     assert 'Does any distillation variant beat no-distill ? On validation PPL' in text
     # the headline names the best distilled student on PPL and its difference, computed here from the summaries
