@@ -92,16 +92,18 @@ def _batch_dir(runs: pd.DataFrame) -> Path | None:
     return Path(runs.run_dir.iloc[0]).parent if len(runs) and 'run_dir' in runs else None
 
 # %% ../nbs/06a_qk_freeze.ipynb #8c024d93
-def budget_note(runs: pd.DataFrame, conv: pd.DataFrame, variants) -> str:
+def budget_note(runs: pd.DataFrame, conv: pd.DataFrame, variants,
+                budget: bool = True, # False: only whether the runs settled (the caller states budget and seeds)
+               ) -> str:
     """What a verdict on `variants` holds at: the runs' budget, the completed seeds per variant, and whether those runs
     reached a plateau (`convergence`)."""
     ok = runs[(runs.status == 'completed') & runs.variant.isin(list(variants))] if len(runs) else runs
     seeds = ', '.join(f'{v} {int((ok.variant == v).sum()) if len(ok) else 0}' for v in variants)
-    out = f"Budget {budget_text(runs).removeprefix('at ')}; completed seeds: {seeds}"
-    if not len(ok): return out + '.'
+    out = f"Budget {budget_text(runs).removeprefix('at ')}; completed seeds: {seeds}. " if budget else ''
+    if not len(ok): return out.rstrip()
     if (bits := not_settled(conv, variants)):
-        return out + f'. Convergence not established ({bits}): the verdict holds at this budget.'
-    return out + f'. All {len(ok)} runs reached a plateau (convergence rule: power-law fit before the cosine tail).'
+        return out + f'Convergence not established ({bits}): the verdict holds at this budget.'
+    return out + f'All {len(ok)} runs reached a plateau (convergence rule: power-law fit before the cosine tail).'
 
 # %% ../nbs/06a_qk_freeze.ipynb #87a489cc
 def what_it_takes(c: Comparison | None, # an unresolved paired comparison
@@ -145,6 +147,7 @@ def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
                freeze: str = 'oelm-freeze', nofreeze: str = 'oelm', base: str = 'gpt',
                timing: pd.DataFrame | None = None, # `load_timing` of the batch (default: read beside the runs)
                curves: pd.DataFrame | None = None, # the runs' metrics records (default: read from their directories)
+               budget: bool = True, # False: the evidence leaves budget and seeds to the caller (the report's sentences)
               ) -> pd.DataFrame:
     """The H1-H4 verdicts of the Q/K freeze log and when the recall circuit forms (R1: vs `base`, R2: vs `nofreeze`),
     each with its budget, seeds and convergence; an unresolved one says how many seeds would resolve it."""
@@ -158,8 +161,10 @@ def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
             _threshold_row('H4', compare(runs, freeze, base), 0.10, freeze, base, d),
             formation_row('R1', form, freeze, base, d), formation_row('R2', form, freeze, nofreeze, d)]
     against = [nofreeze, nofreeze, nofreeze, base, base, nofreeze]  # each row compares `freeze` with this variant
-    rows = [(i, h, v, f"{e.rstrip('.')}. {budget_note(runs, conv, [freeze, b])}")
-            for (i, h, v, e), b in zip(rows, against)]
+    # H1 counts parameters, H3 times steps, a row without data rests on no run: none depends on how far training went
+    settled = lambda i, v: i in ('H1', 'H3') or v == 'no data'
+    note = lambda e, b: f"{e.rstrip('.')}. {budget_note(runs, conv, [freeze, b], budget)}".rstrip()
+    rows = [(i, h, v, e if settled(i, v) else note(e, b)) for (i, h, v, e), b in zip(rows, against)]
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
 
 # %% ../nbs/06a_qk_freeze.ipynb #c64c13cb

@@ -228,8 +228,8 @@ def test_an_unresolved_verdict_says_what_it_would_take(tmp_path):
     n = seeds_needed(c2, 0.05)
     assert f"{n} seeds would resolve the 5% threshold" in h.loc['H2', 'evidence']
     assert f"--variants oelm-freeze,oelm --seeds {' '.join(map(str, range(n)))} --out {root}`" in h.loc['H2', 'evidence']
-    for e in h.evidence:
-        assert 'Budget 3.07M tokens per run (3,000 steps); completed seeds: oelm-freeze 4, ' in e
+    for i, e in h.evidence.items():  # H1 counts parameters, H3 times steps: neither rests on how far the runs trained
+        assert ('Budget 3.07M tokens per run (3,000 steps); completed seeds: oelm-freeze 4, ' in e) == (i not in ('H1', 'H3')), (i, e)
     # every seed formed it at the same step in every variant: no difference, and no count of seeds resolves one
     assert h.loc['R1', 'verdict'] == 'no resolvable difference' and 'formed: oelm-freeze 4 of 4 seeds, gpt 4 of 4' \
         in h.loc['R1', 'evidence']
