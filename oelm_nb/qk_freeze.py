@@ -19,9 +19,9 @@ from .convergence import run_curves, convergence, formation, formation_rule, not
 
 # %% auto #0
 __all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict',
-           'load_timing', 'h3_verdict', 'budget_note', 'what_it_takes', 'formation_row', 'hypotheses',
-           'interleaved_timing', 'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence',
-           'tokens_per_run', 'scale_note']
+           'load_timing', 'h3_verdict', 'budget_note', 'what_it_takes', 'unpaired_formation', 'formation_row',
+           'hypotheses', 'interleaved_timing', 'control_table', 'gap_text', 'results_table', 'pairwise_table',
+           'pairwise_sentence', 'tokens_per_run', 'scale_note']
 
 # %% ../nbs/06a_qk_freeze.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -127,6 +127,15 @@ def _threshold_row(hid: str, c: Comparison | None, limit: float, a: str, b: str,
         evidence += '.' + what_it_takes(c, limit, batch_dir, [a, b], f'the {limit:.0%} threshold')
     return (hid, f'{a} vs {b}: val PPL gap < {limit:.0%}', verdict, evidence)
 
+# %% ../nbs/06a_qk_freeze.ipynb #962af3a9
+def unpaired_formation(form: pd.DataFrame, a: str, b: str) -> str:
+    """The verdict when no seed formed the circuit in both variants: which one formed it at all (a count over seeds,
+    no interval), 'neither formed it', or 'no seed formed it in both' when each formed it in different seeds."""
+    formed = {v: int(((form.variant == v) & form.formed_step.notna()).sum()) for v in (a, b)}
+    if not any(formed.values()): return 'neither formed it'
+    if all(formed.values()): return 'no seed formed it in both'
+    return f'only {a if formed[a] else b} formed it'
+
 # %% ../nbs/06a_qk_freeze.ipynb #66d02d5d
 def formation_row(rid: str, form: pd.DataFrame, a: str, b: str, batch_dir) -> tuple:
     "When the recall circuit forms, `a` vs `b`: the paired formation step, how many seeds formed it, and the level."
@@ -136,7 +145,7 @@ def formation_row(rid: str, form: pd.DataFrame, a: str, b: str, batch_dir) -> tu
         return (rid, text, 'no data', f'needs completed {a} and {b} runs with recall evaluations')
     c = formation_comparison(form, a, b)
     gap = f"formation step {a} - {b} (steps): {c.text('{:+,.0f}')}" if c else f'no seed where {a} and {b} formed it'
-    verdict = difference_verdict(c) if c else 'no seed formed it in both'
+    verdict = difference_verdict(c) if c else unpaired_formation(form, a, b)
     counts = f'formed: {a} {formed_count(form, a)}, {b} {formed_count(form, b)}'
     evidence = f'{gap}; {counts}; formed = {formation_rule(form)}'
     if verdict == 'no resolvable difference': evidence += '.' + what_it_takes(c, 0.0, batch_dir, [a, b], 'a difference')
