@@ -1,7 +1,7 @@
 """What the suites that drive the `oelm` command from outside share: the command line, tiny-run flags, and readers
 for the files a run leaves behind (JSON, JSON lines, the visible text of report.html)."""
 from __future__ import annotations
-import html, json, re, subprocess, sys
+import contextlib, html, io, json, re, subprocess, sys
 from pathlib import Path
 
 OELM = Path(sys.executable).with_name('oelm')
@@ -16,6 +16,18 @@ def oelm_cmd(*args: str) -> list[str]:
 def run_oelm(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
     "Run `oelm ARGS`, capturing its output."
     return subprocess.run(oelm_cmd(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def oelm_main(*args: str) -> subprocess.CompletedProcess:
+    """`oelm ARGS` through `oelm_nb.cli.main` in this process, its exit status and output as `run_oelm` returns them.
+    For commands that start no batch (help, params, data, sample, export, usage errors): no interpreter and no torch
+    import to pay for. The console script itself (`sys.exit(main())`) is checked in a subprocess by test_cli."""
+    from oelm_nb.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try: rc = main(list(args))
+        except SystemExit as e: rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return subprocess.CompletedProcess(['oelm', *args], rc, out.getvalue(), err.getvalue())
 
 
 def tiny_args(steps: int = 4) -> list[str]:

@@ -1,31 +1,22 @@
 """The `oelm` command line from outside: `params`, `bench`, `data prepare` and every `--help`.
 
-Each check runs the installed console script in a subprocess. Expected numbers come from arithmetic on the
+Each check runs `oelm_nb.cli.main`, the console script's function, in this process (`cli_helpers.oelm_main`: exit
+status, stdout and stderr as a subprocess would give them, without an interpreter start-up and a torch import per
+command); one test runs the installed console script itself, so its exit status is checked where users meet it. Expected numbers come from arithmetic on the
 architecture, never from the library: parameter counts from the config fields, the FLOPs that frozen Q/K save
-from the matmul shapes, the optimizer bytes from AdamW's two fp32 moments. Independent commands are started
-together (torch's import dominates their cost) and checked one by one.
+from the matmul shapes, the optimizer bytes from AdamW's two fp32 moments.
 """
 from __future__ import annotations
 import json, subprocess
 
 import numpy as np
 import pytest
-from cli_helpers import oelm_cmd as oelm, run_oelm
-
-TIMEOUT = 300
+from cli_helpers import oelm_main, run_oelm
 
 
-def run_all(*commands: tuple[str, ...], cwd=None) -> list[subprocess.CompletedProcess]:
-    "Run several `oelm` commands concurrently; their results in order."
-    procs = [subprocess.Popen(oelm(*c), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd) for c in commands]
-    out = []
-    for c, p in zip(commands, procs):
-        try: so, se = p.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            for q in procs: q.kill()
-            raise
-        out.append(subprocess.CompletedProcess(oelm(*c), p.returncode, so, se))
-    return out
+def run_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    "Run several `oelm` commands, one after the other; their results in order."
+    return [oelm_main(*c) for c in commands]
 
 
 def ok_json(res: subprocess.CompletedProcess):
@@ -164,15 +155,24 @@ def test_every_help_exits_0():
     for sub in ('params', 'data', 'train', 'run', 'report', 'bench'): assert sub in top
 
 
+def test_the_console_script_returns_mains_exit_status():
+    "The installed `oelm` script, in a subprocess: 0 for --version, 2 and a one-line error for a bad request."
+    import oelm_nb
+    v = run_oelm('--version')
+    assert v.returncode == 0 and v.stdout.strip() == f'oelm_nb {oelm_nb.__version__}', v.stdout + v.stderr
+    bad = run_oelm('params', '--variant', 'gpt', '--n-head', '7')
+    assert 'ModelConfig.n_head=7' in usage_error(bad, 'params') and len(bad.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.slow
 def test_version_and_study_help_lists_variants_options_and_defaults():
     import oelm_nb
     from oelm_nb.studies import STUDIES
     from oelm_nb.cli import build_parser
-    v = run_oelm('--version')
+    v = oelm_main('--version')
     assert v.returncode == 0 and v.stdout.strip() == f'oelm_nb {oelm_nb.__version__}'
     for name, study in STUDIES.items():
-        h = run_oelm('run', name, '--help')
+        h = oelm_main('run', name, '--help')
         assert h.returncode == 0, h.stderr
         text = ' '.join(h.stdout.split())  # argparse wraps lines
         for variant in study.variants('tiny', 1000, {}): assert variant in text, (name, variant)
@@ -182,19 +182,19 @@ def test_version_and_study_help_lists_variants_options_and_defaults():
             if action.dest in ('help',): continue
             assert action.help, f'oelm run {name}: {action.option_strings} has no help'
             if action.default not in (None, False): assert 'default' in action.help, f'oelm run {name}: {action.option_strings} hides its default'
-    assert 'also available (--variants): oelm-freeze-half, oelm-progressive, oelm-learnable' in ' '.join(run_oelm('run', 'qk-freeze', '--help').stdout.split())
+    assert 'also available (--variants): oelm-freeze-half, oelm-progressive, oelm-learnable' in ' '.join(oelm_main('run', 'qk-freeze', '--help').stdout.split())
 
 
 @pytest.mark.slow
 def test_params_takes_the_study_variants():
     "oelm params --variant uses the Q/K study's variant names and their model settings (freeze_layers of oelm-freeze-half)."
-    r = run_oelm('params', '--variant', 'oelm-freeze-half', '--json')
+    r = oelm_main('params', '--variant', 'oelm-freeze-half', '--json')
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d['config']['variant'] == 'oelm-freeze' and d['config']['freeze_layers'] == 1  # tiny: 2 layers, half frozen
-    full = json.loads(run_oelm('params', '--variant', 'oelm-freeze', '--json').stdout)
+    full = json.loads(oelm_main('params', '--variant', 'oelm-freeze', '--json').stdout)
     assert d['frozen'] < full['frozen']
-    bad = run_oelm('params', '--variant', 'oelm-freez')
+    bad = oelm_main('params', '--variant', 'oelm-freez')
     assert bad.returncode == 2 and 'oelm-freeze-half' in bad.stderr
 
 
@@ -203,7 +203,7 @@ def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path)
     from oelm_nb.studies import get_study
     args = build_parser().parse_args(['run', 'qk-freeze', '--loggers', 'tensorboard,wandb'])
     assert study_plan(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
-    r = run_oelm('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
+    r = oelm_main('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
     assert r.returncode == 2 and "unknown ['tensorbord']" in r.stderr and not (tmp_path / 'b').exists()
 
 

@@ -5,7 +5,7 @@ import json, math
 from pathlib import Path
 import pytest
 import torch
-from cli_helpers import run_oelm, tiny_args
+from cli_helpers import oelm_main, run_oelm, tiny_args
 from shared_runs import qk_freeze_batch, pca_batch, completed, inline_batch
 from oelm_nb.sample import load_run_model, run_codec
 
@@ -21,7 +21,7 @@ def run(tmp_path_factory) -> Path:
 
 
 def test_hf_export_has_our_logits_and_tokenizer(run, tmp_path):
-    res = run_oelm('export', str(run), str(tmp_path / 'hf'))
+    res = oelm_main('export', str(run), str(tmp_path / 'hf'))
     assert res.returncode == 0, res.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'hf').eval()
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
@@ -36,7 +36,7 @@ def test_hf_export_has_our_logits_and_tokenizer(run, tmp_path):
 
 
 def test_nanogpt_export_is_plain_tensors_in_nanogpts_layout(run, tmp_path):
-    res = run_oelm('export', str(run), str(tmp_path / 'nano'), '--to', 'nanogpt', '--checkpoint', 'final')
+    res = oelm_main('export', str(run), str(tmp_path / 'nano'), '--to', 'nanogpt', '--checkpoint', 'final')
     assert res.returncode == 0, res.stderr
     ck = torch.load(tmp_path / 'nano' / 'ckpt.pt', weights_only=True)  # plain tensors and containers only
     a, sd = ck['model_args'], ck['model']
@@ -61,7 +61,7 @@ def test_nanogpt_export_is_plain_tensors_in_nanogpts_layout(run, tmp_path):
     (('--checkpoint', '999'), 'no checkpoint of step 999'),
 ])
 def test_bad_requests_exit_2(run, tmp_path, args, message):
-    res = run_oelm('export', str(run), str(tmp_path / 'x'), *args)
+    res = oelm_main('export', str(run), str(tmp_path / 'x'), *args)
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert not (tmp_path / 'x').exists()  # nothing written
 
@@ -174,7 +174,7 @@ def first_train_loss(run_dir: Path) -> float:
 
 
 def test_a_run_starts_from_an_exported_nanogpt_checkpoint(run, tmp_path):
-    assert run_oelm('export', str(run), str(tmp_path / 'nano'), '--to', 'nanogpt').returncode == 0
+    assert oelm_main('export', str(run), str(tmp_path / 'nano'), '--to', 'nanogpt').returncode == 0
     out = tmp_path / 'batch'
     common = ('run', 'qk-freeze', '--variants', 'oelm-freeze', '--seeds', '1', '--no-report', *tiny_args(2),
               '--set', 'data.n_train_stories=300', '--data', str(run.parent / 'data'))
@@ -224,9 +224,9 @@ def test_an_untied_run_exports_to_hf_and_is_refused_by_nanogpt(run, tmp_path):
     out = inline_batch(tmp_path / 'batch', 'qk-freeze', variants=['gpt'], steps=4, data=str(run.parent / 'data'),
                        overrides={'model.tie_embeddings': False})
     rd = out / 'gpt-s0'
-    res = run_oelm('export', str(rd), str(tmp_path / 'nano'), '--to', 'nanogpt')
+    res = oelm_main('export', str(rd), str(tmp_path / 'nano'), '--to', 'nanogpt')
     assert res.returncode == 2 and 'always ties its output head' in res.stderr and not (tmp_path / 'nano').exists(), res.stderr
-    assert run_oelm('export', str(rd), str(tmp_path / 'hf')).returncode == 0
+    assert oelm_main('export', str(rd), str(tmp_path / 'hf')).returncode == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'hf').eval()
     ours = load_run_model(rd, device='cpu')[0]
     assert hf.config.tie_word_embeddings is False and ours.lm_head.weight is not ours.transformer.tok.wte.weight
@@ -238,7 +238,7 @@ def test_pca_study_runs_export_merged_and_factorized(tmp_path_factory, tmp_path)
     "`oelm export` of a PCA + LoRA run (adapters merged, table materialized) and of an evaluated-only PCA run (no checkpoint of its own)."
     out = completed(pca_batch(tmp_path_factory))  # float32 runs of the PCA study's matrix, k = 16 among them
     for name in ('pca-lora-k16-s0', 'pca-k16-s0', 'baseline-s0'):
-        res = run_oelm('export', str(out / name), str(tmp_path / name))
+        res = oelm_main('export', str(out / name), str(tmp_path / name))
         assert res.returncode == 0, (name, res.stderr[-2000:])
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
         ours, spec, _ = load_run_model(out / name, device='cpu')  # the LoRA run: adapters unmerged, as it trained

@@ -6,7 +6,7 @@ import json, os, shutil, socket, subprocess, sys, time, urllib.request
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_oelm as oelm, tiny_args
+from shared_runs import copy_batch, qk_freeze_batch
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -75,10 +75,10 @@ def test_lab_server_starts_and_saving_without_an_edit_changes_nothing(project):
         except subprocess.TimeoutExpired: proc.kill()
 
 
-def test_report_notebook_runs_from_its_own_folder(project):
-    "papermill with the working directory JupyterLab uses (the notebook's folder) and the notebook's own run_dir."
-    res = oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(project / 'runs' / 'qk-freeze'), *tiny_args(4))
-    assert res.returncode == 0, res.stdout + res.stderr
+def test_report_notebook_runs_from_its_own_folder(project, tmp_path_factory):
+    """papermill with the working directory JupyterLab uses (the notebook's folder) and the notebook's own run_dir; the batch
+    is a copy of the session's shared Q/K freeze batch (tests/shared_runs.py) where `make run` puts its batch."""
+    copy_batch(qk_freeze_batch(tmp_path_factory), project / 'runs' / 'qk-freeze', 'checkpoints')
     reports = project / 'nbs' / 'reports'
     env = {k: v for k, v in os.environ.items() if k != 'OELM_PROJECT'}
     r = subprocess.run([str(BIN / 'papermill'), 'qk_freeze.ipynb', 'out.ipynb', '--cwd', str(reports), '--no-progress-bar'],

@@ -5,7 +5,7 @@ import json, os, pickle
 from pathlib import Path
 import numpy as np
 import pytest
-from cli_helpers import run_oelm, read_json
+from cli_helpers import oelm_main, run_oelm, read_json
 
 TEXT = ('First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n'
         'First Citizen:\nYou are all resolved rather to die than to famish?\n\n') * 60
@@ -31,7 +31,7 @@ def test_a_character_level_folder_trains_and_samples_characters(tmp_path):
     assert s['status'] == 'completed' and s['samples'] and 'samples_note' not in s
     assert all(set(t) <= set(TEXT) for t in s['samples'] + s['sample_prompts'])  # characters of the data set, not ids
     assert read_json(out / 'gpt-s0' / 'config.json')['model']['vocab_size'] >= len(set(TEXT))
-    res = run_oelm('sample', str(out / 'gpt-s0'), '--prompt', 'First Citizen:', '--max-new-tokens', '20', '--json')
+    res = oelm_main('sample', str(out / 'gpt-s0'), '--prompt', 'First Citizen:', '--max-new-tokens', '20', '--json')
     assert res.returncode == 0, res.stderr
     assert all(t['text'].startswith('First Citizen:') and set(t['text']) <= set(TEXT) for t in json.loads(res.stdout))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json, os, re, shutil
 from pathlib import Path
 import pytest
-from cli_helpers import run_oelm
+from cli_helpers import oelm_main
 from shared_runs import qk_freeze_batch
 from oelm_nb.core import ConfigError
 from oelm_nb.sample import sample
@@ -19,7 +19,7 @@ def run(tmp_path_factory) -> Path:
 
 
 def samples(*args) -> list[dict]:
-    res = run_oelm('sample', *map(str, args), '--json')
+    res = oelm_main('sample', *map(str, args), '--json')
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout)
 
@@ -41,7 +41,7 @@ def test_every_checkpoint_name_loads_its_step(run, which, step):
 
 def test_plain_output_and_prompt_file(run, tmp_path):
     f = tmp_path / 'prompt.txt'; f.write_text('One day,', encoding='utf-8')
-    res = run_oelm('sample', str(run), '--prompt-file', str(f), '--num-samples', '2', '--max-new-tokens', '10')
+    res = oelm_main('sample', str(run), '--prompt-file', str(f), '--num-samples', '2', '--max-new-tokens', '10')
     assert res.returncode == 0, res.stderr
     assert res.stdout.count('---------------') == 2 and res.stdout.startswith('One day,') and 'step' in res.stderr
 
@@ -53,7 +53,7 @@ def test_without_a_tokenizer_samples_are_token_ids(run, tmp_path):
     cfg['data_dir'] = str(data); (copy / 'config.json').write_text(json.dumps(cfg))
     s = samples(copy, '--prompt', '5 17 42', '--max-new-tokens', '6', '--num-samples', '1')[0]
     assert s['text'].split()[:3] == ['5', '17', '42'] and all(t.isdigit() for t in s['text'].split())
-    res = run_oelm('sample', str(copy), '--prompt', 'Once upon')
+    res = oelm_main('sample', str(copy), '--prompt', 'Once upon')
     assert res.returncode == 2 and 'a list of token ids' in res.stderr
 
 
@@ -68,14 +68,14 @@ def test_bad_requests_are_refused_with_the_reason(run, kw, message):
 
 
 def test_the_command_exits_2_on_a_bad_request(run):
-    res = run_oelm('sample', str(run), '--checkpoint', '7')
+    res = oelm_main('sample', str(run), '--checkpoint', '7')
     assert res.returncode == 2 and 'no checkpoint of step 7; it has steps 10, 20, 30' in res.stderr, res.stderr
 
 
 def test_a_batch_directory_or_a_link_out_of_the_run_is_refused(run, tmp_path):
-    res = run_oelm('sample', str(run.parent))
+    res = oelm_main('sample', str(run.parent))
     assert res.returncode == 2 and 'is not a run directory' in res.stderr
     copy = tmp_path / 'gpt-s0'; shutil.copytree(run, copy, symlinks=True)
     (copy / 'checkpoints' / 'best').unlink(); os.symlink(str(tmp_path), copy / 'checkpoints' / 'best')
-    res = run_oelm('sample', str(copy))
+    res = oelm_main('sample', str(copy))
     assert res.returncode == 2 and 'does not point to one of the run' in res.stderr

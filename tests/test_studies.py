@@ -15,7 +15,7 @@ from oelm_nb.studies import STUDIES, get_study
 from oelm_nb.qk_freeze import hypotheses
 from oelm_nb.pca_study import ppl_table, recovery_table, recovery_verdict
 from fake_runs import failed, fake_batch
-from cli_helpers import run_oelm
+from cli_helpers import oelm_main
 
 
 # ====================================================================== settings and names
@@ -44,10 +44,10 @@ def test_ill_typed_settings_name_study_field_and_allowed_values(study, field, va
 
 
 def test_settings_errors_reach_the_command_line_before_anything_runs(tmp_path):
-    res = run_oelm('run', 'pca', '--ks', '8', '--set', 'settings.lora_rnak=2', '--out', str(tmp_path / 'b'), timeout=120)
+    res = oelm_main('run', 'pca', '--ks', '8', '--set', 'settings.lora_rnak=2', '--out', str(tmp_path / 'b'))
     assert res.returncode == 2 and "study 'pca', settings: PCASettings has no field(s) ['lora_rnak']" in res.stderr
     assert not (tmp_path / 'b' / 'batch.json').exists()
-    old = run_oelm('run', 'pca', '--ks', '8', '--set', 'extra.k=2', '--out', str(tmp_path / 'c'), timeout=120)
+    old = oelm_main('run', 'pca', '--ks', '8', '--set', 'extra.k=2', '--out', str(tmp_path / 'c'))
     assert old.returncode == 2 and 'write settings.k' in old.stderr
 
 
