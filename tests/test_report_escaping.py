@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from cli_helpers import run_oelm
+from cli_helpers import oelm_main
 from fake_runs import failed, fake_batch, fake_run
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
@@ -110,7 +110,7 @@ def qk_report(tmp_path_factory):
     fake_run(root, QK['variant'], 0, qk_summary(['once upon a time'])(0))
     fake_run(root, QK['name'], 0, failed(QK['error']))
     fake_run(root, QK['tick'], 0, failed('RuntimeError: boom'))
-    res = run_oelm('report', str(root))
+    res = oelm_main('report', str(root))
     assert res.returncode == 0, res.stdout + res.stderr
     return root / 'report.html'
 
@@ -143,7 +143,7 @@ def mercator_report(tmp_path_factory):
     root = fake_batch(tmp_path_factory.mktemp('mercator') / 'batch', 'mercator', runs, plan={v: {'settings.beta': v} for v in runs})
     b = json.loads((root / 'batch.json').read_text()); b['options'] = {'teacher': MERC['teacher'], 'student': 'gpt2'}
     (root / 'batch.json').write_text(json.dumps(b))
-    res = run_oelm('report', str(root))
+    res = oelm_main('report', str(root))
     assert res.returncode == 0, res.stdout + res.stderr
     return root / 'report.html'
 
