@@ -71,7 +71,7 @@ def test_a_papermill_batch_that_fails_is_reported_with_its_output_and_the_comman
     c = D.run_check('papermill-batch', D.check_papermill_batch, D.Machine(torch.device('cpu'), tmp_path))
     assert c.status == 'failed' and c.error.startswith('Problem: oelm run exited with 1')
     assert 'FAILED runs: gpt-s0' in c.error and 'run it by hand' in c.fix
-    assert c.figures['returncode'] == 1 and c.figures['report'] is None
+    assert c.figures['returncode'] == 1 and c.figures['report_bytes'] is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='with a CUDA device these checks run')
