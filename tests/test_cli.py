@@ -151,7 +151,7 @@ def test_data_prepare_writes_a_dataset_and_rejects_a_missing_source(tmp_path):
 
 
 # ====================================================================== --help
-HELP = [(), ('params',), ('data',), ('data', 'prepare'), ('train',), ('run',), ('report',), ('bench',), ('doctor',)]
+HELP = [(), ('params',), ('data',), ('data', 'prepare'), ('train',), ('run',), ('report',), ('bench',)]
 
 
 @pytest.mark.slow
@@ -161,7 +161,7 @@ def test_every_help_exits_0():
         assert res.returncode == 0, f'oelm {" ".join(c)} --help: exit {res.returncode}\n{res.stderr}'
         assert res.stdout.startswith('usage: oelm' + ''.join(' ' + w for w in c)), res.stdout[:200]
     top = results[0].stdout
-    for sub in ('params', 'data', 'train', 'run', 'report', 'bench', 'doctor'): assert sub in top
+    for sub in ('params', 'data', 'train', 'run', 'report', 'bench'): assert sub in top
 
 
 @pytest.mark.slow

@@ -83,3 +83,10 @@ def test_cuda_only_checks_are_skipped_with_the_reason(tmp_path, capsys):
     for c in checks:
         assert c['status'] == 'skipped' and c['reason'].startswith('no CUDA device: ') and not c['error'], c
     assert '0 ok, 0 failed, 2 skipped' in capsys.readouterr().out
+
+
+def test_help_names_every_check_and_the_quick_ones(capsys):
+    with pytest.raises(SystemExit) as e: main(['doctor', '--help'])
+    text = ' '.join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert e.value.code == 0 and text.startswith('usage: oelm doctor')
+    assert f"only {', '.join(D.QUICK)}" in text and f"{', '.join(D.CHECKS)} (default: all)" in text
