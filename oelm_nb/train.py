@@ -33,9 +33,9 @@ from .freeze import attention_layers
 from .guards import LOSS_WINDOW, TrainingDiverged, step_divergence, param_rms, param_divergence, oom_named
 
 # %% auto #0
-__all__ = ['LossFn', 'lr_at', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook', 'evaluate',
-           'DistInfo', 'init_distributed', 'all_mean', 'Trainer', 'checkpoint_fingerprint', 'runtime_info',
-           'copy_task_data']
+__all__ = ['LossFn', 'DDP_LOSS_TOL', 'lr_at', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss',
+           'call_loss_hook', 'evaluate', 'DistInfo', 'init_distributed', 'all_mean', 'Trainer',
+           'checkpoint_fingerprint', 'runtime_info', 'copy_task_data']
 
 # %% ../nbs/05_train.ipynb #df8a6e64
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -189,6 +189,9 @@ def all_mean(x: float, info: DistInfo, device) -> float:
     if not info.enabled: return x
     t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t); return t.item() / info.world_size
+
+# %% ../nbs/05_train.ipynb #fe5f12af
+DDP_LOSS_TOL = 1e-4 # |train loss of DDP - of one process| per step, in float32, at the same global batch
 
 # %% ../nbs/05_train.ipynb #f2b330cf
 def _median_speed(records: list[dict]) -> float | None:
