@@ -22,12 +22,13 @@ from .freeze import param_report
 from .memory import GiB, _gib, available_memory, step_memory, _memory_message
 
 # %% auto #0
-__all__ = ['GPU_PEAK_BF16_TFLOPS', 'REFERENCE', 'train_step_flops', 'optimizer_state_bytes', 'RefAttention', 'RefBlock',
-           'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops', 'reset_peak_rss', 'peak_rss_bytes',
-           'BenchRow', 'cpu_peak_memory', 'bench', 'bench_table']
+__all__ = ['GPU_PEAK_BF16_TFLOPS', 'REFERENCE', 'step_inputs', 'train_step_flops', 'optimizer_state_bytes', 'RefAttention',
+           'RefBlock', 'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops', 'reset_peak_rss',
+           'peak_rss_bytes', 'BenchRow', 'bench_config', 'build_variant', 'timed_step', 'cpu_peak_memory',
+           'dtype_label', 'bench', 'bench_table']
 
 # %% ../nbs/09_bench.ipynb #6818645a
-def _step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
+def step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, model.cfg.vocab_size, (batch_size, model.cfg.block_size), generator=g)
     y = torch.randint(0, model.cfg.vocab_size, (batch_size, model.cfg.block_size), generator=g)
@@ -37,7 +38,7 @@ def _step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
 def train_step_flops(model: GPT, batch_size: int, device=None) -> int:
     "FLOPs of one forward + backward pass at (batch_size, block_size), counted by FlopCounterMode."
     device = device or next(model.parameters()).device
-    x, y = _step_inputs(model, batch_size, device)
+    x, y = step_inputs(model, batch_size, device)
     with FlopCounterMode(display=False) as fc:
         _, loss = model(x, y); loss.backward()
     model.zero_grad(set_to_none=True)
@@ -48,7 +49,7 @@ def optimizer_state_bytes(model: GPT, device=None) -> int:
     "Bytes of AdamW's per-weight moment buffers (exp_avg, exp_avg_sq) after one step."
     device = device or next(model.parameters()).device
     opt = build_optimizer(model, TrainConfig())
-    x, y = _step_inputs(model, 1, device)
+    x, y = step_inputs(model, 1, device)
     _, loss = model(x[:, :8], y[:, :8]); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return sum(v.numel() * v.element_size()
                for st in opt.state.values() for k, v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
@@ -190,19 +191,20 @@ class BenchRow:
 REFERENCE = 'reference'
 
 # %% ../nbs/09_bench.ipynb #d1cd41ee
-def _bench_config(study: str, preset: str, variant: str, block_size: int | None, overrides: dict | None) -> ModelConfig:
+def bench_config(study: str, preset: str, variant: str, block_size: int | None, overrides: dict | None) -> ModelConfig:
     "The model config a bench entry runs at: the study's variant (or the gpt shape for the reference), without dropout."
     spec = resolve_spec(study, 'gpt' if variant == REFERENCE else variant, preset, 0, 1000, overrides=overrides)
     mcfg = spec.model if block_size is None else spec.model.replace(block_size=block_size)
     return mcfg.replace(dropout=0.0)
 
 # %% ../nbs/09_bench.ipynb #1bff5915
-def _build(variant: str, mcfg: ModelConfig, device) -> nn.Module:
+def build_variant(variant: str, mcfg: ModelConfig, device) -> nn.Module:
+    "The bench entry's model, initialised from seed 0: the package's GPT, or the nanoGPT-structured reference."
     set_seed(0)
     return (ReferenceGPT(mcfg) if variant == REFERENCE else GPT(mcfg, init_seed=0)).to(device)
 
 # %% ../nbs/09_bench.ipynb #ce1470a1
-def _timed_step(model, opt, x, y, device, amp) -> float:
+def timed_step(model, opt, x, y, device, amp) -> float:
     "Seconds for one forward, backward and optimizer step."
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     sync(); t0 = time.perf_counter()
@@ -214,10 +216,10 @@ def _timed_step(model, opt, x, y, device, amp) -> float:
 def _rss_probe(variant: str, cfg: ModelConfig, batch_size: int, dtype: str) -> int | None:
     "Run in a fresh process: two training steps of one entry; the peak resident set size during them."
     dev = torch.device('cpu'); amp = autocast_dtype(dev, dtype)
-    m = _build(variant, cfg, dev)
+    m = build_variant(variant, cfg, dev)
     opt = build_optimizer(m, TrainConfig(lr=1e-4))
     reset_peak_rss()  # count from here: interpreter, torch and the model resident, import spikes forgotten
-    for i in range(2): _timed_step(m, opt, *_step_inputs(m, batch_size, dev, seed=i), dev, amp)
+    for i in range(2): timed_step(m, opt, *step_inputs(m, batch_size, dev, seed=i), dev, amp)
     return peak_rss_bytes()
 
 # %% ../nbs/09_bench.ipynb #9f4bceb5
@@ -233,7 +235,8 @@ def cpu_peak_memory(variant: str, cfg: ModelConfig, batch_size: int, dtype: str)
                               'or skip the measurement with --no-memory') from None
 
 # %% ../nbs/09_bench.ipynb #cb01b584
-def _dtype_label(device, pref: str) -> str:
+def dtype_label(device, pref: str) -> str:
+    "The precision a step runs in on `device` for the dtype preference `pref`: 'float32' or the autocast dtype."
     amp = autocast_dtype(device, pref)
     return 'float32' if amp is None else str(amp).removeprefix('torch.')
 
@@ -256,11 +259,11 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
     for d in dtypes:
         if d not in DTYPES: raise ConfigError(f"dtype {d!r} is invalid: choose among {DTYPES}")
     dev = pick_device(device)
-    labels = list(dict.fromkeys(_dtype_label(dev, d) for d in dtypes))
+    labels = list(dict.fromkeys(dtype_label(dev, d) for d in dtypes))
     entries = [(v, d) for d in labels for v in [*variants, *([REFERENCE] if reference else [])]]
     names = list(dict.fromkeys(v for v, _ in entries))
     if block_size is not None: _check_block_size(study, preset, names, block_size, overrides)
-    cfgs = {v: _bench_config(study, preset, v, block_size, overrides) for v in names}
+    cfgs = {v: bench_config(study, preset, v, block_size, overrides) for v in names}
     avail, where, estimate = _check_bench_memory(cfgs, entries, batch_size, dev)
     try: return _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides,
                            memory, reference, log)
@@ -282,7 +285,7 @@ _BENCH_FIX = ('Lower --batch-size (at most {max_batch} fits) or --block-size, or
 # %% ../nbs/09_bench.ipynb #47cf5664
 def _check_block_size(study, preset, names, block_size, overrides):
     "Refuse a sequence longer than the learned position table of the preset's model (see the message)."
-    table = min(_bench_config(study, preset, v, None, overrides).block_size for v in names)
+    table = min(bench_config(study, preset, v, None, overrides).block_size for v in names)
     if block_size > table:
         raise ConfigError(
             f"block_size={block_size} is too long: the learned position table (wpe) of the {preset!r} model has "
@@ -320,7 +323,7 @@ def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size
                reference, log):
     models, opts, counts = {}, {}, {}
     for v, d in entries:
-        m = models[v, d] = _build(v, cfgs[v], dev)
+        m = models[v, d] = build_variant(v, cfgs[v], dev)
         if v not in counts:
             counts[v] = (train_step_flops(m, batch_size), optimizer_state_bytes(m), param_report(m).trainable)
         opts[v, d] = build_optimizer(m, TrainConfig(lr=1e-4))
@@ -330,7 +333,7 @@ def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size
         for v, d in entries:
             m = models[v, d]
             if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats()
-            dt = _timed_step(m, opts[v, d], *_step_inputs(m, batch_size, dev, seed=i), dev,
+            dt = timed_step(m, opts[v, d], *step_inputs(m, batch_size, dev, seed=i), dev,
                              None if d == 'float32' else getattr(torch, d))
             if dev.type == 'cuda': mem[v, d] = max(mem[v, d], torch.cuda.max_memory_allocated())
             if i >= warmup: times[v, d].append(dt)

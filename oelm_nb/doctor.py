@@ -24,7 +24,7 @@ from .train import Trainer, DDP_LOSS_TOL, build_optimizer, copy_task_data
 from .checkpoint import load_weights
 from .metrics import read_metrics
 from .experiment import resolve_spec, launch_run
-from .bench import peak_flops, train_step_flops, _bench_config, _build, _dtype_label, _step_inputs, _timed_step
+from .bench import peak_flops, train_step_flops, bench_config, build_variant, dtype_label, step_inputs, timed_step
 from .cvfp import CVFPConfig, CVFPModel, markov_tokens, phase2_batch_size, train_phase2
 from .mercator import load_causal_lm
 from .mercator_hf import nf4_unavailable, teacher_load_kwargs
@@ -75,7 +75,7 @@ class Machine:
     @property
     def cuda(self) -> bool: return self.device.type == 'cuda'
     @property
-    def default_dtype(self) -> str: return _dtype_label(self.device, 'auto')  # bf16 on a CUDA GPU, else float32
+    def default_dtype(self) -> str: return dtype_label(self.device, 'auto')  # bf16 on a CUDA GPU, else float32
     @property
     def dtypes(self) -> list[str]: return list(dict.fromkeys(['float32', self.default_dtype]))
 
@@ -373,11 +373,11 @@ def medium512_plan(device: torch.device) -> dict:
 # %% ../nbs/17_doctor.ipynb #45199fe6
 def _time_medium512(m: Machine, dtype: str, plan: dict) -> dict:
     "One dtype: FLOPs per step, median step time of the timed steps, tokens/s, achieved and peak FLOP/s, MFU."
-    cfg, amp = _bench_config(QK_FREEZE, 'medium512', 'gpt', plan['block_size'], None), autocast_dtype(m.device, dtype)
-    model = _build('gpt', cfg, m.device); opt = build_optimizer(model, TrainConfig(lr=1e-4))
+    cfg, amp = bench_config(QK_FREEZE, 'medium512', 'gpt', plan['block_size'], None), autocast_dtype(m.device, dtype)
+    model = build_variant('gpt', cfg, m.device); opt = build_optimizer(model, TrainConfig(lr=1e-4))
     B, n = plan['batch_size'], plan['warmup'] + plan['steps']
     flops = train_step_flops(model, B)
-    times = [_timed_step(model, opt, *_step_inputs(model, B, m.device, seed=i), m.device, amp) for i in range(n)]
+    times = [timed_step(model, opt, *step_inputs(model, B, m.device, seed=i), m.device, amp) for i in range(n)]
     step = statistics.median(times[plan['warmup']:])
     peak, source = peak_flops(m.device, amp)
     return {'step_s': step, 'tokens_per_s': B * cfg.block_size / step, 'flops_per_step': flops,
