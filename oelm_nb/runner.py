@@ -27,7 +27,8 @@ from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_w
 __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
            'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'execute_inline', 'schedule',
            'BatchResult', 'with_upstream', 'plan_batch', 'open_batch', 'check_memory', 'write_batch_json',
-           'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'render_report']
+           'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'report_html',
+           'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -548,6 +549,13 @@ NO_SCRIPTS = (
     '<meta http-equiv="Content-Security-Policy" content="script-src \'none\'; object-src \'none\'; base-uri \'none\'">'
 )
 
+def report_html(notebook: Path) -> str:
+    "An executed report notebook as an HTML page of its outputs (what `jupyter nbconvert --no-input` writes)."
+    from nbconvert import HTMLExporter  # imported here: only a report needs it
+    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
+                            exclude_raw=True)
+    return exporter.from_filename(str(notebook))[0]
+
 # %% ../nbs/07_runner.ipynb #75390e19
 def render_report(run_dir: str | Path, study: str | None = None, log=print) -> Path:
     "Execute the study's report notebook on `run_dir` and write report.ipynb and report.html there."
@@ -563,11 +571,7 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
         raise RuntimeError(
             f"the report notebook failed; see {nb_out}:\n{(_error_from_notebook(nb_out) or res.stderr[-2000:])}"
         )
-    res = subprocess.run([sys.executable, '-m', 'nbconvert', '--to', 'html', '--no-input',
-                          '--TemplateExporter.exclude_raw=True', '--output', 'report.html', str(nb_out)],
-                         capture_output=True, text=True)
-    if res.returncode != 0: raise RuntimeError(f"converting {nb_out} to HTML failed:\n{res.stderr[-2000:]}")
     page = run_dir / 'report.html'  # defence in depth behind the escaping: the page runs no script at all
-    page.write_text(page.read_text(encoding='utf-8').replace('<head>', '<head>\n' + NO_SCRIPTS, 1), encoding='utf-8')
+    page.write_text(report_html(nb_out).replace('<head>', '<head>\n' + NO_SCRIPTS, 1), encoding='utf-8')
     log(f'[oelm run] report: {run_dir / "report.html"}')
     return run_dir / 'report.html'
