@@ -20,7 +20,7 @@ from oelm_nb.studies import get_study
 from oelm_nb.mercator import cosine_stage, layer_map, pass_label
 from oelm_nb.mercator_study import mercator_common, mercator_run, MercatorSettings
 from oelm_nb.mercator_hf import resolve_checkpoint, resolve_dataset, load_texts, load_records
-from cli_helpers import run_oelm as oelm, read_json, html_text
+from cli_helpers import oelm_main, run_oelm as oelm, read_json, html_text
 from shared_runs import shared_batch, completed
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
@@ -148,7 +148,7 @@ def test_report_renders_when_a_run_failed(batch, tmp_path):
     dst = tmp_path / 'copy'
     shutil.copytree(out, dst, symlinks=True, ignore=shutil.ignore_patterns('checkpoints', 'report.*'))
     (dst / 'no-distill-s0' / 'summary.json').write_text(json.dumps({'status': 'failed', 'error': 'RuntimeError: boom'}))
-    r = oelm('report', str(dst))
+    r = oelm_main('report', str(dst))
     assert r.returncode == 0, r.stderr
     text = html_text(dst / 'report.html')
     assert 'RuntimeError: boom' in text and 'Cannot say: the no-distill baseline did not complete' in text

@@ -17,7 +17,7 @@ from oelm_nb.experiment import resolve_spec
 from oelm_nb.studies import get_study
 from oelm_nb.pca import LORA_TARGETS
 from oelm_nb.pca_study import pca_variants
-from cli_helpers import run_oelm as oelm, read_json, html_text, tiny_args
+from cli_helpers import oelm_main, run_oelm as oelm, read_json, html_text, tiny_args
 from shared_runs import pca_batch, completed, PCA_KS
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
@@ -249,7 +249,7 @@ def test_report_renders_with_a_failed_run(batch, tmp_path):
     dst = tmp_path / 'b'
     shutil.copytree(out, dst, symlinks=True, ignore=shutil.ignore_patterns('checkpoints', 'data', '*.html', 'report.ipynb'))
     (dst / 'pca-lora-k16-s0' / 'summary.json').write_text(json.dumps({'status': 'failed', 'error': 'RuntimeError: boom'}))
-    res = oelm('report', str(dst), timeout=300)
+    res = oelm_main('report', str(dst))
     assert res.returncode == 0, res.stderr[-3000:]
     text = html_text(dst / 'report.html')
     assert 'RuntimeError: boom' in text and 'failed' in text

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from shared_runs import SMALL_CORPUS
-from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, html_text, tiny_args
+from cli_helpers import TIMEOUT, oelm_cmd as oelm, oelm_main, run_oelm, read_json, html_text, tiny_args
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -264,7 +264,7 @@ def test_oelm_report_rerenders_from_the_run_directories(batch, tmp_path):
     sm['best_val_ppl'] = 777.125  # a value no run produces: the new report must read the directory again
     (d / 'gpt-s1' / 'summary.json').write_text(json.dumps(sm))
     (d / 'report.html').write_text('stale')
-    res = run_oelm('report', str(d))
+    res = oelm_main('report', str(d))
     assert res.returncode == 0, res.stdout + res.stderr
     text = html_text(d / 'report.html')
     assert 'stale' != text.strip() and '777.125' in text
@@ -273,7 +273,7 @@ def test_oelm_report_rerenders_from_the_run_directories(batch, tmp_path):
 
 def test_oelm_report_on_a_non_batch_directory_exits_2(tmp_path):
     (tmp_path / 'not-a-batch').mkdir()
-    res = run_oelm('report', str(tmp_path / 'not-a-batch'))
+    res = oelm_main('report', str(tmp_path / 'not-a-batch'))
     assert res.returncode == 2, res.stdout + res.stderr
     assert 'Traceback' not in res.stderr
     assert 'not a batch directory' in res.stderr and 'batch.json' in res.stderr and 'not-a-batch' in res.stderr
