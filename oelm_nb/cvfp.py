@@ -5,7 +5,6 @@
 # %% ../nbs/12_cvfp.ipynb #50eeb4fd
 from __future__ import annotations
 import math, time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,13 +15,14 @@ import torch.nn.functional as F
 from .core import ConfigBase, check, TrainConfig
 from .device import set_seed
 from .train import Trainer
+from .fixed_point import settle, one_thread
 
 # %% auto #0
 __all__ = ['DIVERSITY_LOSSES', 'CVFP_PRESETS', 'cvfp_loss', 'mcdl_loss', 'odcm_loss', 'odcm_cov_loss', 'combined_loss',
            'EffectiveRank', 'effective_rank', 'CVFPConfig', 'cvfp_config', 'ContextLayer', 'TokenLayer', 'ContextBlock',
-           'TokenBlock', 'CVFPModel', 'one_thread', 'context_scan', 'build_context_cache', 'logits_from_cache',
-           'Phase1Result', 'val_effective_rank', 'train_phase1', 'markov_tokens', 'BatchSizing', 'per_token_bytes',
-           'phase2_batch_size', 'Phase2Result', 'freeze_context_block', 'evaluate_cached', 'train_phase2']
+           'TokenBlock', 'CVFPModel', 'context_scan', 'build_context_cache', 'logits_from_cache', 'Phase1Result',
+           'val_effective_rank', 'train_phase1', 'markov_tokens', 'BatchSizing', 'per_token_bytes', 'phase2_batch_size',
+           'Phase2Result', 'freeze_context_block', 'evaluate_cached', 'train_phase2']
 
 # %% ../nbs/12_cvfp.ipynb #470cd943
 def cvfp_loss(context: torch.Tensor, # (N, C) contexts of this iteration
@@ -116,6 +116,10 @@ class CVFPConfig(ConfigBase):
     # phase1_min_iterations on
     phase1_restore_best: bool = True
     parallel: bool = True # Phase 1 iterations >= 1 in parallel (token i reads previous_contexts[i-1])
+    # parallel Phase 1: before each learning sweep, sweeps of the current block (no gradient) from the last contexts
+    # towards its fixed point, the sequential pass; at most this many (0: the New-LLM guidelines' one lagged sweep)
+    phase1_settle_sweeps: int = 0
+    phase1_settle_tol: float = 1e-5 # settling stops once a sweep moves the contexts by less than this (mean square)
     phase2_lr: float = 1e-3 # AdamW learning rate of Phase 2
     # Phase 2 trains the tied token embedding (= output head) too; the New-LLM guidelines freeze it (frozen 334 vs
     # trained 1189 val PPL at 500 samples)
@@ -153,6 +157,8 @@ def _check_cvfp_config(cfg: CVFPConfig, c: str = 'CVFPConfig'):
     check(cfg.convergence_threshold > 0, c, 'convergence_threshold', cfg.convergence_threshold,
           'must be positive (e.g. 1e-3)')
     check(0 < cfg.convergence_target <= 1, c, 'convergence_target', cfg.convergence_target, 'must be in (0, 1]')
+    check(cfg.phase1_settle_sweeps >= 0, c, 'phase1_settle_sweeps', cfg.phase1_settle_sweeps, 'must be >= 0 (0: none)')
+    check(cfg.phase1_settle_tol > 0, c, 'phase1_settle_tol', cfg.phase1_settle_tol, 'must be positive (e.g. 1e-5)')
     check(cfg.phase1_val_patience >= 0, c, 'phase1_val_patience', cfg.phase1_val_patience,
           'must be >= 0 (0: no early stopping)')
     check(cfg.phase2_batch_size is None or cfg.phase2_batch_size > 0, c, 'phase2_batch_size', cfg.phase2_batch_size,
@@ -259,16 +265,6 @@ class CVFPModel(nn.Module):
                ) -> torch.Tensor:  # (N, V)
         return logits_from_cache(self, ids, build_context_cache(self, ids, start))
 
-# %% ../nbs/12_cvfp.ipynb #0967a033
-@contextmanager
-def one_thread():
-    """One intra-op CPU thread inside: per-token vector ops gain nothing from more, and on a shared CPU each op would
-    wait for the busiest core."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try: yield
-    finally: torch.set_num_threads(n)
-
 # %% ../nbs/12_cvfp.ipynb #7f9f513b
 @torch.no_grad()
 def context_scan(
@@ -316,7 +312,8 @@ def logits_from_cache(model: CVFPModel, ids: torch.Tensor, # (N,) tokens whose n
 @dataclass
 class Phase1Result:
     "Outcome of Phase 1."
-    layer_outputs: list # L x (N, C) per-layer contexts of the final pass (the Phase 2 cache)
+    # L x (N, C) per-layer contexts of the final pass: sequential, final weights, from final_start (Phase 2's cache)
+    layer_outputs: list
     history: list # one dict per iteration: loss terms, converged tokens, rate, effective rank, seconds
     iterations: int # iterations run
     converged_tokens: int # tokens under the threshold in the last training iteration
@@ -327,6 +324,8 @@ class Phase1Result:
     stop_reason: str = 'max_iterations' # 'max_iterations' | 'converged' | 'val_effective_rank'
     # with validation tokens and phase1_restore_best: the iteration whose weights were kept
     best_iteration: int | None = None
+    iterate: torch.Tensor | None = None # (N, C) the kept iteration's own contexts (its previous_contexts for the next)
+    iterate_start: torch.Tensor | None = None # (1, C) the context that entered token 0 of `iterate`
     @property
     def contexts(self) -> torch.Tensor: return self.layer_outputs[-1]
     @property
@@ -355,6 +354,11 @@ def _parallel_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, pr
     "All tokens at once; token i reads previous[i-1], token 0 reads `start`."
     shifted = torch.cat([start, previous[:-1]])  # (N, C)
     with torch.set_grad_enabled(grad): return block(shifted, e)
+
+def _settled(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, previous: torch.Tensor,
+             cfg: CVFPConfig) -> tuple[torch.Tensor, int]:
+    "`previous` settled onto the fixed point of the block's current weights (`fixed_point.settle`); sweeps run."
+    return settle(lambda c, t: block(c, t)[-1], e, start, previous, cfg.phase1_settle_sweeps, cfg.phase1_settle_tol)
 
 # %% ../nbs/12_cvfp.ipynb #120497e2
 def val_effective_rank(model: CVFPModel, ids: torch.Tensor) -> EffectiveRank:  # (N,) validation tokens
@@ -421,10 +425,12 @@ def train_phase1(model: CVFPModel,
     val = None if val_ids is None else _ValidationRank(model, val_ids)
     t_start = time.perf_counter()
     for it in range(max_iterations or cfg.phase1_max_iterations):
-        t0, learn = time.perf_counter(), previous is not None
-        if parallel and learn: outs = _parallel_pass(block, e, carry, previous, grad=True)
+        t0, learn, rec = time.perf_counter(), previous is not None, {'iteration': it}
+        if parallel and learn:  # one learning sweep from the fixed point of the current weights
+            x, rec['settle_sweeps'] = _settled(block, e, carry, previous, cfg)
+            outs = _parallel_pass(block, e, carry, x, grad=True)
         else: outs = _sequential_pass(block, e, carry, grad=learn)
-        ctx, rec = outs[-1], {'iteration': it}
+        ctx = outs[-1]
         if learn:
             ctx, terms = _phase1_step(opt, cfg, ctx, previous, div_fn)
             rec.update(terms); converged = terms['converged']
@@ -435,20 +441,21 @@ def train_phase1(model: CVFPModel,
         if learn and val is not None: val.measure(rec, eligible)
         history.append(rec)
         if verbose: print(rec)
-        previous, carry = ctx.detach(), ctx[-1:].detach()  # carry-over: never reset to zero
+        # carry-over: never reset to zero; `start` entered token 0 of this iteration
+        start, previous, carry = carry, ctx.detach(), ctx[-1:].detach()
         # a new best validation ER: keep it all
         if val is not None and cfg.phase1_restore_best and eligible and val.since == 0:
-            best = (it, {k: v.detach().clone() for k, v in block.state_dict().items()}, previous, carry, converged)
+            state = {k: v.detach().clone() for k, v in block.state_dict().items()}
+            best = (it, state, previous, carry, converged, start)
         if eligible and (reason := _stop_reason(cfg, converged / n, val)): stop = reason; break
     seconds = time.perf_counter() - t_start - (0.0 if val is None else val.seconds)
     if best is not None:  # restore the best iteration's weights (and its previous contexts and carried context)
-        _, state, previous, carry, converged = best
+        _, state, previous, carry, converged, start = best
         block.load_state_dict(state)
     block.eval()
-    final_outs = (_parallel_pass(block, e, carry, previous, grad=False) if parallel
-                  else _sequential_pass(block, e, carry, grad=False))
+    final_outs = _sequential_pass(block, e, carry, grad=False)  # the final weights' fixed point: Phase 2 reads it
     return Phase1Result([o.detach() for o in final_outs], history, len(history), converged, n, carry, parallel, seconds,
-                        stop, None if best is None else best[0])
+                        stop, None if best is None else best[0], previous, start)
 
 # %% ../nbs/12_cvfp.ipynb #ec8d85e8
 def markov_tokens(n: int, # tokens

@@ -14,14 +14,15 @@ from .rundir import read_json
 from .metrics import read_metrics
 from .cvfp_study import DIVERSITY_DESCRIPTIONS
 from .cvfp_checks import pass_fail
+from .fixed_point import GUIDELINES_AGREEMENT
 
 # %% auto #0
 __all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'Run', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'fmt',
            'er_text', 'rate_text', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table',
            'speed_table', 'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping',
            'iteration_table', 'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details',
-           'checks_counts', 'checks_summary', 'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves',
-           'phase2_table', 'timing_table']
+           'checks_counts', 'checks_summary', 'agreement_sentence', 'coverage_table', 'coverage_sentence',
+           'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table']
 
 # %% ../nbs/12b_cvfp_report.ipynb #b74e1bc8
 class Run(NamedTuple):
@@ -350,16 +351,18 @@ CHECKS = {
     'effective_rank': 'Check 1: effective rank',
     'identity': 'Check 2: identity mapping',
     'convergence': 'Check 3: CVFP convergence',
+    'agreement': 'Fixed point: parallel vs sequential',
 }
 
 # %% ../nbs/12b_cvfp_report.ipynb #49d910de
 def check_verdict(key: str, c: dict | None) -> str:
     """A check's verdict from its summary entry: Check 1 PASS / BELOW BAND / FAIL, Check 3 with its trend and final-diff
-    grade."""
+    grade, the fixed point with its regime and mean cosine."""
     if not c or c.get('passed') is None: return 'n/a'
     if key == 'effective_rank': return c.get('verdict') or pass_fail(c['passed'])
     if key == 'convergence':
         return f"{pass_fail(c['passed'])} ({c.get('verdict', 'n/a')}, final diff {c.get('final_grade', 'n/a')})"
+    if key == 'agreement': return f"{pass_fail(c['passed'])} ({c.get('verdict', 'n/a')}, cos {c['cos_mean']:.4f})"
     return pass_fail(c['passed'])
 
 # %% ../nbs/12b_cvfp_report.ipynb #796ecfed
@@ -430,6 +433,19 @@ def checks_summary(runs) -> str:
         + ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in checks_counts(cv).items())
         + f' ({below} run(s) between the failure line and the New-LLM guidelines\' effective-rank band).'
     )
+
+# %% ../nbs/12b_cvfp_report.ipynb #ddcb11b3
+def agreement_sentence(runs) -> str:
+    "How many CVFP runs ended Phase 1 at the fixed point, near it or off it, beside the New-LLM guidelines' 0.9969."
+    cv = [r for r in cvfp_runs(runs) if r.summary.get('agreement_cos_mean') is not None]
+    if not cv: return 'No CVFP run recorded the fixed-point agreement.'
+    n = {k: sum(r.summary.get('agreement_regime') == k for r in cv) for k in ('fixed point', 'near', 'off')}
+    cos, g = [r.summary['agreement_cos_mean'] for r in cv], GUIDELINES_AGREEMENT
+    return (f"**Phase 1 ended at its fixed point in {n['fixed point']} of {len(cv)} runs**, near it in {n['near']},"
+            f" off it in {n['off']} (mean cosine of the kept iteration's contexts with a sequential pass of the"
+            f" trained block: {min(cos):.4f} to {max(cos):.4f}; fixed point >= 0.99, near >= 0.90). The New-LLM"
+            f" guidelines: {g['cos_mean']} mean, {g['cos_min']} minimum, MSE {g['mse']} on {g['tokens']:,} tokens."
+            " Phase 2 reads a sequential pass of the trained block in every run, whatever the regime.")
 
 # %% ../nbs/12b_cvfp_report.ipynb #a5c80487
 def coverage_table(runs) -> pd.DataFrame:

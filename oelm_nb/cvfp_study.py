@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import torch
-import torch.nn.functional as F
 from .core import ConfigError, check
 from .device import pick_device
 from .experiment import start_run, Study, Variant, RunSpec, train_run, write_summary, TRAIN_PRESETS, DATA_PRESETS
@@ -18,7 +17,7 @@ from .cvfp import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, CVFPModel, Phase1
 from .model import GPT
 from .checkpoint import load_weights
 from .data import prepare_data, load_split
-from .cvfp_checks import phase1_evaluation
+from .cvfp_checks import phase1_evaluation, phase1_agreement
 
 # %% auto #0
 __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP_OPTIONS',
@@ -283,7 +282,7 @@ def cvfp_run(spec: RunSpec) -> dict:
     model = CVFPModel(cfg.replace(vocab_size=emb.shape[0], embed_dim=emb.shape[1]), emb).to(dev)
     r1 = train_phase1(model, ids, val_ids=val_ids)
     t1 = time.perf_counter()
-    ev = phase1_evaluation(model, r1, val_ids, s.check_tokens, s.check_passes)
+    ev = phase1_evaluation(model, r1, ids, val_ids, s.check_tokens, s.check_passes)
     # before Phase 2, through the embedding the ContextBlock was trained with
     common_cache = build_context_cache(model, common_ids)
     t2 = time.perf_counter()
@@ -313,15 +312,11 @@ def cvfp_run(spec: RunSpec) -> dict:
 
 # %% ../nbs/12a_cvfp_study.ipynb #3fe8fea6
 def _par_seq_agreement(model: CVFPModel, r: Phase1Result, ids: torch.Tensor) -> dict:
-    """The parallel model's contexts against a sequential pass of the same model (guidelines: cosine 0.9969 mean, 0.9890
-    min)."""
-    seq = build_context_cache(model, ids, r.final_start)[-1]
-    cos = F.cosine_similarity(r.contexts, seq, dim=-1)
-    return {
-        'par_seq_cosine_mean': cos.mean().item(),
-        'par_seq_cosine_min': cos.min().item(),
-        'par_seq_mse': F.mse_loss(r.contexts, seq).item(),
-    }
+    """The parallel version's fixed-point agreement (`phase1_agreement`; the New-LLM guidelines: cosine 0.9969 mean,
+    0.9890 min)."""
+    ag = phase1_agreement(model, r, ids)
+    return {'par_seq_cosine_mean': ag.cos_mean, 'par_seq_cosine_min': ag.cos_min, 'par_seq_mse': ag.mse,
+            'par_seq_regime': ag.regime}
 
 # %% ../nbs/12a_cvfp_study.ipynb #49d1fd84
 def _speed_version(name: str, cfg: CVFPConfig, emb, ids, val_ids, dev, out: Path) -> dict:

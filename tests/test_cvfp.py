@@ -137,9 +137,42 @@ def test_context_carried_over_between_iterations(parallel):
         start_in, prev_end_out = rec.ins[starts[k]], rec.outs[starts[k] - 1]
         assert torch.equal(start_in, prev_end_out), f'iteration {k} does not start from iteration {k - 1} last context'
         assert start_in.abs().sum() > 0
-    # the final (cache) pass starts from the last training iteration's last context too
-    final = len(rec.ins) - (1 if parallel else n)
+    # the final (cache) pass, sequential in both versions (one call per token), starts from the last training
+    # iteration's last context too
+    final = len(rec.ins) - n
     assert torch.equal(res.final_start[0], rec.ins[final]) and torch.equal(rec.ins[final], rec.outs[final - 1])
+    # the kept iteration's contexts and the context its token 0 read (the fixed-point agreement compares them)
+    last = starts[3]
+    assert torch.equal(res.iterate_start[0], rec.ins[last]) and torch.equal(res.iterate[-1], rec.outs[final - 1])
+
+
+@pytest.mark.parametrize('parallel', [False, True])
+def test_phase2_cache_is_the_sequential_pass_of_the_final_weights(parallel):
+    "Issue 30: the parallel version's cache was one lagged sweep; it is now the final weights' fixed point, as validation's."
+    cfg = CVFPConfig(**SMALL, phase1_min_iterations=4, phase1_max_iterations=4)
+    ids = markov_tokens(200, cfg.vocab_size)
+    model = CVFPModel(cfg)
+    res = train_phase1(model, ids, parallel=parallel, track_rank=False)
+    want = build_context_cache(model, ids, res.final_start)
+    for got, w in zip(res.layer_outputs, want): torch.testing.assert_close(got, w, atol=1e-5, rtol=0)
+
+
+def test_settle_sweeps_reach_the_fixed_point_of_the_current_weights():
+    "Parallel sweeps from the last contexts are exact after one sweep per token at most; 0 sweeps: the guidelines' version."
+    ids = markov_tokens(12, 32)
+    for sweeps, tol in ((0, 1e-5), (100, 1e-14)):
+        cfg = CVFPConfig(**SMALL, phase1_min_iterations=4, phase1_max_iterations=4, phase1_settle_sweeps=sweeps,
+                         phase1_settle_tol=tol)
+        model, seen = CVFPModel(cfg), []
+        h = model.context_block.register_forward_hook(lambda m, inp, out: seen.append((inp[0].detach().clone(), torch.is_grad_enabled())))
+        res = train_phase1(model, ids, track_rank=False)
+        h.remove()
+        done = [r['settle_sweeps'] for r in res.history[1:]]
+        assert all(d == 0 for d in done) if sweeps == 0 else all(1 <= d <= len(ids) + 1 for d in done), done
+        if sweeps:  # the learning sweep reads the settled contexts: those of the sweep before it, unchanged by it
+            k = len(ids) + done[0]  # iteration 0 is one call per token, then the settling sweeps
+            assert not seen[k - 1][1] and seen[k][1]
+            torch.testing.assert_close(seen[k][0], seen[k - 1][0], atol=1e-6, rtol=0)
 
 
 def test_sequential_detaches_between_tokens():
@@ -385,6 +418,7 @@ def test_batch_size_from_cpu_budget():
     (dict(context_dim=0), 'context_dim'), (dict(dist_reg_weight=-0.1), 'dist_reg_weight'), (dict(diversity='VICReg'), 'diversity'),
     (dict(phase1_min_iterations=9, phase1_max_iterations=4), 'phase1_min_iterations'), (dict(memory_safety=0.0), 'memory_safety'),
     (dict(convergence_target=1.5), 'convergence_target'), (dict(phase2_batch_size=0), 'phase2_batch_size'), (dict(num_layers='2'), 'num_layers'),
+    (dict(phase1_settle_sweeps=-1), 'phase1_settle_sweeps'), (dict(phase1_settle_tol=0.0), 'phase1_settle_tol'),
 ])
 def test_config_errors_name_field(kw, field):
     with pytest.raises(ConfigError, match=f'CVFPConfig.{field}'): CVFPConfig(**kw)

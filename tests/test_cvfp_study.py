@@ -139,6 +139,13 @@ def test_cvfp_run_summaries(batch):
         assert v['verdict'] == expected and v['slope'] == pytest.approx(slope)
         assert v['reduction_percent'] == pytest.approx(100 * (v['losses'][-1] - v['losses'][0]) / v['losses'][0])
         assert v['final_grade'] == ('GOOD' if v['final_diff'] < 1e-3 else 'FAIL' if v['final_diff'] > 1e-2 else 'MARGINAL')
+        # the fixed point: the kept iteration's contexts against a sequential pass, regime by its stated rule
+        a = c['agreement']
+        assert (a['cos_mean'], a['cos_min'], a['mse'], a['verdict']) == (
+            s['agreement_cos_mean'], s['agreement_cos_min'], s['agreement_mse'], s['agreement_regime'])
+        assert a['verdict'] == ('fixed point' if a['cos_mean'] >= 0.99 else 'near' if a['cos_mean'] >= 0.9 else 'off')
+        assert a['passed'] == (a['cos_mean'] >= 0.99) and -1 <= a['cos_min'] <= a['cos_mean'] <= 1 and a['mse'] >= 0
+        assert a['tokens'] == s['train_tokens'] - 1 and s['settle_sweeps'] == 0
         e = c['effective_rank']
         low = min(s['train_er_percent'], s['val_er_percent'])
         assert e['verdict'] == ('FAIL' if low < 30 or e['spread'] < 0.1 else 'PASS' if s['train_er_percent'] >= 88 and s['val_er_percent'] >= 81 else 'BELOW BAND')
@@ -165,6 +172,7 @@ def test_speed_run(batch):
         assert s[f'{v}_val_er_percent'] == pytest.approx(100 * s[f'{v}_val_er'] / s['er_dim'])
         assert len(read_jsonl(out / 'phase1-speed-s0' / f'phase1_{v}.jsonl')) == 3
     assert -1 <= s['par_seq_cosine_min'] <= s['par_seq_cosine_mean'] <= 1 and s['par_seq_mse'] >= 0 and s['num_layers'] == 1
+    assert s['par_seq_regime'] == ('fixed point' if s['par_seq_cosine_mean'] >= 0.99 else 'near' if s['par_seq_cosine_mean'] >= 0.9 else 'off')
 
 
 def test_alpha_progression_from_the_runs(batch):
@@ -211,6 +219,8 @@ def test_report_states_the_numbers(batch):
     assert 'No run trained the embedding' in t and 'fit on the seed means' in t
     assert 'PASS >= 81 (guidelines band 81-82), FAIL < 30' in t and 'No sample size has both MCDL and ODCM runs' in t
     assert f"cosine {sp['par_seq_cosine_mean']:.4f} mean" in t
+    assert re.search(r'Fixed point: parallel vs sequential passed in \d+ of 2 runs', t)
+    assert re.search(r'Phase 1 ended at its fixed point in \d+ of 2 runs', t) and 'on 56,602 tokens' in t
 
 
 # ====================================================================== flags and plan (no training)

@@ -15,8 +15,9 @@ from oelm_nb.rundir import write_json
 from oelm_nb import cvfp_report as cr, cvfp_alpha as ca, cvfp_guidelines as cg
 
 RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 (GOOD) and verdict CONVERGED or CONVERGING',
-         'effective_rank': 'guidelines bands'}
+         'effective_rank': 'guidelines bands', 'agreement': 'mean cosine >= 0.99: fixed point (PASS); >= 0.9: near; below: off'}
 C1, C2, C3 = 'Check 1: effective rank', 'Check 2: identity mapping', 'Check 3: CVFP convergence'
+C4 = 'Fixed point: parallel vs sequential'
 
 
 def crit(name, value, band, verdict): return {'criterion': name, 'value': value, 'band': band, 'verdict': verdict}
@@ -25,9 +26,15 @@ def crit(name, value, band, verdict): return {'criterion': name, 'value': value,
 def ppl(alg: str, n: int) -> float: return 500 * (100 * n) ** -0.3 * (1.1 if alg == 'ODCM' else 1)
 
 
+def agreement(n: int) -> tuple[float, str]:
+    "The fixed-point agreement of a fake run: off at 10 stories, near at 20, the fixed point from 40 on."
+    return (0.5, 'off') if n < 20 else (0.95, 'near') if n < 40 else (0.995, 'fixed point')
+
+
 def cvfp_summary(alg: str, n: int, seed: int = 0) -> dict:
     "A completed CVFP run's summary; convergence fails below 20 stories."
-    return {'status': 'completed', 'algorithm': alg, 'samples': n, 'parallel': n != 40, 'dist_reg_weight': 0.9, 'context_dim': 16,
+    cos, regime = agreement(n)
+    return {'agreement_cos_mean': cos, 'agreement_cos_min': cos - 0.25, 'agreement_mse': 1 - cos, 'agreement_regime': regime, 'status': 'completed', 'algorithm': alg, 'samples': n, 'parallel': n != 40, 'dist_reg_weight': 0.9, 'context_dim': 16,
             'embed_dim': 16, 'num_layers': 2, 'train_tokens': 100 * n, 'train_converged_tokens': 10 * n, 'train_convergence_rate': 10.0,
             'val_tokens': 640, 'check_tokens': 128, 'val_converged_tokens': 128, 'val_convergence_rate': 100.0, 'train_er': 8.0,
             'train_er_dim': 16, 'train_er_percent': 50.0, 'val_er': 6.4, 'val_er_dim': 16, 'val_er_percent': 40.0, 'cvfp_loss': 0.0625,
@@ -44,7 +51,11 @@ def cvfp_summary(alg: str, n: int, seed: int = 0) -> dict:
                                        'slope': -0.0125, 'rule': RULES['convergence'],
                                        'criteria': [crit('loss slope per pass', -0.0125, 'seed thresholds', 'CONVERGING' if n >= 20 else 'DIVERGING'),
                                                     crit('reduction, last loss vs first (%)', -62.5, 'reported', 'reported'),
-                                                    crit('final diff', 3e-6, 'GOOD < 0.001, FAIL > 0.01, else MARGINAL', 'GOOD')]}}}
+                                                    crit('final diff', 3e-6, 'GOOD < 0.001, FAIL > 0.01, else MARGINAL', 'GOOD')]},
+                       'agreement': {'passed': n >= 40, 'verdict': regime, 'cos_mean': cos, 'rule': RULES['agreement'],
+                                     'criteria': [crit('mean cosine', cos, 'fixed point >= 0.99', regime),
+                                                  crit('minimum cosine', cos - 0.25, 'reported', 'reported'),
+                                                  crit('MSE', 1 - cos, 'reported', 'reported')]}}}
 
 
 def speed_summary(speedup: float) -> dict:
@@ -126,13 +137,17 @@ def test_speed(tmp_path):
 
 def test_checks(batch):
     t = cr.checks_table(batch)
-    assert list(t.columns) == ['algorithm', C1, C2, C3]
-    assert t.loc['run0-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'FAIL (DIVERGING, final diff GOOD)']
-    assert t.loc['run4-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'PASS (CONVERGING, final diff GOOD)']
-    assert cr.checks_counts(batch) == {C1: (0, 6), C2: (6, 6), C3: (4, 6)}
-    assert cr.checks_summary(batch) == (f"Rules. {C1}: {RULES['effective_rank']}; {C2}: {RULES['identity']}; {C3}: {RULES['convergence']}. "
-                                        f"{C1} passed in 0 of 6 runs, {C2} passed in 6 of 6 runs, {C3} passed in 4 of 6 runs "
+    assert list(t.columns) == ['algorithm', C1, C2, C3, C4]
+    assert t.loc['run0-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'FAIL (DIVERGING, final diff GOOD)', 'FAIL (off, cos 0.5000)']
+    assert t.loc['run4-s0'].tolist() == ['MCDL', 'BELOW BAND', 'PASS', 'PASS (CONVERGING, final diff GOOD)', 'PASS (fixed point, cos 0.9950)']
+    assert cr.checks_counts(batch) == {C1: (0, 6), C2: (6, 6), C3: (4, 6), C4: (2, 6)}
+    assert cr.checks_summary(batch) == (f"Rules. {C1}: {RULES['effective_rank']}; {C2}: {RULES['identity']}; {C3}: {RULES['convergence']}; "
+                                        f"{C4}: {RULES['agreement']}. "
+                                        f"{C1} passed in 0 of 6 runs, {C2} passed in 6 of 6 runs, {C3} passed in 4 of 6 runs, {C4} passed in 2 of 6 runs "
                                         "(6 run(s) between the failure line and the New-LLM guidelines' effective-rank band).")
+    assert cr.agreement_sentence(batch).startswith('**Phase 1 ended at its fixed point in 2 of 6 runs**, near it in 2, off it in 2 '
+                                                   "(mean cosine of the kept iteration's contexts with a sequential pass of the trained "
+                                                   'block: 0.5000 to 0.9950;')
     d = cr.check_details(batch).reset_index()
     r0 = d[d.run == 'run0-s0']
     assert r0[['check', 'criterion', 'value', 'band', 'verdict']].values.tolist() == [
@@ -140,8 +155,10 @@ def test_checks(batch):
         [C2, 'difference from the zero-context output', '1.50', 'PASS > 0.1', 'PASS'],
         [C2, 'cosine similarity to the token embedding', 'n/a', 'PASS < 0.95', 'n/a (dims differ)'],
         [C3, 'loss slope per pass', '-0.0125', 'seed thresholds', 'DIVERGING'], [C3, 'reduction, last loss vs first (%)', '-62.50', 'reported', 'reported'],
-        [C3, 'final diff', '3.000e-06', 'GOOD < 0.001, FAIL > 0.01, else MARGINAL', 'GOOD']]
-    assert len(d) == 6 * 7
+        [C3, 'final diff', '3.000e-06', 'GOOD < 0.001, FAIL > 0.01, else MARGINAL', 'GOOD'],
+        [C4, 'mean cosine', '0.5000', 'fixed point >= 0.99', 'off'], [C4, 'minimum cosine', '0.2500', 'reported', 'reported'],
+        [C4, 'MSE', '0.5000', 'reported', 'reported']]
+    assert len(d) == 6 * 10
 
 
 def test_against_the_guidelines(batch, tmp_path):
@@ -189,7 +206,7 @@ def test_one_seed_one_window(tmp_path):
     a = ca.report_alpha(b)
     assert a['window'] == 4
     assert ca.alpha_sentences(a) == ['**MCDL**: alpha -0.30000 (R^2 1.0000) over 2 sample sizes; one window of 2 points (no change to report).']
-    assert cr.checks_summary(b).endswith(f"{C1} passed in 0 of 2 runs, {C2} passed in 2 of 2 runs, {C3} passed in 1 of 2 runs "
+    assert cr.checks_summary(b).endswith(f"{C1} passed in 0 of 2 runs, {C2} passed in 2 of 2 runs, {C3} passed in 1 of 2 runs, {C4} passed in 0 of 2 runs "
                                          "(2 run(s) between the failure line and the New-LLM guidelines' effective-rank band).")
     assert 'ODCM' not in cr.phase1_sentence(b)
 
@@ -214,9 +231,9 @@ def test_missing_run_and_metrics(tmp_path):
     assert '`ghost-s0` (missing: never ran)' in cr.runs_sentence(b)
     assert cr.phase2_table(b).loc['run2-s0', 'best val PPL'] == 'n/a'
     row = cr.checks_table(b).loc['run3-s0']
-    assert row.tolist() == ['ODCM', 'n/a', 'n/a', 'n/a']
-    assert cr.check_details(b).loc['run3-s0'].values.tolist() == [['n/a', 'n/a', 'n/a']] * 3
-    assert cr.checks_counts(b) == {C1: (0, 5), C2: (5, 5), C3: (3, 5)}
+    assert row.tolist() == ['ODCM', 'n/a', 'n/a', 'n/a', 'n/a']
+    assert cr.check_details(b).loc['run3-s0'].values.tolist() == [['n/a', 'n/a', 'n/a']] * 4
+    assert cr.checks_counts(b) == {C1: (0, 5), C2: (5, 5), C3: (3, 5), C4: (2, 5)}
     p1 = cr.phase1_table(b).loc['run3-s0']
     assert (p1['val ER'], p1['stopped by']) == ('n/a', 'n/a')
     a = ca.batch_alpha(b, 2)  # the run without a PPL is no alpha point
@@ -287,6 +304,7 @@ def test_empty_batch(tmp_path):
         assert (cr.phase1_sentence(b), cr.checks_summary(b)) == ('No completed CVFP run.', 'No completed CVFP run to check.')
         a = ca.report_alpha(b)
         assert len(ca.alpha_table(a)) == 0 and ca.alpha_sentences(a) == ['No algorithm has completed runs to fit.']
-    assert cr.checks_counts([]) == {C1: (0, 0), C2: (0, 0), C3: (0, 0)}
+    assert cr.checks_counts([]) == {C1: (0, 0), C2: (0, 0), C3: (0, 0), C4: (0, 0)}
+    assert cr.agreement_sentence([]) == 'No CVFP run recorded the fixed-point agreement.'
     assert cg.layers_sentence(tmp_path / 'bare') == cg.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
     assert cr.batch_sentence(tmp_path / 'bare').endswith(': study `None`, preset `None`, data `None`, seeds None, flags none, overrides {}.')

@@ -211,12 +211,13 @@ def cvfp_report(tmp_path_factory):
 
 def test_cvfp_report_answers_first(cvfp_report):
     root, html_file = cvfp_report
-    page = answers_first(html_file, {'Q1': 'supported', 'Q2': 'supported', 'Q3': 'rejected'})
-    q1, q2, q3 = page.section('Questions and answers')['items']
+    page = answers_first(html_file, {'Q1': 'supported', 'Q2': 'supported', 'Q3': 'rejected', 'Q4': 'rejected'})
+    q1, q2, q3, q4 = page.section('Questions and answers')['items']
     assert 'ODCM - MCDL +5.0 points (95% CI' in q1 and 'speed-up 21.0x (95% CI' in q2
     assert q1.endswith('at 10-40 stories, 1,000-4,000 training tokens, 4 Phase 1 iterations, 30 Phase 2 steps per run, 3 seeds per variant.')
     assert q2.endswith('at 6,400 tokens, 10 iterations per run, 3 seeds.')
-    assert 'Check 1: effective rank passed in 0 of 18 runs' in q3
+    assert 'Check 1: effective rank passed in 0 of 18 runs' in q3 and 'Fixed point' not in q3
+    assert 'Phase 1 ended at its fixed point in 6 of 18 runs, near it in 6, off it in 6' in q4  # 40, 20 and 10 stories
     emb = page.section('Frozen vs trained embedding')
     assert emb['tables'] == [] and 'No --train-embedding runs in this batch: oelm run cvfp --train-embedding' in page.text(emb['title'])
 
