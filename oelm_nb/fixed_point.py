@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['GUIDELINES_AGREEMENT', 'AGREEMENT_FIXED', 'AGREEMENT_NEAR', 'one_thread', 'shift', 'sequential', 'sweep', 'settle',
-           'Agreement', 'agreement', 'fixed_point_agreement']
+           'Agreement', 'compare_contexts', 'fixed_point_agreement']
 
 # %% ../nbs/12e_fixed_point.ipynb #5c962722
 @contextmanager
@@ -87,7 +87,7 @@ class Agreement:
     def as_dict(self) -> dict: return {**asdict(self), 'regime': self.regime, 'passed': self.passed}
 
 # %% ../nbs/12e_fixed_point.ipynb #c514d32f
-def agreement(parallel: torch.Tensor, # (N, C)
+def compare_contexts(parallel: torch.Tensor, # (N, C)
               sequential: torch.Tensor, # (N, C) the same tokens' sequential contexts
              ) -> Agreement:
     "Cosine (mean, min) and MSE of two sets of contexts, row by row."
@@ -103,4 +103,4 @@ def fixed_point_agreement(step: Callable, e: torch.Tensor, # (N, E) token inputs
                          ) -> Agreement:
     """The New-LLM guidelines' comparison: `parallel` against the sequential pass of `step` from the same start, on
     every token but the last."""
-    return agreement(parallel[:-1], scan(step, e[:-1], start))
+    return compare_contexts(parallel[:-1], scan(step, e[:-1], start))

@@ -157,7 +157,7 @@ def _no_model(*a, **k):
 
 
 def test_bench_huge_batch_is_refused_before_allocating(monkeypatch, capsys):
-    monkeypatch.setattr('oelm_nb.bench._build', _no_model)
+    monkeypatch.setattr('oelm_nb.bench.build_variant', _no_model)
     assert main(['bench', '--batch-size', '10000000', '--no-memory']) == 2
     err = capsys.readouterr().err
     assert 'oelm bench: error:' in err and 'Traceback' not in err
@@ -168,7 +168,7 @@ def test_bench_huge_batch_is_refused_before_allocating(monkeypatch, capsys):
 
 def test_bench_allocation_failure_becomes_config_error(monkeypatch, capsys):
     def oom(*a, **k): raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes")
-    monkeypatch.setattr('oelm_nb.bench._build', oom)
+    monkeypatch.setattr('oelm_nb.bench.build_variant', oom)
     assert main(['bench', '--no-memory', '--dtypes', 'float32']) == 2
     err = capsys.readouterr().err
     assert 'out of memory at batch_size=1 x block_size=128' in err and "can't allocate memory" in err

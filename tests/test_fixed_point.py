@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from oelm_nb.fixed_point import (Agreement, GUIDELINES_AGREEMENT, agreement, fixed_point_agreement, sequential, settle,
+from oelm_nb.fixed_point import (Agreement, GUIDELINES_AGREEMENT, compare_contexts, fixed_point_agreement, sequential, settle,
                                  shift, sweep)
 
 N = 10
@@ -65,5 +65,5 @@ def test_regimes_and_the_guidelines_numbers():
     regime = lambda c: Agreement(c, 0.0, 0.0, 1).regime
     assert (regime(0.9969), regime(0.99), regime(0.9899), regime(0.90), regime(0.8999)) == (
         'fixed point', 'fixed point', 'near', 'near', 'off')
-    d = agreement(torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([[2.0, 0.0], [1.0, 0.0]])).as_dict()
+    d = compare_contexts(torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([[2.0, 0.0], [1.0, 0.0]])).as_dict()
     assert d == {'cos_mean': 0.5, 'cos_min': 0.0, 'mse': pytest.approx(1.5), 'n': 2, 'regime': 'off', 'passed': False}

@@ -32,7 +32,7 @@ from oelm_nb.data import load_split
 from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, context_scan, effective_rank, train_phase1,
                           train_phase2, val_effective_rank, _parallel_pass, _phase1_step, _sequential_pass, _settled)
 from oelm_nb.cvfp_study import first_stories, select_val_tokens
-from oelm_nb.fixed_point import agreement, shift
+from oelm_nb.fixed_point import compare_contexts, shift
 
 
 def load(batch: Path, samples: int, width: int, random_embedding: bool, val_tokens: int = 10_000):
@@ -76,7 +76,7 @@ def curves(m: CVFPModel, ids: torch.Tensor, iterations: int):
         start, previous, carry = carry, ctx.detach(), ctx[-1:].detach()
         rec['effective_rank'] = effective_rank(previous).percent
         if it:  # the guidelines' comparison with the weights after this iteration's step
-            ag = agreement(previous[:-1], context_scan(block, e[:-1], start)[-1])
+            ag = compare_contexts(previous[:-1], context_scan(block, e[:-1], start)[-1])
             rec.update(cos_mean=ag.cos_mean, cos_min=ag.cos_min, mse=ag.mse, regime=ag.regime,
                        gain=gain(block, e, previous, start))
         yield rec
@@ -87,7 +87,7 @@ def table_row(m: CVFPModel, ids: torch.Tensor, vids: torch.Tensor) -> dict:
     t = time.perf_counter()
     r = train_phase1(m, ids, val_ids=vids)
     block, e = m.context_block, m.embed(ids)
-    ag = lambda par, start: agreement(par[:-1], context_scan(block, e[:-1], start)[-1])
+    ag = lambda par, start: compare_contexts(par[:-1], context_scan(block, e[:-1], start)[-1])
     with torch.no_grad():  # Phase 2's cache before issue 30: one parallel sweep of the final weights
         old_cache = _parallel_pass(block, e, r.final_start, r.iterate, grad=False)
     kept = r.history[r.best_iteration] if r.best_iteration is not None else r.history[-1]
