@@ -65,19 +65,16 @@ nbdev-test: $(STAMP)
 		../$(BIN)/nbdev_test --n_workers 2 --timing
 
 # worksteal: an idle worker takes queued tests from the busy one, so a long test near the end does not leave a core idle
-# (measured: pytest 471 s -> 448 s on 2 cores). Three workers on two cores: many tests wait on the processes they start
-# (papermill kernels, submitit jobs, a detached batch) and a third worker fills those waits (measured on one fresh clone,
-# one after the other: 377 s with 2 workers, 365 s with 3). Each test process computes on one thread (tests/conftest.py).
-PYTEST_WORKERS ?= 3
+# (measured: pytest 471 s -> 448 s on 2 cores).
 pytest: $(STAMP)
 	@echo "[test] pytest"
-	@$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal -q --durations=15 tests
+	@$(BIN)/python -m pytest -n 2 --dist worksteal -q --durations=15 tests
 
 # The developer's inner loop (under 2 minutes): the notebook checks and the unit-level tests; tests marked `slow`
 # (batches, papermill, processes end to end) are left to `make test`.
 test-fast: $(STAMP) layers nbtest
 	@echo "[test-fast] pytest, tests marked slow left out"
-	@$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal -q -m "not slow" --durations=5 tests
+	@$(BIN)/python -m pytest -n 2 --dist worksteal -q -m "not slow" --durations=5 tests
 	@echo "[test-fast] all checks passed (make test runs everything)"
 
 # README.md is generated from nbs/index.ipynb (executed, as nbdev_readme would render it with Quarto).
