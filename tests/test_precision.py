@@ -147,7 +147,7 @@ def test_the_statistics_need_no_torch():
 # ----------------------------------------------------------------------------- what the report says
 def test_precision_text(tmp_path):
     (tmp_path / 'batch.json').write_text(json.dumps({'study': 'qk-freeze', 'seeds': [0, 1, 2, 3, 7]}))
-    assert precision_text(tmp_path).startswith('**Design: fixed seeds** (0, 1, 2, 3, 7 per variant), chosen before')
+    assert precision_text(tmp_path).startswith('**Design: fixed seeds** (5 seeds: 0, 1, 2, 3, 7, for every variant), chosen before')
     p = stein_seeds([0.0, 0.04, 0.08], 0.05, max_seeds=4)
     diffs = {0: 0.0, 1: 0.04, 2: 0.08, 3: 0.02}
     rec = precision_record(p, ('best_val_ppl', 'oelm-freeze', 'gpt'), [0, 1, 2], [0, 1, 2, 3], dict(list(diffs.items())[:3]), diffs)
