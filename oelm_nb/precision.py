@@ -218,7 +218,8 @@ def fixed_design_text(batch_dir) -> str:
     "The design of a batch without precision.json: the seeds fixed before the runs (from batch.json)."
     b = read_json(Path(batch_dir) / 'batch.json')
     seeds = b.get('seeds') if isinstance(b, dict) and _seed_list(b.get('seeds')) else None
-    which = '' if not seeds else f' (seed {seeds[0]}' if len(seeds) == 1 else f' ({len(seeds)} seeds: {_seeds_text(seeds)}'
+    which = '' if not seeds else (f' (seed {seeds[0]}' if len(seeds) == 1
+                                  else f' ({len(seeds)} seeds: {_seeds_text(seeds)}')
     return ("**Design: fixed seeds**" + (f"{which}, for every variant)" if seeds else '')
             + ", chosen before the runs: the number of seeds was not computed from the data. `oelm run STUDY "
             "--precision 5%` runs as many seeds as an interval of ±5% on the study's main comparison needs.")
