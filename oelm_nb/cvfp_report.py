@@ -435,6 +435,14 @@ def checks_summary(runs) -> str:
     )
 
 # %% ../nbs/12b_cvfp_report.ipynb #ddcb11b3
+def _width_note(cv) -> str:
+    "Where runs missed the fixed point: their context width, and where the width dependence is measured."
+    widths = sorted({r.summary.get('context_dim') for r in cv if r.summary.get('context_dim')})
+    return (f" These runs' context width: {', '.join(map(str, widths)) or 'not recorded'}."
+            " Why a parallel Phase 1 misses the fixed point at a narrow width, and at which width it reaches it,"
+            " is measured in the CVFP chapter"
+            " (section 'Does Phase 1 reach its fixed point?').")
+
 def agreement_sentence(runs) -> str:
     "How many CVFP runs ended Phase 1 at the fixed point, near it or off it, beside the New-LLM guidelines' 0.9969."
     cv = [r for r in cvfp_runs(runs) if r.summary.get('agreement_cos_mean') is not None]
@@ -445,7 +453,8 @@ def agreement_sentence(runs) -> str:
             f" off it in {n['off']} (mean cosine of the kept iteration's contexts with a sequential pass of the"
             f" trained block: {min(cos):.4f} to {max(cos):.4f}; fixed point >= 0.99, near >= 0.90). The New-LLM"
             f" guidelines: {g['cos_mean']} mean, {g['cos_min']} minimum, MSE {g['mse']} on {g['tokens']:,} tokens."
-            " Phase 2 reads a sequential pass of the trained block in every run, whatever the regime.")
+            " Phase 2 reads a sequential pass of the trained block in every run, whatever the regime."
+            + ('' if n['fixed point'] == len(cv) else _width_note(cv)))
 
 # %% ../nbs/12b_cvfp_report.ipynb #a5c80487
 def coverage_table(runs) -> pd.DataFrame:

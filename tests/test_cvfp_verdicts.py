@@ -148,6 +148,7 @@ def test_checks(batch):
     assert cr.agreement_sentence(batch).startswith('**Phase 1 ended at its fixed point in 2 of 6 runs**, near it in 2, off it in 2 '
                                                    "(mean cosine of the kept iteration's contexts with a sequential pass of the trained "
                                                    'block: 0.5000 to 0.9950;')
+    assert "These runs' context width: 16. Why a parallel Phase 1 misses the fixed point" in cr.agreement_sentence(batch)
     d = cr.check_details(batch).reset_index()
     r0 = d[d.run == 'run0-s0']
     assert r0[['check', 'criterion', 'value', 'band', 'verdict']].values.tolist() == [
