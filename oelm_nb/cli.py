@@ -184,7 +184,8 @@ def precision_flags(args, study, seeds, variants, options) -> float | None:
 
 # %% ../nbs/10_cli.ipynb #d7021947
 def cmd_run(args) -> int:
-    from oelm_nb.runner import run_study, open_batch
+    from oelm_nb.runner import run_study, open_batch, skip_slow_imports
+    skip_slow_imports()  # this process writes the report page with nbconvert (runner: the papermill child)
     from oelm_nb.studies import get_study
     from oelm_nb.cluster import ClusterBackend, detach, follow
     study = get_study(args.study)
@@ -237,7 +238,8 @@ def cmd_status(args) -> int:
 
 # %% ../nbs/10_cli.ipynb #18d2b636
 def cmd_report(args) -> int:
-    from oelm_nb.runner import render_report
+    from oelm_nb.runner import render_report, skip_slow_imports
+    skip_slow_imports()  # as cmd_run
     if not (Path(args.dir) / 'batch.json').exists():
         raise ConfigError(f"{args.dir} is not a batch directory (no batch.json); pass the --out of `oelm run`")
     render_report(args.dir)

@@ -24,11 +24,11 @@ from .rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_w
                             recorded_config, config_diff, describe_diff, fingerprint, read_holder)
 
 # %% auto #0
-__all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
-           'set_aside', 'Batch', 'check_batch_flags', 'execute_run', 'run_digest', 'execute_inline', 'schedule',
-           'BatchResult', 'with_upstream', 'plan_batch', 'open_batch', 'check_memory', 'write_batch_json',
-           'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'report_html',
-           'render_report']
+__all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus',
+           'run_status', 'set_aside', 'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args',
+           'papermill_args', 'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchResult', 'with_upstream',
+           'plan_batch', 'open_batch', 'check_memory', 'write_batch_json', 'record_outcome', 'pending_jobs',
+           'run_study', 'after_batch', 'fit_vocabulary', 'report_html', 'render_report']
 
 # %% ../nbs/07_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -179,6 +179,24 @@ def check_batch_flags(seeds, steps: int | None = None, overrides: dict | None = 
         if key in ('model', 'train', 'data', 'settings'):
             raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
 
+# %% ../nbs/07_runner.ipynb #f60943a0
+SKIPPED_IMPORTS = ('rfc3987_syntax',)  # slow to import, unused by notebook validation (above)
+
+def skip_slow_imports():
+    "Mark `SKIPPED_IMPORTS` absent in this process (unless already imported): `jsonschema` then leaves them out."
+    for name in SKIPPED_IMPORTS: sys.modules.setdefault(name, None)
+
+def module_args(module: str) -> list[str]:
+    "The arguments after `python` that run `python -m MODULE` with `SKIPPED_IMPORTS` absent."
+    return ['-c', f"import runpy, sys\nfor name in {SKIPPED_IMPORTS!r}: sys.modules.setdefault(name, None)\n"
+                  f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
+
+def papermill_args(nb_in, nb_out, cwd, *params: str) -> list[str]:
+    """The arguments after `python` that execute notebook `nb_in` into `nb_out` with papermill on the `python3` kernel,
+    in working directory `cwd`; `params`: papermill's parameter flags (`-y YAML`, `-p NAME VALUE`)."""
+    return [*module_args('papermill'), str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
+            '--cwd', str(cwd), '--no-progress-bar', *params]
+
 # %% ../nbs/07_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
     try: nb = json.loads(path.read_text())
@@ -206,8 +224,7 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     params = dict(config=str(config.resolve()), nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(batch.study).notebook)
     nb_out = job.run_dir / nb_in.name
-    cmd = die_with_parent(['-m', 'papermill', str(nb_in), str(nb_out), '-k', 'python3', '--language', 'python',
-                           '--cwd', str(job.run_dir), '--no-progress-bar', '-y', json.dumps(params)])
+    cmd = die_with_parent(papermill_args(nb_in, nb_out, job.run_dir, '-y', json.dumps(params)))
     env = child_env()  # the child works under this process's lock of the run
     env.setdefault(COMMAND_ENV, shlex.join(sys.argv))  # the run's provenance names the command that started the batch
     if gpu_set: env['CUDA_VISIBLE_DEVICES'] = ','.join(gpu_set)
@@ -563,9 +580,7 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
     batch = read_json(run_dir / 'batch.json') or {}
     st = get_study(study or batch.get('study', 'qk-freeze'))
     nb_out = run_dir / 'report.ipynb'
-    cmd = [sys.executable, '-m', 'papermill', str(notebook_path(st.report)), str(nb_out), '-k', 'python3',
-           '--language', 'python',
-           '--cwd', str(run_dir), '--no-progress-bar', '-p', 'run_dir', str(run_dir)]
+    cmd = [sys.executable, *papermill_args(notebook_path(st.report), nb_out, run_dir, '-p', 'run_dir', str(run_dir))]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(

@@ -54,11 +54,14 @@ def procs_mentioning(path: Path) -> list[int]:
 
 
 # ====================================================================== two writers, one batch
+CONTESTED_STEPS = 80  # the second `oelm run` is refused about 2 s after the first took its run's lock; the run takes 4x that
+
+
 @pytest.fixture(scope='module')
 def contested(tmp_path_factory):
     "A first `oelm run` that trains gpt-s0 while a second one on the same --out is started."
     out = tmp_path_factory.mktemp('contested') / 'batch'
-    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(120))
+    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(CONTESTED_STEPS))
     log = out.parent / 'first.log'
     with open(log, 'w') as f:
         first = subprocess.Popen(oelm(*args), stdout=f, stderr=subprocess.STDOUT)
@@ -73,7 +76,7 @@ def test_a_second_oelm_run_on_one_out_is_refused_naming_the_holder(contested):
     assert second.returncode == 2, second.stdout + second.stderr
     assert 'batch directory' in second.stderr and f'pid {pid} ' in second.stderr and 'Traceback' not in second.stderr
     assert rc == 0, first_log
-    assert_steps_clean(out, 120)
+    assert_steps_clean(out, CONTESTED_STEPS)
     assert read_json(out / 'gpt-s0' / 'summary.json')['status'] == 'completed'
     assert len(read_json(out / 'batch.json')['invocations']) == 1  # the refused call recorded nothing
 
@@ -117,26 +120,27 @@ def test_a_run_directory_refuses_another_seed_and_a_second_writer(tmp_path):
 # ====================================================================== killing the runner alone
 def test_killing_oelm_alone_stops_its_trainer_and_a_rerun_continues_cleanly(tmp_path):
     out = tmp_path / 'killed'
-    args = ('run', 'qk-freeze', '--variants', 'oelm', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(100), '--set', 'train.eval_every=20')
+    # killed at step 20 or soon after (a checkpoint at step 10 and 20 each), 40 steps before the run would finish
+    args = ('run', 'qk-freeze', '--variants', 'oelm', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(60), '--set', 'train.eval_every=10')
     run = out / 'oelm-s0'
     log = tmp_path / 'first.log'
     with open(log, 'w') as f:
         proc = subprocess.Popen(oelm(*args), stdout=f, stderr=subprocess.STDOUT)  # same process group: only it is killed
-        try: wait_for(lambda: (run / 'metrics.jsonl').exists() and metric_steps(run)[-1] >= 40, 'step 40', proc, log=log)
+        try: wait_for(lambda: (run / 'metrics.jsonl').exists() and metric_steps(run)[-1] >= 20, 'step 20', proc, log=log)
         finally:
             proc.send_signal(signal.SIGKILL); proc.wait()
     workers = [w['pid'] for w in read_workers(run)]
     assert workers, 'the trainer did not record itself as working under the runner'
     wait_for(lambda: not procs_mentioning(out), 'the orphaned papermill child and kernel to stop', timeout=30)
     stopped_at = metric_steps(run)[-1]
-    assert stopped_at < 100, 'the run finished before the runner was killed'
+    assert stopped_at < 60, 'the run finished before the runner was killed'
     time.sleep(2)
     assert metric_steps(run)[-1] == stopped_at, 'something still writes the run after its runner was killed'
 
     res = run_oelm(*args)
     assert res.returncode == 0, res.stdout + res.stderr
     assert 'oelm-s0: resumed from step' in res.stdout, res.stdout
-    assert_steps_clean(out, 100)
+    assert_steps_clean(out, 60)
 
 
 # ====================================================================== flags refused up front

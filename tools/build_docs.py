@@ -261,7 +261,8 @@ EXTRA_CSS = """.md-grid { max-width: 1400px; }
 # ---------------------------------------------------------------------------------------------- the site
 def run_mkdocs(docs_dir: Path, site_dir: Path) -> None:
     "`mkdocs build` with mkdocs.yml on the pages in docs_dir (its `!ENV` default: _mkdocs/docs); strict: a warning fails it."
-    r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '-f', str(ROOT / 'mkdocs.yml'), '-d', str(site_dir)],
+    from oelm_nb.runner import module_args  # `python -m mkdocs` without the imports nbformat does not need
+    r = subprocess.run([sys.executable, *module_args('mkdocs'), 'build', '-f', str(ROOT / 'mkdocs.yml'), '-d', str(site_dir)],
                        capture_output=True, text=True, env={**os.environ, 'OELM_DOCS_DIR': str(docs_dir)})
     if r.returncode: raise DocsBuildError('mkdocs build failed:\n' + '\n'.join(l for l in r.stderr.splitlines() if 'INFO' not in l))
 

@@ -103,6 +103,8 @@ def report_page(study: str, report_nb: Path, ex_dir: Path, use_cache: bool = Tru
 if __name__ == '__main__':
     if len(sys.argv) != 3 or sys.argv[1] not in EXAMPLES:
         sys.exit(f"usage: python tools/example_batches.py STUDY OUT_DIR, STUDY one of {', '.join(EXAMPLES)}")
+    from oelm_nb.runner import skip_slow_imports
+    skip_slow_imports()  # the report page is written here (nbconvert), as `oelm run` writes it
     t0 = time.time()
     res = run_example(sys.argv[1], Path(sys.argv[2]), log=lambda s: None)
     print(f'[docs] example batch {sys.argv[1]}: {len(res.statuses)} runs and the report in {time.time() - t0:.0f}s')
