@@ -14,12 +14,13 @@ from scipy import stats
 
 from .core import ConfigError
 from .rundir import read_json, write_json
-from .report import load_runs, compare
+from .report import load_runs, compare, read_precision, _seed_list
+from .evidence import stein_size, MIN_PILOT
 
 # %% auto #0
 __all__ = ['MAX_SEEDS', 'parse_precision', 'check_max_seeds', 'SteinPlan', 'stein_seeds', 'stein_interval', 'main_comparison',
            'design_seeds', 'paired_differences', 'check_precision', 'precision_record', 'run_with_precision',
-           'read_precision', 'fixed_design_text', 'precision_text']
+           'fixed_design_text', 'precision_text']
 
 # %% ../nbs/07d_precision.ipynb #9ad81a84
 MAX_SEEDS = 20  # --max-seeds default: the most seeds per variant that --precision runs
@@ -73,7 +74,7 @@ def stein_seeds(pilot_diffs, # the pilot's paired differences, one per seed
         raise ConfigError(f'half-width {half_width!r} must be > 0 and confidence {confidence!r} in (0, 1)')
     n0, s0 = len(d), float(d.std(ddof=1))
     t = float(stats.t.ppf((1 + confidence) / 2, n0 - 1))
-    needed = max(n0, math.ceil((t * s0 / half_width) ** 2))
+    needed = stein_size(s0, n0, half_width, confidence)
     return SteinPlan(n0, s0, t, half_width, confidence, needed, check_max_seeds(max_seeds, n0))
 
 # %% ../nbs/07d_precision.ipynb #e0b9a3b9
@@ -107,10 +108,10 @@ def design_seeds(pilot: list[int], # the pilot's seeds that gave a difference
 
 # %% ../nbs/07d_precision.ipynb #2134a3ee
 def paired_differences(batch_dir, metric: str, a: str, b: str, seeds) -> dict[int, float]:
-    "seed -> a / b - 1 of `metric` over the `seeds` where both runs completed (`report.compare`); finite values only."
+    "seed -> log(a / b) of `metric` over the `seeds` where both runs completed (`report.compare`); finite values only."
     runs = load_runs(batch_dir)
     c = compare(runs[runs.seed.isin([int(s) for s in seeds])], a, b, metric) if len(runs) else None
-    return {s: v for s, v in (c.per_seed.items() if c else ()) if math.isfinite(v)}
+    return {s: v for s, v in (c.diffs.items() if c else ()) if math.isfinite(v)}
 
 # %% ../nbs/07d_precision.ipynb #0902a888
 def check_precision(study: str, seeds, half_width: float, max_seeds: int = MAX_SEEDS, preset: str = 'tiny',
@@ -137,23 +138,25 @@ def _finite(x) -> float | None: return float(x) if x is not None and math.isfini
 
 def precision_record(plan: SteinPlan, comparison: tuple[str, str, str], pilot: list[int], seeds: list[int],
                      pilot_diffs: dict, diffs: dict) -> dict:
-    "What precision.json holds: the comparison, the pilot, the plan, the design's seeds and Stein's final interval."
+    """What precision.json holds: the comparison, the pilot, the plan (on the log scale of the ratio), the design's
+    seeds and Stein's final interval as a ratio - 1."""
     (metric, a, b), (m, lo, hi) = comparison, stein_interval(diffs.values(), plan)
-    return {'design': 'stein', 'metric': metric, 'a': a, 'b': b, 'relative': True, 'confidence': plan.confidence,
+    shown = lambda x: None if x is None or not math.isfinite(x) else math.expm1(x)  # log ratio -> ratio - 1
+    return {'design': 'stein', 'metric': metric, 'a': a, 'b': b, 'relative': True, 'scale': 'log', 'confidence': plan.confidence,
             'half_width': plan.half_width, 'pilot_seeds': sorted(pilot),
             'pilot_differences': {str(s): v for s, v in sorted(pilot_diffs.items())},
             'n0': plan.n0, 's0': plan.s0, 't': plan.t, 'needed': plan.needed, 'max_seeds': plan.max_seeds,
             'n': plan.n, 'capped': plan.capped, 'seeds': list(seeds),
             'differences': {str(s): v for s, v in sorted(diffs.items())}, 'n_used': len(diffs),
             'missing_seeds': sorted((set(pilot) | set(seeds)) - set(diffs)),
-            'mean': _finite(m), 'low': _finite(lo), 'high': _finite(hi),
+            'mean': shown(m), 'low': shown(lo), 'high': shown(hi),
             'written': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
 
 # %% ../nbs/07d_precision.ipynb #ef7b7030
 def run_with_precision(study: str,
                        half_width: float, # the interval's half-width on the main relative difference (0.05: ±5%)
                        max_seeds: int = MAX_SEEDS, # the most seeds per variant, the pilot's included
-                       seeds=None, # the pilot's seeds (default: the study's default seeds; at least 2)
+                       seeds=None, # the pilot's seeds (default: 0 .. MIN_PILOT - 1; at least 2)
                        out_dir=None, # the batch directory (default: runs/<study>)
                        confidence: float = 0.95, report: bool = True, log=print,
                        **kw): # `runner.run_study`'s other arguments: preset, steps, variants, overrides, execute, ...
@@ -162,7 +165,10 @@ def run_with_precision(study: str,
     from oelm_nb.runner import run_study, render_report  # here, not at the top: see above
     from oelm_nb.studies import get_study
     st, out = get_study(study), Path(out_dir or f'runs/{study}')
-    pilot = list(seeds or st.default_seeds)
+    pilot = list(seeds if seeds is not None else range(MIN_PILOT))
+    if len(pilot) < MIN_PILOT:
+        log(f"[oelm run] --precision: a pilot of {len(pilot)} seeds; t with {len(pilot) - 1} degree(s) of freedom makes "
+            f"the second stage large (a {MIN_PILOT}-seed pilot oversamples about 2x)")
     comparison = metric, a, b = check_precision(study, pilot, half_width, max_seeds, kw.get('preset', 'tiny'),
                                                 kw.get('steps'), kw.get('options'), kw.get('variants'))
     first = run_study(study, seeds=pilot, out_dir=out, report=False, log=log, **kw)
@@ -171,9 +177,9 @@ def run_with_precision(study: str,
         raise ConfigError(f"--precision: the pilot (seeds {' '.join(map(str, pilot))}) gave {len(pilot_diffs)} paired "
                           f"difference(s) of {metric}, {a} vs {b} (failed runs: {', '.join(first.failed) or 'none'}); "
                           "Stein's procedure needs at least 2. Run the command again to retry failed runs.")
-    plan = stein_seeds(pilot_diffs.values(), half_width, confidence, max_seeds)
+    plan = stein_seeds(pilot_diffs.values(), math.log1p(half_width), confidence, max_seeds)  # on the log scale
     design = design_seeds(list(pilot_diffs), plan.n, avoid=pilot)  # a failed pilot run stays out of the design
-    log(f"[oelm run] --precision: pilot of {plan.n0} seeds, s0 = {plan.s0:.2%}, t = {plan.t:.2f}: ±{half_width:.2%} "
+    log(f"[oelm run] --precision: pilot of {plan.n0} seeds, s0 = {plan.s0:.2%} (log ratio), t = {plan.t:.2f}: ±{half_width:.2%} "
         f"needs {plan.needed} seeds" + (f', capped at --max-seeds {max_seeds}' if plan.capped else '')
         + (f'; running seeds {design[plan.n0:]}' if plan.n > plan.n0 else '; the pilot is enough'))
     res = first if plan.n == plan.n0 else run_study(study, seeds=design, out_dir=out, report=False, log=log,
@@ -183,32 +189,6 @@ def run_with_precision(study: str,
     write_json(out / 'precision.json', precision_record(plan, comparison, pilot, design, pilot_diffs, diffs))
     if report and st.report: res.report = render_report(out, study, log=log)
     return res
-
-# %% ../nbs/07d_precision.ipynb #8bc145fd
-_NAME = re.compile(r'[A-Za-z0-9_.+-]{1,100}')
-_FIELDS = {'metric': str, 'a': str, 'b': str, 'confidence': float, 'half_width': float, 's0': float, 't': float,
-           'n0': int, 'needed': int, 'n': int, 'max_seeds': int, 'n_used': int, 'capped': bool}
-
-def _typed(v, typ) -> bool:
-    "`v` is a `typ` as precision.json writes it: a plain name, a finite number, an int or a bool."
-    if typ is str: return isinstance(v, str) and bool(_NAME.fullmatch(v))
-    if typ is float: return type(v) in (int, float) and math.isfinite(v)
-    return type(v) is typ
-
-def _seed_list(v) -> bool: return isinstance(v, list) and all(type(s) is int and 0 <= s for s in v)
-
-def read_precision(batch_dir) -> tuple[dict | None, str]:
-    "(precision.json's record, '') after checking every field, (None, '') without the file, (None, why) when it is bad."
-    p = Path(batch_dir) / 'precision.json'
-    if not p.exists(): return None, ''
-    r = read_json(p)
-    if not isinstance(r, dict) or r.get('design') != 'stein': return None, 'is not a JSON record of a Stein design'
-    if bad := [k for k, typ in _FIELDS.items() if not _typed(r.get(k), typ)]: return None, f'has a bad {bad[0]!r}'
-    if not all(_seed_list(r.get(k)) for k in ('pilot_seeds', 'seeds', 'missing_seeds')): return None, 'has bad seeds'
-    if r['n0'] < 2 or not 0 < r['confidence'] < 1: return None, 'has a pilot of fewer than 2 seeds or a bad confidence'
-    if any(r.get(k) is not None and not _typed(r[k], float) for k in ('mean', 'low', 'high')):
-        return None, 'has a bad interval'
-    return r, ''
 
 # %% ../nbs/07d_precision.ipynb #7c1bf44a
 def _seeds_text(seeds) -> str: return ', '.join(map(str, seeds))
@@ -230,15 +210,15 @@ def precision_text(batch_dir) -> str:
     r, why = read_precision(batch_dir)
     if r is None: return fixed_design_text(batch_dir) if not why else f"**Design: unknown**: precision.json {why}."
     c, pct = r['confidence'], lambda x: f'{x:+.2%}'
-    out = (f"**Design: Stein's two-stage procedure** on `{r['metric']}`, `{r['a']}` vs `{r['b']}` (the relative "
-           f"difference a / b - 1, the study's main comparison). A pilot of {_count(r['n0'], 'seed')} "
-           f"({_seeds_text(r['pilot_seeds'])}) gave a paired standard deviation s0 = {r['s0']:.2%}; with t = "
+    out = (f"**Design: Stein's two-stage procedure** on `{r['metric']}`, `{r['a']}` vs `{r['b']}` (the ratio of "
+           f"geometric means a / b - 1, on the log scale; the study's main comparison). A pilot of {_count(r['n0'], 'seed')} "
+           f"({_seeds_text(r['pilot_seeds'])}) gave a paired standard deviation of log ratios s0 = {r['s0']:.2%}; with t = "
            f"{r['t']:.2f} ({c:.0%}, {_count(r['n0'] - 1, 'degree')} of freedom) an interval of at most "
            f"±{r['half_width']:.2%} needs N = max(n0, ceil((t s0 / d)^2)) = {r['needed']} seeds per variant")
     out += (f", capped at --max-seeds {r['max_seeds']}: the interval is wider than asked. " if r['capped'] else '. ')
     if r['mean'] is not None and r['low'] is not None and r['high'] is not None:
         out += (f"Over the design's {r['n_used']} paired seeds ({_seeds_text(r['seeds'])}): {pct(r['mean'])} "
-                f"({c:.0%} Stein interval {pct(r['low'])} .. {pct(r['high'])}, ±{r['high'] - r['mean']:.2%}, "
+                f"({c:.0%} Stein interval {pct(r['low'])} .. {pct(r['high'])}, "
                 "the pilot's t and s0 over the square root of the seeds). ")
     if r['missing_seeds']: out += f"No difference from seeds {_seeds_text(r['missing_seeds'])} (a run failed). "
     b = read_json(Path(batch_dir) / 'batch.json')

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_report.ipynb #4303f552
 from __future__ import annotations
-import html, json, math, os, shlex, urllib.parse
+import html, json, math, os, re, shlex, urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,21 +15,24 @@ import matplotlib.pyplot as plt
 
 from .rundir import read_json, parse_run_name, run_name
 from .rundir import flatten
+from .evidence import (t_interval, interval_text, Comparison, paired, threshold_verdict, difference_verdict,
+                              seeds_for_power, POWER, MIN_PILOT)
 from .convergence import (run_curves, formation, formation_level, formation_note, convergence, convergence_note,
                                  convergence_caveat, budget_text)
 
 # %% auto #0
 __all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root',
-           'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 't_interval', 'interval_text', 'Comparison',
-           'paired', 'compare', 'threshold_verdict', 'difference_verdict', 'mean_sd', 'people_number', 'people_table',
-           'axis_label', 'variant_colors', 'log_ticks', 'plot_curves', 'formation_comparison', 'formed_count',
-           'seeds_needed', 'seeds_command', 'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table',
-           'run_links', 'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note',
-           'convergence_caveat', 'budget_text']
+           'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'mean_sd', 'people_number',
+           'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves', 'formation_comparison',
+           'formed_count', 'seeds_needed', 'seeds_command', 'read_precision', 'safe_markdown', 'safe_table',
+           'provenance_table', 'hyperparameter_table', 'run_links', 't_interval', 'interval_text', 'Comparison',
+           'paired', 'threshold_verdict', 'difference_verdict', 'formation', 'formation_level', 'formation_note',
+           'convergence', 'convergence_note', 'convergence_caveat', 'budget_text']
 
 # %% ../nbs/08_report.ipynb #a11c0e7e
 # re-exported: a report imports every tool from here
-_all_ = ['formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat',
+_all_ = ['t_interval', 'interval_text', 'Comparison', 'paired', 'threshold_verdict', 'difference_verdict',
+         'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat',
          'budget_text']
 
 # %% ../nbs/08_report.ipynb #c879ad34
@@ -148,67 +151,6 @@ def variant_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
         t['ppl_per_M_trainable'] = t['val_ppl_mean'] / (t['params_trainable'] / 1e6)
     return t.loc[[v for v in runs.variant.unique()]]
 
-# %% ../nbs/08_report.ipynb #7c74ed3d
-def t_interval(values, confidence: float = 0.95) -> tuple[float, float | None, float | None]:
-    """Mean and t-interval of paired per-seed values (NaNs dropped): (mean, None, None) with one value, (nan, None,
-    None) with none."""
-    v = np.asarray([x for x in values if pd.notna(x)], dtype=float)
-    if not len(v): return math.nan, None, None
-    m = float(v.mean())
-    if len(v) < 2: return m, None, None
-    if np.all(v == v[0]): return m, m, m  # no spread: the interval is the point (scipy would warn about precision)
-    from scipy import stats  # here, not at the top: 0.5 s per process, and every training process imports this module
-    ci = stats.ttest_1samp(v, 0.0).confidence_interval(confidence)
-    return m, float(ci.low), float(ci.high)
-
-# %% ../nbs/08_report.ipynb #2304505e
-def interval_text(
-    mean: float,
-    low: float | None,
-    high: float | None,
-    n: int,
-    fmt: str = '{:+.2%}',  # how one number is written
-    point: bool = True,  # False: only the interval ('lo .. hi'), for a table with the point in its own column
-) -> str:
-    "'+1.20% (95% CI -0.40% .. +2.80%, 3 seeds)'; one seed: '+1.20% (1 seed: needs >= 2 seeds)'; no value: 'n/a'."
-    if not n or mean is None or pd.isna(mean):
-        return 'n/a'
-    lo_hi = None if low is None else f'{fmt.format(low)} .. {fmt.format(high)}'
-    if not point:
-        return lo_hi or 'needs >= 2 seeds'
-    return fmt.format(mean) + (f' (95% CI {lo_hi}, {n} seeds)' if lo_hi else f' ({n} seed: needs >= 2 seeds)')
-
-# %% ../nbs/08_report.ipynb #282d6880
-@dataclass
-class Comparison:
-    """A paired comparison of `metric` between `a` and `b` over common seeds: per-seed differences, their mean and 95%
-    interval."""
-    metric: str
-    a: str
-    b: str
-    per_seed: dict
-    mean: float
-    low: float | None # 95% t-interval over seeds; None with fewer than 2 seeds
-    high: float | None
-    relative: bool = True # a / b - 1 (else a - b)
-    @property
-    def n(self) -> int: return len(self.per_seed)
-    @property
-    def resolvable(self) -> bool: return self.low is not None and (self.low > 0 or self.high < 0)
-    def text(self, fmt: str | None = None) -> str:
-        "The difference and its interval (`interval_text`): percent for a relative comparison."
-        return interval_text(self.mean, self.low, self.high, self.n, fmt or ('{:+.2%}' if self.relative else '{:+.4g}'))
-    def __str__(self): return f"{self.metric}: {self.a} vs {self.b} {self.text()}"
-
-# %% ../nbs/08_report.ipynb #91e024cb
-def paired(a: pd.Series, b: pd.Series, # per-seed values (index: seed) of the two sides
-           metric: str = '', a_name: str = 'a', b_name: str = 'b', relative: bool = True) -> Comparison | None:
-    "The paired comparison of two per-seed series over their common seeds; None when they share none."
-    d = ((a / b - 1) if relative else (a - b)).dropna()
-    if d.empty: return None
-    mean, low, high = t_interval(d)
-    return Comparison(metric, a_name, b_name, {int(k): float(v) for k, v in d.items()}, mean, low, high, relative)
-
 # %% ../nbs/08_report.ipynb #e3dcfba8
 def compare(
     runs: pd.DataFrame, a: str, b: str, metric: str = 'best_val_ppl', relative: bool = True
@@ -221,24 +163,6 @@ def compare(
     if a not in piv or b not in piv:
         return None
     return paired(piv[a], piv[b], metric, a, b, relative)
-
-# %% ../nbs/08_report.ipynb #0f5d0677
-def threshold_verdict(c: Comparison | None, # a paired comparison (None: no data)
-                      limit: float, # the threshold on the difference
-                      below: bool = True, # True: the hypothesis says the difference is below `limit`
-                     ) -> str:
-    "'supported', 'rejected' or 'inconclusive' when the 95% interval lies on one side of `limit` or straddles it."
-    if c is None: return 'no data'
-    if c.n < 2: return 'inconclusive (needs >= 2 seeds)'
-    if below: return 'supported' if c.high < limit else 'rejected' if c.low >= limit else 'inconclusive'
-    return 'supported' if c.low >= limit else 'rejected' if c.high < limit else 'inconclusive'
-
-# %% ../nbs/08_report.ipynb #d8c3dc24
-def difference_verdict(c: Comparison | None, none: str = 'no resolvable difference') -> str:
-    "Which side of a paired comparison is lower ('<a> lower' / '<b> lower'), or `none` when the interval holds zero."
-    if c is None: return 'no data'
-    if c.n < 2: return 'needs >= 2 seeds'
-    return f'{c.a} lower' if c.high < 0 else f'{c.b} lower' if c.low > 0 else none
 
 # %% ../nbs/08_report.ipynb #e5ca1ca6
 def mean_sd(m, s, fmt: str = '{:.3f}', scale: float = 1.0, unit: str = '', missing: str = '') -> str:
@@ -360,28 +284,26 @@ def formed_count(form: pd.DataFrame, variant: str) -> str:
 
 # %% ../nbs/08_report.ipynb #2a710312
 def seeds_needed(c: Comparison | None, # a paired comparison
-                 threshold: float, # the value its interval must exclude (0 for a difference)
-                 confidence: float = 0.95, # the interval's confidence
+                 threshold: float, # the value its interval must exclude (shown scale: 0.05 for 5%; 0 for a difference)
+                 target: float = POWER, # the probability of excluding it
                  cap: int = 1000, # the most seeds considered
                 ) -> int | None:
-    """The fewest seeds n >= 2 whose t-interval, at the observed mean and paired spread, would exclude `threshold`
-    (t_{(1+conf)/2, n-1} sd / sqrt(n) < |mean - threshold|); None without a spread, or beyond `cap`."""
+    """The seeds at which a t-interval excludes `threshold` with probability `target`, were the observed mean and
+    paired spread the truth (noncentral t); None with fewer than 2 seeds, without a spread, or beyond `cap`."""
     if c is None or c.n < 2: return None
-    d = np.asarray(list(c.per_seed.values()), float)
-    sd, gap = float(d.std(ddof=1)), abs(c.mean - threshold)
-    if not (sd > 0 and gap > 0): return None
-    from scipy import stats  # here: see t_interval
-    n = np.arange(2, cap + 1)
-    ok = np.flatnonzero(stats.t.ppf((1 + confidence) / 2, n - 1) * sd / np.sqrt(n) < gap)
-    return int(n[ok[0]]) if len(ok) else None
+    d = np.asarray(list(c.diffs.values()), float)
+    if len(d) < 2: return None
+    return seeds_for_power(float(d.mean()) - c.to_test_scale(threshold), float(d.std(ddof=1)), target, cap=cap)
 
 # %% ../nbs/08_report.ipynb #f67d530d
 def seeds_command(batch_dir, # a batch directory: its batch.json gives study, preset, data, steps, overrides, flags
                   n: int, # seeds 0 .. n-1
                   variants=None, # the variants to run (default: the batch's)
                   study: str | None = None, # the study, where batch.json does not name one
+                  precision: float | None = None, # Stein's design: --precision with this half-width (0.05: 5%)
                  ) -> str:
-    "The `oelm run` command that trains seeds 0 .. n-1 of `variants` into the batch (its completed runs are skipped)."
+    """The `oelm run` command that trains seeds 0 .. n-1 of `variants` into the batch (its completed runs are skipped);
+    with `precision`, those seeds are the pilot of a Stein design."""
     b, q = read_json(Path(batch_dir) / 'batch.json') or {}, shlex.quote
     parts = ['oelm', 'run', q(str(b.get('study') or study or 'STUDY'))]
     for flag in ('preset', 'data', 'steps'):
@@ -393,7 +315,34 @@ def seeds_command(batch_dir, # a batch directory: its batch.json gives study, pr
     for k, v in (b.get('options') or {}).items():  # the study's own flags, written --NAME VALUE
         if v is None or v is False: continue
         parts += [f"--{str(k).replace('_', '-')}"] + ([] if v is True else [q(str(v))])
+    if precision: parts += ['--precision', f'{precision:.3g}']
     return ' '.join(parts)
+
+# %% ../nbs/08_report.ipynb #c2338a37
+_NAME = re.compile(r'[A-Za-z0-9_.+-]{1,100}')
+_FIELDS = {'metric': str, 'a': str, 'b': str, 'confidence': float, 'half_width': float, 's0': float, 't': float,
+           'n0': int, 'needed': int, 'n': int, 'max_seeds': int, 'n_used': int, 'capped': bool}
+
+def _typed(v, typ) -> bool:
+    "`v` is a `typ` as precision.json writes it: a plain name, a finite number, an int or a bool."
+    if typ is str: return isinstance(v, str) and bool(_NAME.fullmatch(v))
+    if typ is float: return type(v) in (int, float) and math.isfinite(v)
+    return type(v) is typ
+
+def _seed_list(v) -> bool: return isinstance(v, list) and all(type(s) is int and 0 <= s for s in v)
+
+def read_precision(batch_dir) -> tuple[dict | None, str]:
+    "(precision.json's record, '') after checking every field, (None, '') without the file, (None, why) when it is bad."
+    p = Path(batch_dir) / 'precision.json'
+    if not p.exists(): return None, ''
+    r = read_json(p)
+    if not isinstance(r, dict) or r.get('design') != 'stein': return None, 'is not a JSON record of a Stein design'
+    if bad := [k for k, typ in _FIELDS.items() if not _typed(r.get(k), typ)]: return None, f'has a bad {bad[0]!r}'
+    if not all(_seed_list(r.get(k)) for k in ('pilot_seeds', 'seeds', 'missing_seeds')): return None, 'has bad seeds'
+    if r['n0'] < 2 or not 0 < r['confidence'] < 1: return None, 'has a pilot of fewer than 2 seeds or a bad confidence'
+    if any(r.get(k) is not None and not _typed(r[k], float) for k in ('mean', 'low', 'high')):
+        return None, 'has a bad interval'
+    return r, ''
 
 # %% ../nbs/08_report.ipynb #b8e2f4a6
 import html
