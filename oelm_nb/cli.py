@@ -100,19 +100,23 @@ def _overrides(pairs) -> dict:
 
 # %% ../nbs/10_cli.ipynb #4698fdfd
 def print_batch_summary(batch_dir):
-    "Per-variant results of a batch (and the study's verdict table, where it has one), as plain text."
+    """Per-variant results of a batch and the study's answers (`Study.answers`, through the evidence kit), as plain
+    text; the answers are also written to the batch's answers.json."""
     import pandas as pd
     from oelm_nb.report import load_runs, variant_table, people_table
-    from oelm_nb.rundir import read_json
+    from oelm_nb.evidence import answers_text, answers_json
+    from oelm_nb.rundir import read_json, write_json
     from oelm_nb.studies import get_study
     study = get_study((read_json(Path(batch_dir) / 'batch.json') or {}).get('study', 'qk-freeze'))
     runs = load_runs(batch_dir)
     if runs.empty: return
     with pd.option_context('display.width', 160, 'display.max_colwidth', 120):
         print('\n' + people_table(variant_table(runs)).to_string() + '\n')
-        h = study.verdicts(runs) if study.verdicts else pd.DataFrame()
-        for hid, r in h.iterrows(): print(f'{hid} {r.verdict:>12}: {r.hypothesis}\n{"":17}{r.evidence}')
-    print('\n' + convergence_text(batch_dir, runs) + '\n')
+    answers = study.answers(runs) if study.answers else []
+    if answers:
+        print(answers_text(answers) + '\n')
+        write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(answers)})
+    if (conv := convergence_text(batch_dir, runs)): print(conv + '\n')
 
 # %% ../nbs/10_cli.ipynb #7903bfc6
 def convergence_text(batch_dir, runs) -> str:

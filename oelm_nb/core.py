@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #65097adb
 from __future__ import annotations
-import dataclasses, json, os
+import dataclasses, json, math, os
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'DataError', 'ConfigBase', 'ModelConfig',
-           'TrainConfig', 'DataConfig']
+           'TrainConfig', 'DataConfig', 'lr_at']
 
 # %% ../nbs/00_core.ipynb #f0c64d3e
 class ConfigError(ValueError):
@@ -300,3 +300,11 @@ class DataConfig(ConfigBase):
         check(isinstance(self.n_val_stories, int) and self.n_val_stories > 0, c, 'n_val_stories', self.n_val_stories,
               'must be a positive integer')
         check(0 < self.val_fraction < 1, c, 'val_fraction', self.val_fraction, 'must be in (0, 1)')
+
+# %% ../nbs/00_core.ipynb #75ba62a9
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    "Learning rate at optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
+    if step < cfg.warmup_steps: return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

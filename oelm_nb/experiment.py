@@ -136,7 +136,8 @@ class Study:
     default_seeds: tuple[int, ...] = (0, 1, 2)
     notebook: str = 'experiments/train_lm.ipynb' # experiment notebook, relative to nbs/
     report: str | None = None # report notebook, relative to nbs/
-    verdicts: Callable | None = None # runs table (`report.load_runs`) -> verdict table for the console summary
+    # runs table (`report.load_runs`) -> list of `evidence.Answer`: what `oelm run` prints and answers.json stores
+    answers: Callable | None = None
     # (batch_dir, preset, completed variants, overrides, log) -> None: a measurement when a batch ends
     after_batch: Callable | None = None
     # (spec, find_checkpoint) -> (model, checkpoint dir), or None for a plain GPT: how sample/export rebuild a run's
@@ -432,7 +433,8 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
             'model_variant': spec.model.variant,
             'world_size': info.world_size,
             'unigram_ppl': train_d.meta.get('unigram_ppl'),
-            'recall_chance': (train_d.meta.get('recall') or {}).get('chance_level'),
+            # chance on every validation recall position; `recall_chance` (the trainer's) counts the scored ones only
+            'recall_chance_all': (train_d.meta.get('recall') or {}).get('chance_level'),
             **run_samples(trainer.raw, spec, val_d),
         },
     )

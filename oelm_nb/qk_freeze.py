@@ -14,14 +14,18 @@ from .bench import bench
 from .freeze import param_report
 from .model import GPT
 from .report import (compare, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
-                            interval_text, seeds_needed, seeds_command, formation_comparison, formed_count, budget_text)
-from .convergence import run_curves, convergence, formation, formation_rule, not_settled
+                            interval_text, seeds_needed, seeds_command, formation_comparison, formed_count,
+                            read_precision)
+from .convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
+                                 budget_sentence, FLAGS)
+from .evidence import Answer, NO_DATA, exact_caveat, method_text, answers_frame, MIN_PILOT
+from .page import budget_text
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict',
-           'load_timing', 'h3_verdict', 'budget_note', 'what_it_takes', 'unpaired_formation', 'formation_row',
-           'hypotheses', 'interleaved_timing', 'control_table', 'gap_text', 'results_table', 'pairwise_table',
-           'pairwise_sentence', 'tokens_per_run', 'scale_note']
+__all__ = ['H1_TEXT', 'H3_TEXT', 'FORMATION_APPROX', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps',
+           'qk_variants', 'h1_verdict', 'load_timing', 'h3_verdict', 'what_it_takes', 'gap_answer', 'formation_answer',
+           'convergence_caveat_line', 'qk_answers', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
+           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note']
 
 # %% ../nbs/06a_qk_freeze.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -91,89 +95,103 @@ def h3_verdict(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreez
 def _batch_dir(runs: pd.DataFrame) -> Path | None:
     return Path(runs.run_dir.iloc[0]).parent if len(runs) and 'run_dir' in runs else None
 
-# %% ../nbs/06a_qk_freeze.ipynb #8c024d93
-def budget_note(runs: pd.DataFrame, conv: pd.DataFrame, variants,
-                budget: bool = True, # False: only whether the runs settled (the caller states budget and seeds)
-               ) -> str:
-    """What a verdict on `variants` holds at: the runs' budget, the completed seeds per variant, and whether those runs
-    reached a plateau (`convergence`)."""
-    ok = runs[(runs.status == 'completed') & runs.variant.isin(list(variants))] if len(runs) else runs
-    seeds = ', '.join(f'{v} {int((ok.variant == v).sum()) if len(ok) else 0}' for v in variants)
-    out = f"Budget {budget_text(runs).removeprefix('at ')}; completed seeds: {seeds}. " if budget else ''
-    if not len(ok): return out.rstrip()
-    if (bits := not_settled(conv, variants)):
-        return out + f'Convergence not established ({bits}): the verdict holds at this budget.'
-    return out + f'All {len(ok)} runs reached a plateau (convergence rule: power-law fit before the cosine tail).'
-
-# %% ../nbs/06a_qk_freeze.ipynb #87a489cc
-def what_it_takes(c: Comparison | None, # an unresolved paired comparison
-                  threshold: float, # the value its interval must exclude
-                  batch_dir, # the batch the command adds seeds to (None: DIR)
-                  variants, what: str) -> str:
-    "How many seeds would resolve `what` at the observed mean and paired spread, and the command that runs them."
-    if c is None: return ''
-    cmd = lambda n: f'`{seeds_command(batch_dir or "DIR", n, list(variants), QK_FREEZE.name)}`'
-    if c.n < 2: return f' A paired spread needs >= 2 seeds: {cmd(2)}.'
-    if (n := seeds_needed(c, threshold)) is None:
-        return f' No count up to 1,000 seeds resolves {what} at this mean and paired spread.'
-    return f' {n} seeds would resolve {what} at this mean and paired spread: {cmd(n)} (completed runs are skipped).'
-
-# %% ../nbs/06a_qk_freeze.ipynb #03a82d32
-def _threshold_row(hid: str, c: Comparison | None, limit: float, a: str, b: str, batch_dir) -> tuple:
-    "H2/H4: the paired val PPL gap of `a` vs `b` against `limit`, with what it would take when unresolved."
-    verdict = threshold_verdict(c, limit)
-    evidence = str(c) if c else f'needs {a} and {b} runs'
-    if verdict.startswith('inconclusive'):
-        evidence += '.' + what_it_takes(c, limit, batch_dir, [a, b], f'the {limit:.0%} threshold')
-    return (hid, f'{a} vs {b}: val PPL gap < {limit:.0%}', verdict, evidence)
-
-# %% ../nbs/06a_qk_freeze.ipynb #962af3a9
-def unpaired_formation(form: pd.DataFrame, a: str, b: str) -> str:
-    """The verdict when no seed formed the circuit in both variants: which one formed it at all (a count over seeds,
-    no interval), 'neither formed it', or 'no seed formed it in both' when each formed it in different seeds."""
-    formed = {v: int(((form.variant == v) & form.formed_step.notna()).sum()) for v in (a, b)}
-    if not any(formed.values()): return 'neither formed it'
-    if all(formed.values()): return 'no seed formed it in both'
-    return f'only {a if formed[a] else b} formed it'
-
-# %% ../nbs/06a_qk_freeze.ipynb #66d02d5d
-def formation_row(rid: str, form: pd.DataFrame, a: str, b: str, batch_dir) -> tuple:
-    "When the recall circuit forms, `a` vs `b`: the paired formation step, how many seeds formed it, and the level."
-    text = f'{a} forms the recall circuit at the same step as {b} (formation step; lower: earlier)'
-    done = form[(form.status == 'completed') & form.variant.isin([a, b])]
-    if done.empty or done.text.eq('no recall evaluations').all():
-        return (rid, text, 'no data', f'needs completed {a} and {b} runs with recall evaluations')
-    c = formation_comparison(form, a, b)
-    gap = f"formation step {a} - {b} (steps): {c.text('{:+,.0f}')}" if c else f'no seed where {a} and {b} formed it'
-    verdict = difference_verdict(c) if c else unpaired_formation(form, a, b)
-    counts = f'formed: {a} {formed_count(form, a)}, {b} {formed_count(form, b)}'
-    evidence = f'{gap}; {counts}; formed = {formation_rule(form)}'
-    if verdict == 'no resolvable difference': evidence += '.' + what_it_takes(c, 0.0, batch_dir, [a, b], 'a difference')
-    return (rid, text, verdict, evidence)
-
 # %% ../nbs/06a_qk_freeze.ipynb #25308411
-def hypotheses(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
+def _seeds(c: Comparison) -> str: return f"{c.n} paired seed{'s' if c.n != 1 else ''}"
+def _pct(x) -> str: return f'{x:+.1%}'
+
+def what_it_takes(c: Comparison, threshold: float, batch_dir, main: bool) -> str:
+    "The caveat of an unresolved gap: seeds for 80% power at the observed mean and spread, and a valid design."
+    if c.n < 2: return f"{c.a} vs {c.b}: a paired spread needs >= 2 seeds"
+    n = seeds_needed(c, threshold)
+    out = (f"{c.a} vs {c.b}: no count up to 1,000 seeds gives 80% power at this mean and spread" if n is None else
+           f"{c.a} vs {c.b}: {n} seeds would give 80% power to resolve {threshold:.0%}, were the observed mean and "
+           "spread the truth")
+    if main:
+        cmd = seeds_command(batch_dir or 'DIR', max(MIN_PILOT, c.n), [c.a, c.b], QK_FREEZE.name, precision=threshold / 2)
+        out += f"; a design that keeps its interval valid: `{cmd}` (Stein's two stages, this batch as the pilot)"
+    return out + '; adding seeds and testing again at the same level is optional stopping'
+
+def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, batch_dir, budget: str,
+               curves: pd.DataFrame | None = None, main: bool = False) -> Answer:
+    "H2/H4: the paired val PPL gap of `a` vs `b` against `limit` (Stein's interval where the batch's design sized it)."
+    question = f'{a} vs {b}: val PPL gap < {limit:.0%}'
+    if c is None: return Answer(qid, question, NO_DATA, method=f'needs completed {a} and {b} runs')
+    r = read_precision(batch_dir)[0] if batch_dir is not None else None
+    stein = r if r and (r['metric'], r['a'], r['b']) == (c.metric, a, b) and r['low'] is not None else None
+    caveats, design = [], 't-interval'
+    if stein:
+        lo, hi = stein['low'], stein['high']
+        design = f"Stein's two-stage interval (pilot of {stein['n0']}, t with {stein['n0'] - 1} df)"
+        if stein['capped']: caveats.append(f"the Stein design hit its cap of {stein['max_seeds']} seeds: the interval "
+                                           "is wider than asked")
+    else:
+        lo, hi = c.low, c.high
+        if (cav := exact_caveat(c, limit)): caveats.append(cav)
+    verdict = threshold_verdict(c, limit, interval=(lo, hi) if stein else None)
+    if verdict.startswith('inconclusive'): caveats.append(what_it_takes(c, limit, batch_dir, main))
+    if curves is not None and len(curves): caveats.append(f'{a} vs {b} over the budget: {budget_sentence(curves, a, b)}')
+    return Answer(qid, question, verdict, _pct(c.mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
+                  method_text(c, limit, design), _seeds(c), budget, caveats)
+
+FORMATION_APPROX = ('log-rank p-values rest on a large-sample approximation: with a few runs per variant read them '
+                    'as rough')
+
+def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) -> Answer:
+    "R1/R2: whether `a` forms the recall circuit when `b` does: counts, the log-rank test with censored runs kept."
+    question = f'{a} forms the recall circuit as early as {b}'
+    t = formation_test(form, a, b)
+    if t is None: return Answer(qid=rid, question=question, verdict=NO_DATA, method=f'needs completed {a} and {b} runs '
+                                'with recall evaluations')
+    counts = f"formed: {a} {t['formed_a']} of {t['runs_a']}, {b} {t['formed_b']} of {t['runs_b']}"
+    c = formation_comparison(form, a, b)
+    step = f"; paired step difference where both formed it {c.text('{:+,.0f}')}" if c and c.n else ''
+    if t['p'] is None: verdict = 'neither formed it'
+    else: verdict = f"{t['earlier']} earlier" if t['p'] < 0.05 and t['earlier'] else 'no resolvable difference'
+    method = 'log-rank test, runs that never formed it censored at their last evaluation' + (
+        f"; p = {t['p']:.3g}" if t['p'] is not None else '')
+    n = t['runs_a'] + t['runs_b']
+    return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget,
+                  [f'formed = {formation_rule(form)}', FORMATION_APPROX])
+
+def convergence_caveat_line(conv: pd.DataFrame, variants) -> str | None:
+    "The one caveat on training length for every answer that rests on training: the runs' labels, counted."
+    c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
+    if not len(c): return None
+    counts = ', '.join(f'{f} {int((c.flag == f).sum())}' for f in FLAGS if (c.flag == f).any())
+    if (c.flag == 'plateau').all():
+        return f'all {len(c)} runs reached a plateau by a backtested forecast'
+    return (f'of {len(c)} runs, {int((c.flag == "plateau").sum())} reached a plateau by a backtested forecast '
+            f'({counts}; the Runs section gives each run\'s label): the answers hold at this budget')
+
+def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
                freeze: str = 'oelm-freeze', nofreeze: str = 'oelm', base: str = 'gpt',
                timing: pd.DataFrame | None = None, # `load_timing` of the batch (default: read beside the runs)
                curves: pd.DataFrame | None = None, # the runs' metrics records (default: read from their directories)
-               budget: bool = True, # False: the evidence leaves budget and seeds to the caller (the report's sentences)
-              ) -> pd.DataFrame:
-    """The H1-H4 verdicts of the Q/K freeze log and when the recall circuit forms (R1: vs `base`, R2: vs `nofreeze`),
-    each with its budget, seeds and convergence; an unresolved one says how many seeds would resolve it."""
+              ) -> list[Answer]:
+    """The H1-H4 answers of the Q/K freeze log and when the recall circuit forms (R1: vs `base`, R2: vs `nofreeze`),
+    through the evidence kit."""
     d = _batch_dir(runs)
     if timing is None and d is not None: timing = load_timing(d)
-    curves = run_curves(runs) if curves is None else curves
+    curves = run_curves(runs[runs.status == 'completed']) if curves is None else curves
     conv, form = convergence(runs, curves), formation(runs, curves)
-    rows = [h1_verdict(runs, freeze, nofreeze),
-            _threshold_row('H2', compare(runs, freeze, nofreeze), 0.05, freeze, nofreeze, d),
-            h3_verdict(timing, freeze, nofreeze),
-            _threshold_row('H4', compare(runs, freeze, base), 0.10, freeze, base, d),
-            formation_row('R1', form, freeze, base, d), formation_row('R2', form, freeze, nofreeze, d)]
-    against = [nofreeze, nofreeze, nofreeze, base, base, nofreeze]  # each row compares `freeze` with this variant
-    # H1 counts parameters, H3 times steps, a row without data rests on no run: none depends on how far training went
-    settled = lambda i, v: i in ('H1', 'H3') or v == 'no data'
-    note = lambda e, b: f"{e.rstrip('.')}. {budget_note(runs, conv, [freeze, b], budget)}".rstrip()
-    rows = [(i, h, v, e if settled(i, v) else note(e, b)) for (i, h, v, e), b in zip(rows, against)]
+    budget = budget_text(runs, [freeze, nofreeze, base])
+    h1, h3 = h1_verdict(runs, freeze, nofreeze), h3_verdict(timing, freeze, nofreeze)
+    answers = [Answer('H1', h1[1], h1[2], method=h1[3]),
+               gap_answer('H2', compare(runs, freeze, nofreeze), 0.05, freeze, nofreeze, d, budget, curves),
+               Answer('H3', h3[1], h3[2], method=h3[3]),
+               gap_answer('H4', compare(runs, freeze, base), 0.10, freeze, base, d, budget, curves, main=True),
+               formation_answer('R1', form, freeze, base, budget), formation_answer('R2', form, freeze, nofreeze, budget)]
+    if (line := convergence_caveat_line(conv, [freeze, nofreeze, base])):
+        for a in answers:
+            if a.qid not in ('H1', 'H3') and a.verdict != NO_DATA: a.caveats.insert(0, line)
+    return answers
+
+def hypotheses(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm', base: str = 'gpt',
+               timing: pd.DataFrame | None = None, curves: pd.DataFrame | None = None) -> pd.DataFrame:
+    "`qk_answers` as a table: index id; question, verdict and the evidence in one column (estimate, interval, method)."
+    rows = [(a.qid, a.question, a.verdict,
+             '; '.join(x for x in (a.estimate, a.interval, a.method, a.seeds, *a.caveats) if x))
+            for a in qk_answers(runs, freeze, nofreeze, base, timing, curves)]
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
 
 # %% ../nbs/06a_qk_freeze.ipynb #c64c13cb
@@ -307,6 +325,6 @@ QK_FREEZE = Study(
     train=QK_TRAIN, data=DATA_PRESETS, default_seeds=(0, 1),
     default_variants=('gpt', 'oelm', 'oelm-freeze', 'gauss', 'gauss-freeze'),
     report='reports/qk_freeze.ipynb',
-    verdicts=hypotheses,
+    answers=qk_answers,
     main=('best_val_ppl', 'oelm-freeze', 'gpt'),  # H4's comparison: what --precision sizes
     after_batch=interleaved_timing)

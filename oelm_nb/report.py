@@ -318,7 +318,7 @@ def seeds_command(batch_dir, # a batch directory: its batch.json gives study, pr
     if precision: parts += ['--precision', f'{precision:.3g}']
     return ' '.join(parts)
 
-# %% ../nbs/08_report.ipynb #c2338a37
+# %% ../nbs/08_report.ipynb #e04d05a4
 _NAME = re.compile(r'[A-Za-z0-9_.+-]{1,100}')
 _FIELDS = {'metric': str, 'a': str, 'b': str, 'confidence': float, 'half_width': float, 's0': float, 't': float,
            'n0': int, 'needed': int, 'n': int, 'max_seeds': int, 'n_used': int, 'capped': bool}

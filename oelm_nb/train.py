@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from fastcore.basics import patch
 
-from .core import ModelConfig, TrainConfig, ConfigError
+from .core import ModelConfig, TrainConfig, ConfigError, lr_at  # the schedule lives with its settings
 from .device import set_seed, pick_device, autocast_dtype, autocast, precision_note
 from .freeze import UnfreezeSchedule, param_report
 from .model import GPT
@@ -33,17 +33,9 @@ from .freeze import attention_layers
 from .guards import LOSS_WINDOW, TrainingDiverged, step_divergence, param_rms, param_divergence, oom_named
 
 # %% auto #0
-__all__ = ['LossFn', 'DDP_LOSS_TOL', 'lr_at', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss',
-           'call_loss_hook', 'evaluate', 'DistInfo', 'init_distributed', 'all_mean', 'Trainer',
-           'checkpoint_fingerprint', 'runtime_info', 'copy_task_data']
-
-# %% ../nbs/05_train.ipynb #df8a6e64
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    "Learning rate at optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
-    if step < cfg.warmup_steps: return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+__all__ = ['LossFn', 'DDP_LOSS_TOL', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook',
+           'evaluate', 'DistInfo', 'init_distributed', 'all_mean', 'Trainer', 'checkpoint_fingerprint', 'runtime_info',
+           'copy_task_data']
 
 # %% ../nbs/05_train.ipynb #5d95eba1
 def build_optimizer(model: nn.Module, cfg: TrainConfig,
@@ -140,10 +132,12 @@ def call_loss_hook(fn: LossFn, model: nn.Module, batch: tuple, step: int) -> tup
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TokenData, block_size: int, batch_size: int, n_batches: int,
              device: torch.device, amp_dtype=None) -> dict:
-    "Loss, perplexity and recall accuracy on the fixed validation sample."
+    """Loss, perplexity and recall accuracy on the fixed validation sample, and chance recall on the same scored
+    positions (the share whose target is the data's chance token, `meta.recall.chance_token`)."""
     was = model.training; model.eval()
     starts = eval_starts(len(data.tokens), block_size, batch_size * n_batches)
-    tot_loss, tot_tok, hit, n_recall = 0.0, 0, 0, 0
+    tot_loss, tot_tok, hit, n_recall, chance_hit = 0.0, 0, 0, 0, 0
+    chance_tok = ((data.meta or {}).get('recall') or {}).get('chance_token')
     for i in range(n_batches):
         x, y, rec = (t.to(device) for t in make_batch(data, starts[i * batch_size:(i + 1) * batch_size], block_size))
         with autocast(device, amp_dtype): logits, _ = model(x)
@@ -154,10 +148,12 @@ def evaluate(model: nn.Module, data: TokenData, block_size: int, batch_size: int
             pos = torch.arange(1, y.size(1) + 1, device=device).expand_as(y)  # window position of each target
             mask = (rec > 0) & (rec <= pos)
             hit += (logits.argmax(-1)[mask] == y[mask]).sum().item(); n_recall += int(mask.sum().item())
+            if chance_tok is not None: chance_hit += (y[mask] == int(chance_tok)).sum().item()
     model.train(was)
     loss = tot_loss / tot_tok
     out = {'val_loss': loss, 'val_ppl': math.exp(min(loss, 50.0))}
     if n_recall: out.update(recall_acc=hit / n_recall, recall_n=n_recall)
+    if n_recall and chance_tok is not None: out['recall_chance'] = chance_hit / n_recall
     return out
 
 # %% ../nbs/05_train.ipynb #701f0fd9
@@ -572,7 +568,7 @@ def summary(self: Trainer, records: list[dict], speeds: list[float], wall: float
             'final_val_loss': last.get('val_loss'), 'final_val_ppl': last.get('val_ppl'),
             'best_val_loss': self.best['val_loss'] if self.best['step'] is not None else None,
             'best_val_ppl': self.best.get('val_ppl'), 'best_step': self.best['step'],
-            'recall_acc': last.get('recall_acc'), 'final_train_loss': records[-1]['train_loss'] if records else None,
+            'recall_acc': last.get('recall_acc'), 'recall_chance': last.get('recall_chance'), 'final_train_loss': records[-1]['train_loss'] if records else None,
             'tokens_per_s': _median_speed(records),
             'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen},
             'runtime': runtime_info(self.device, self.amp, self.cfg)}
