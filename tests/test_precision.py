@@ -156,7 +156,8 @@ def test_precision_text(tmp_path):
     m, lo, hi = stein_interval(diffs.values(), p)
     for part in ("Stein's two-stage procedure", '`oelm-freeze` vs `gpt`', 'A pilot of 3 seeds (0, 1, 2)', 's0 = 4.00%',
                  f't = {stats.t.ppf(0.975, 2):.2f} (95%, 2 degrees of freedom)', '= 12 seeds per variant, capped at --max-seeds 4',
-                 f'{m:+.2%} (95% Stein interval {lo:+.2%} .. {hi:+.2%}', 'The batch also holds seeds 7, outside the design'):
+                 f'{math.expm1(m):+.2%} (95% Stein interval {math.expm1(lo):+.2%} .. {math.expm1(hi):+.2%}',
+                 'The batch also holds seeds 7, outside the design'):
         assert part in t, (part, t)
     for key, bad in (('a', '<img src=x onerror=alert(1)>'), ('metric', 'a`b'), ('t', 'inf'), ('needed', 2.5),
                      ('pilot_seeds', [-1]), ('mean', [1])):
@@ -179,23 +180,23 @@ def test_precision_end_to_end_with_the_cap(tmp_path, monkeypatch):
     res = run_with_precision('qk-freeze', 1e-6, max_seeds=3, seeds=[0, 1], **kw)
     rec = json.loads((out / 'precision.json').read_text())
     runs = load_runs(out)
-    pilot = compare(runs[runs.seed.isin([0, 1])], 'oelm-freeze', 'gpt', 'best_val_ppl').per_seed
+    pilot = compare(runs[runs.seed.isin([0, 1])], 'oelm-freeze', 'gpt', 'best_val_ppl').diffs  # log ratios
     assert rec['pilot_differences'] == {str(k): pytest.approx(v) for k, v in pilot.items()}
     assert (rec['n0'], rec['s0']) == (2, pytest.approx(np.std(list(pilot.values()), ddof=1)))
-    assert rec['needed'] == by_hand(list(pilot.values()), 1e-6) > 3
+    assert rec['needed'] == by_hand(list(pilot.values()), math.log1p(1e-6)) > 3  # the half-width on the log scale
     assert (rec['n'], rec['capped'], rec['seeds'], rec['max_seeds']) == (3, True, [0, 1, 2], 3)
     assert sorted(res.statuses) == [f'{v}-s{s}' for v in ('gpt', 'oelm-freeze') for s in (0, 1, 2)] and not res.failed
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(('gpt-', 'oelm-freeze-'))) == sorted(res.statuses)
-    full = compare(load_runs(out), 'oelm-freeze', 'gpt', 'best_val_ppl').per_seed
-    half = stats.t.ppf(0.975, 1) * rec['s0'] / math.sqrt(3)
-    assert rec['mean'] == pytest.approx(np.mean(list(full.values())))
-    assert (rec['low'], rec['high']) == pytest.approx((rec['mean'] - half, rec['mean'] + half))
+    full = compare(load_runs(out), 'oelm-freeze', 'gpt', 'best_val_ppl').diffs
+    half, m = stats.t.ppf(0.975, 1) * rec['s0'] / math.sqrt(3), np.mean(list(full.values()))
+    assert rec['mean'] == pytest.approx(math.expm1(m))  # the ratio of geometric means - 1
+    assert (rec['low'], rec['high']) == pytest.approx((math.expm1(m - half), math.expm1(m + half)))
     assert any('capped at --max-seeds 3; running seeds [2]' in l for l in lines), lines
     assert rendered == [out]  # the report once, at the end
     assert 'capped at --max-seeds 3' in precision_text(out)
 
     # the same pilot with a half-width its own spread needs 4 seeds for: one more seed runs, the rest are skipped
-    d = rec['t'] * rec['s0'] / math.sqrt(3.5)  # (t s0 / d)^2 = 3.5 -> N = 4
+    d = math.expm1(rec['t'] * rec['s0'] / math.sqrt(3.5))  # (t s0 / log(1 + d))^2 = 3.5 -> N = 4
     lines.clear()
     res = run_with_precision('qk-freeze', d, max_seeds=10, seeds=[0, 1], report=False, **kw)
     rec = json.loads((out / 'precision.json').read_text())
@@ -203,4 +204,4 @@ def test_precision_end_to_end_with_the_cap(tmp_path, monkeypatch):
     assert sum('already completed, skipped' in l for l in lines) == 2 * 2 + 2 * 3  # pilot twice, then seeds 0-2
     assert sum(l.endswith('started') for l in lines if '-s3' in l) == 2
     assert not any('-s4' in l for l in lines)
-    assert rec['high'] - rec['mean'] <= d + 1e-12 and rendered == [out]
+    assert math.log1p(rec['high']) - math.log1p(rec['mean']) <= math.log1p(d) + 1e-12 and rendered == [out]
