@@ -301,7 +301,7 @@ class DataConfig(ConfigBase):
               'must be a positive integer')
         check(0 < self.val_fraction < 1, c, 'val_fraction', self.val_fraction, 'must be in (0, 1)')
 
-# %% ../nbs/00_core.ipynb #75ba62a9
+# %% ../nbs/00_core.ipynb #7bcf83c4
 def lr_at(step: int, cfg: TrainConfig) -> float:
     "Learning rate at optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
     if step < cfg.warmup_steps: return cfg.lr * (step + 1) / cfg.warmup_steps

@@ -15,14 +15,18 @@ from .metrics import read_metrics
 from .cvfp_study import DIVERSITY_DESCRIPTIONS
 from .cvfp_checks import pass_fail
 from .fixed_point import GUIDELINES_AGREEMENT
+from .evidence import Answer, Comparison, NO_DATA, paired, threshold_verdict, exact_caveat, method_text
+from .page import budget_text, seeds_text
 
 # %% auto #0
-__all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'Run', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'fmt',
-           'er_text', 'rate_text', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table',
-           'speed_table', 'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping',
-           'iteration_table', 'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details',
-           'checks_counts', 'checks_summary', 'agreement_sentence', 'coverage_table', 'coverage_sentence',
-           'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table']
+__all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'CVFP_BUDGET', 'SPEED_BUDGET', 'COUNT', 'ONE_SEED',
+           'SHARED_CPU', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'fmt', 'er_text',
+           'rate_text', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table',
+           'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table',
+           'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts',
+           'checks_summary', 'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves',
+           'phase2_curves', 'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison',
+           'cvfp_answers']
 
 # %% ../nbs/12b_cvfp_report.ipynb #b74e1bc8
 class Run(NamedTuple):
@@ -36,15 +40,20 @@ class Run(NamedTuple):
     summary: dict
 
 # %% ../nbs/12b_cvfp_report.ipynb #c1bc1d4e
-def batch_runs(batch_dir) -> list[Run]:
-    "Every run of a batch directory in `load_runs` order, each with its summary."
-    df = load_runs(batch_dir)
+def table_runs(df: pd.DataFrame) -> list[Run]:
+    "Every run of a runs table (`report.load_runs`), in its order, each with its summary read from its directory."
     return [Run(Path(r.run_dir).name, r.variant, int(r.seed), Path(r.run_dir), r.status,
-                None if pd.isna(r.error) else r.error,
+                None if pd.isna(getattr(r, 'error', None)) else r.error,
                 read_json(Path(r.run_dir) / 'summary.json') or {}) for r in df.itertuples()] if len(df) else []
 
+def batch_runs(batch_dir) -> list[Run]:
+    "Every run of a batch directory in `load_runs` order, each with its summary."
+    return table_runs(load_runs(batch_dir))
+
 # %% ../nbs/12b_cvfp_report.ipynb #289f831d
-def _runs(runs) -> list[Run]: return runs if isinstance(runs, list) else batch_runs(runs)
+def _runs(runs) -> list[Run]:
+    "The runs of a batch given as `batch_runs`' list, a runs table (`report.load_runs`) or a batch directory."
+    return runs if isinstance(runs, list) else table_runs(runs) if isinstance(runs, pd.DataFrame) else batch_runs(runs)
 
 # %% ../nbs/12b_cvfp_report.ipynb #d4998783
 def _done(runs, key: str) -> list[Run]:
@@ -563,3 +572,103 @@ def timing_table(runs) -> pd.DataFrame:
         for r in cvfp_runs(runs)
     ]
     return pd.DataFrame(rows).set_index('run') if rows else pd.DataFrame()
+
+# %% ../nbs/12b_cvfp_report.ipynb #e992d536
+CVFP_BUDGET = (('samples', 'stories'), ('train_tokens', 'training tokens'), ('iterations', 'Phase 1 iterations'),
+               ('phase2_steps', 'Phase 2 steps'))  # what one CVFP run trained: (summary field, its name)
+SPEED_BUDGET = (('tokens', 'tokens'), ('iterations', 'iterations'))  # what one speed run timed
+COUNT = 'a count over runs (no interval)'
+ONE_SEED = 'rests on one seed: no interval over seeds (needs >= 2)'
+SHARED_CPU = 'timed on a CPU that other runs of the batch (and other processes) may have shared'
+
+# %% ../nbs/12b_cvfp_report.ipynb #265f0245
+def er_frame(runs) -> pd.DataFrame:
+    "Seed, algorithm, sample size and validation effective rank (%) of every CVFP run."
+    return pd.DataFrame([{'seed': r.seed, 'algorithm': r.summary.get('algorithm'), 'stories': r.summary.get('samples'),
+                          'val ER': r.summary.get('val_er_percent')} for r in cvfp_runs(runs)],
+                        columns=['seed', 'algorithm', 'stories', 'val ER'])
+
+def er_comparison(runs) -> Comparison | None:
+    """Q1's paired comparison: per seed, the mean over the sample sizes both algorithms ran of ODCM - MCDL validation
+    effective rank (points); None without such a sample size."""
+    er = er_frame(runs).dropna()
+    if not len(er): return None
+    both = er.pivot_table(index=['seed', 'stories'], columns='algorithm', values='val ER')
+    if not {'ODCM', 'MCDL'} <= set(both.columns): return None
+    by_seed = both[['ODCM', 'MCDL']].dropna().groupby(level='seed').mean()
+    return paired(by_seed['ODCM'], by_seed['MCDL'], 'validation effective rank', 'ODCM', 'MCDL', relative=False)
+
+def speed_comparison(runs) -> Comparison | None:
+    "Q2's paired comparison: sequential vs parallel Phase 1 seconds of each seed's speed run (relative: log scale)."
+    sp = pd.DataFrame([{'seed': r.seed, 'sequential': r.summary.get('sequential_s'), 'parallel': r.summary.get('parallel_s')}
+                       for r in _done(runs, 'speedup')], columns=['seed', 'sequential', 'parallel']).set_index('seed')
+    return paired(sp.sequential.astype(float), sp.parallel.astype(float), 'Phase 1 seconds', 'sequential', 'parallel')
+
+# %% ../nbs/12b_cvfp_report.ipynb #b9176805
+def _paired_seeds(c: Comparison) -> str: return f"{c.n} paired seed{'s' if c.n != 1 else ''}"
+
+def _raises(c: Comparison) -> str:
+    "Q1's verdict: supported when the interval lies above 0 (a difference of exactly 0 raises nothing), rejected at or below."
+    if c.n < 2 or c.low is None: return 'inconclusive (needs >= 2 seeds)'
+    return 'supported' if c.low > 0 else 'rejected' if c.high <= 0 else 'inconclusive'
+
+def _interval(c: Comparison, fmt) -> str:
+    return '' if c.low is None else f'95% CI {fmt(c.low)} .. {fmt(c.high)}'
+
+def _caveats(c: Comparison, limit: float) -> list[str]:
+    "One seed, or a verdict that rests on the normal assumption (`exact_caveat`)."
+    return [ONE_SEED] if c.n < 2 else [x for x in (exact_caveat(c, limit),) if x]
+
+def _batch_dir(table: pd.DataFrame) -> str:
+    return str(Path(table.run_dir.iloc[0]).parent) if len(table) and 'run_dir' in table else 'DIR'
+
+# %% ../nbs/12b_cvfp_report.ipynb #18f8cb35
+def cvfp_answers(runs) -> list[Answer]:
+    """Q1-Q4 of the report through the evidence kit, from a runs table (`report.load_runs`) or a batch directory: ODCM
+    vs MCDL effective rank, the parallel speed-up, the three checks and the fixed point."""
+    table = runs if isinstance(runs, pd.DataFrame) else load_runs(runs)
+    rs = table_runs(table); cv = cvfp_runs(rs); sp = _done(rs, 'speedup')
+    cmd = f"oelm run cvfp --out {_batch_dir(table) if isinstance(runs, pd.DataFrame) else runs}"
+    names = list(dict.fromkeys(r.variant for r in cv))
+    budget, seeds = budget_text(table, names, CVFP_BUDGET), seeds_text(table, names)
+    out = []
+    q = ('Q1', 'ODCM raises the validation effective rank above MCDL')
+    if (c := er_comparison(cv)) is None:
+        out.append(Answer(*q, NO_DATA, method=f'no sample size with completed MCDL and ODCM runs ({cmd} trains both)'))
+    else:
+        pts = lambda x: f'{x:+.1f} points'
+        out.append(Answer(*q, _raises(c), pts(c.mean), _interval(c, pts),
+                          'per seed, ODCM - MCDL averaged over the sample sizes both ran; ' + method_text(c, 0.0),
+                          _paired_seeds(c), budget, _caveats(c, 0.0)))
+    q = ('Q2', f'parallel Phase 1 is at least {SPEEDUP_TARGET}x faster than sequential')
+    if (c := speed_comparison(sp)) is None:
+        out.append(Answer(*q, NO_DATA, method=f'no completed phase1-speed run ({cmd} times it)'))
+    else:
+        x = lambda v: f'{v + 1:.1f}x'
+        out.append(Answer(*q, threshold_verdict(c, SPEEDUP_TARGET - 1, below=False), x(c.mean), _interval(c, x),
+                          f'speed-up = sequential / parallel seconds per seed; {method_text(c, SPEEDUP_TARGET - 1)} '
+                          f'against {SPEEDUP_TARGET}x', _paired_seeds(c),
+                          budget_text(table, [r.variant for r in sp], SPEED_BUDGET),
+                          [SHARED_CPU, *_caveats(c, SPEEDUP_TARGET - 1)]))
+    counts = checks_counts(cv)
+    fixed = counts.pop(CHECKS['agreement'])
+    q = ('Q3', "every CVFP run passes the New-LLM guidelines' three checks")
+    if not any(n for _, n in counts.values()):
+        out.append(Answer(*q, NO_DATA, method=f'no completed CVFP run ({cmd} trains them)'))
+    else:
+        out.append(Answer(*q, 'supported' if all(p == n for p, n in counts.values()) else 'rejected',
+                          ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in counts.items()), '',
+                          f'{COUNT}; each check by its rule (section The three checks)', seeds, budget))
+    q = ('Q4', 'every CVFP run ends Phase 1 at its fixed point (parallel vs sequential mean cosine >= 0.99)')
+    rec = [r for r in cv if r.summary.get('agreement_cos_mean') is not None]
+    if not fixed[1]:
+        out.append(Answer(*q, NO_DATA, method=f'no CVFP run recorded the agreement ({cmd} measures it)'))
+    else:
+        n = {k: sum(r.summary.get('agreement_regime') == k for r in rec) for k in ('fixed point', 'near', 'off')}
+        out.append(Answer(*q, 'supported' if fixed[0] == fixed[1] else 'rejected',
+                          f"Phase 1 ended at its fixed point in {n['fixed point']} of {len(rec)} runs, near it in "
+                          f"{n['near']}, off it in {n['off']}", '',
+                          f"{COUNT}; mean cosine of the kept iteration's contexts with a sequential pass of the trained "
+                          f"block, fixed point >= 0.99, near >= 0.90 (the New-LLM guidelines measured "
+                          f"{GUIDELINES_AGREEMENT['cos_mean']})", seeds, budget))
+    return out

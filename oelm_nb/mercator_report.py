@@ -13,15 +13,18 @@ import pandas as pd
 from .mercator import STAGES, STAGE_BOUNDS, COLLAPSE_GAP, PASS_LINES, collapsed, cosine_stage, pass_label
 from .report import compare, interval_text, load_runs, log_ticks
 from .rundir import read_json
+from .evidence import Answer, NO_DATA, exact_caveat, method_text
+from .page import budget_text
 
 # %% auto #0
 __all__ = ['BASELINE', 'NOT_STUDENTS', 'RUN_COLUMNS', 'CAPACITY', 'TASK_LABELS', 'GUIDE', 'STAGE_COLORS', 'PCT', 'PTS',
-           'ONE_SEED_NOTE', 'mercator_runs', 'completed_runs', 'is_student', 'student_variants', 'distilled_variants',
-           'is_mercator', 'batch_line', 'task_label', 'pass_of', 'stage_of', 'yes_no', 'runs_table', 'style_runs_table',
-           'failed_runs_note', 'protocol_values', 'start_text', 'guide_text', 'protocol_text', 'stage_bands',
-           'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard', 'style_agreement', 'plot_agreement',
-           'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl', 'vs_text', 'style_ppl', 'plot_ppl',
-           'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer', 'comparisons', 'seeds_note', 'headline']
+           'ONE_SEED_NOTE', 'with_report_columns', 'mercator_runs', 'completed_runs', 'is_student', 'student_variants',
+           'distilled_variants', 'is_mercator', 'batch_line', 'task_label', 'pass_of', 'stage_of', 'yes_no',
+           'runs_table', 'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text',
+           'protocol_text', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard',
+           'style_agreement', 'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl',
+           'vs_text', 'style_ppl', 'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer',
+           'comparisons', 'seeds_note', 'headline', 'mercator_answers']
 
 # %% ../nbs/13b_mercator_report.ipynb #b36f5e5a
 BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
@@ -30,10 +33,10 @@ RUN_COLUMNS = ('role', 'task', 'best_val_ppl', 'recall_acc', 'task_acc', 'final_
                'teacher_val_ppl', 'start', 'start_val_ppl', 'start_recall_acc', 'steps', 'wall_time_s')
 
 # %% ../nbs/13b_mercator_report.ipynb #b9524776
-def mercator_runs(batch_dir) -> pd.DataFrame:
-    """`report.load_runs` of a Mercator batch with every column the report reads (NaN where no run wrote it), the task
-    and the collapse flag."""
-    runs = load_runs(batch_dir)
+def with_report_columns(runs: pd.DataFrame) -> pd.DataFrame:
+    """A runs table (`report.load_runs`) of a Mercator batch with every column the report reads (NaN where no run
+    wrote it), the task and the collapse flag; a table that has them is returned as it was."""
+    runs = runs.copy()
     for col in ('variant', 'seed', 'status', 'error', 'run_dir'):
         if col not in runs: runs[col] = pd.Series(dtype=object)
     for col in RUN_COLUMNS:
@@ -47,6 +50,11 @@ def mercator_runs(batch_dir) -> pd.DataFrame:
     runs['collapsed'] = [collapsed(r, c) if pd.notna(r) and pd.notna(c) else None
                          for r, c in zip(runs.final_kv_cos, runs.final_kv_cos_centered)]
     return runs
+
+def mercator_runs(batch_dir) -> pd.DataFrame:
+    """`report.load_runs` of a Mercator batch with every column the report reads (NaN where no run wrote it), the task
+    and the collapse flag (`with_report_columns`)."""
+    return with_report_columns(load_runs(batch_dir))
 
 # %% ../nbs/13b_mercator_report.ipynb #6e428021
 def completed_runs(runs: pd.DataFrame) -> pd.DataFrame: return runs[runs.status == 'completed']
@@ -480,23 +488,28 @@ def beats(c, lower_better: bool) -> bool:
     return c is not None and c.resolvable and (c.mean < 0) == lower_better
 
 # %% ../nbs/13b_mercator_report.ipynb #92019562
+def _metric_parts(cmps: dict, lower_better: bool) -> dict:
+    """What one metric's answer rests on (comparisons with the baseline, variant -> `report.Comparison`): the best
+    variant, those better on average, those that beat the baseline, those resolvably worse, and the kind of answer."""
+    best = min(cmps, key=lambda v: cmps[v].mean if lower_better else -cmps[v].mean)
+    better = [v for v, x in cmps.items() if (x.mean < 0 if lower_better else x.mean > 0)]
+    won = [v for v in better if beats(cmps[v], lower_better)]
+    kind = 'yes' if won else 'untested' if better and cmps[best].low is None else 'not resolvably' if better else 'no'
+    return dict(best=best, better=better, won=won, worse=[v for v, x in cmps.items() if beats(x, not lower_better)],
+                kind=kind)
+
 def metric_answer(cmps: dict, what: str, fmt: str, lower_better: bool) -> str:
     """The answer's clause for one metric from comparisons with the baseline (variant -> `report.Comparison`), written
     with `fmt`."""
     if not cmps: return f"on {what}, cannot say (no distilled student has a run paired with the baseline's)"
-    best = min(cmps, key=lambda v: cmps[v].mean if lower_better else -cmps[v].mean); c = cmps[best]
-    desc, some = f"`{best}` at {c.text(fmt)}", lambda vs: f"{len(vs)} of {len(cmps)} ({', '.join(vs)})"
-    better = [v for v, x in cmps.items() if (x.mean < 0 if lower_better else x.mean > 0)]
-    worse = [v for v, x in cmps.items() if beats(x, not lower_better)]
-    if (won := [v for v in better if beats(cmps[v], lower_better)]):
-        out = f"yes: {some(won)} beat it beyond seed-to-seed noise, the best {desc}"
-    elif better and c.low is None:
-        out = f"untested: better for {some(better)} in a single paired seed, the best {desc}"
-    elif better:
-        out = f"not resolvably: better on average for {some(better)} but within seed-to-seed noise, the best {desc}"
-    else:
-        out = f"no: even the best, {desc}, is not better"
-    return f"on {what}, {out}" + (f", and resolvably worse: {some(worse)}" if worse else '')
+    p = _metric_parts(cmps, lower_better); c = cmps[p['best']]
+    desc, some = f"`{p['best']}` at {c.text(fmt)}", lambda vs: f"{len(vs)} of {len(cmps)} ({', '.join(vs)})"
+    out = {'yes': f"yes: {some(p['won'])} beat it beyond seed-to-seed noise, the best {desc}",
+           'untested': f"untested: better for {some(p['better'])} in a single paired seed, the best {desc}",
+           'not resolvably': f"not resolvably: better on average for {some(p['better'])} but within seed-to-seed noise, "
+                             f"the best {desc}",
+           'no': f"no: even the best, {desc}, is not better"}[p['kind']]
+    return f"on {what}, {out}" + (f", and resolvably worse: {some(p['worse'])}" if p['worse'] else '')
 
 # %% ../nbs/13b_mercator_report.ipynb #7327d508
 def _completed_variants(runs: pd.DataFrame, variants) -> list[str]:
@@ -538,3 +551,45 @@ def headline(runs: pd.DataFrame) -> str:
     b = (f"on {task_label(runs)}, cannot tell: every student and `{BASELINE}` score 0.0% ({len(st)} runs)"
          if acc and (st == 0).all() else metric_answer(acc, task_label(runs), PTS, False))
     return f"{q} {a[0].upper()}{a[1:]}; {b}."
+
+# %% ../nbs/13b_mercator_report.ipynb #4a01c357
+def _range(ns) -> str: return f'{min(ns)}' if min(ns) == max(ns) else f'{min(ns)}-{max(ns)}'
+
+def _metric_kit_answer(qid: str, question: str, cmps: dict, fmt: str, lower_better: bool, budget: str,
+                       what: str) -> Answer:
+    "One metric's `evidence.Answer` from comparisons with the baseline (variant -> `report.Comparison`)."
+    if not cmps:
+        return Answer(qid, question, NO_DATA, method="no distilled student has a run paired with the baseline's",
+                      budget=budget)
+    p = _metric_parts(cmps, lower_better); c, n = cmps[p['best']], len(cmps)
+    some = lambda vs: f"{len(vs)} of {n} ({', '.join(vs)})"
+    verdict = {'yes': f"yes: {some(p['won'])} beat it", 'no': 'no: none is better on average',
+               'untested': f"untested: better for {some(p['better'])} in a single paired seed",
+               'not resolvably': f"not resolvably: better on average for {some(p['better'])}"}[p['kind']]
+    verdict += f"; resolvably worse: {some(p['worse'])}" if p['worse'] else ''
+    caveats = [x for v in p['won'] + p['worse'] if (x := exact_caveat(cmps[v], 0.0))]
+    if (note := seeds_note(cmps)): caveats.append(note.strip()[1:-1])
+    return Answer(qid, question, verdict, f"best {p['best']} {fmt.format(c.mean)}",
+                  '' if c.low is None else f'95% CI {fmt.format(c.low)} .. {fmt.format(c.high)}',
+                  f'{what}, each distilled student vs {BASELINE} paired by seed, the best by its mean; '
+                  + method_text(c, 0.0), f"{_range([x.n for x in cmps.values()])} paired seed{'s' if c.n > 1 else ''}",
+                  budget, list(dict.fromkeys(caveats)))
+
+# %% ../nbs/13b_mercator_report.ipynb #8da2a7d0
+def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
+    """The study's answers (`evidence.Answer`) from its runs table (`report.load_runs`): does any distillation variant
+    beat `no-distill` on validation PPL (PPL) and on task accuracy (ACC)? `headline`'s clauses, through the kit."""
+    runs = with_report_columns(runs)
+    qs = {'PPL': f'does any distillation variant beat {BASELINE} on validation PPL?',
+          'ACC': f'does any distillation variant beat {BASELINE} on {task_label(runs)}?'}
+    budget = budget_text(runs, student_variants(runs))
+    why = (f'the {BASELINE} baseline did not complete' if not (completed_runs(runs).variant == BASELINE).any() else
+           'no distilled student completed' if not _completed_variants(runs, distilled_variants(runs)) else None)
+    if why: return [Answer(q, text, NO_DATA, method=why, budget=budget) for q, text in qs.items()]
+    ppl, acc = comparisons(runs)
+    st = completed_runs(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
+    acc_answer = (Answer('ACC', qs['ACC'], 'cannot tell', f'every student and {BASELINE} score 0.0% ({len(st)} runs)',
+                         method='an accuracy of 0 everywhere compares nothing', budget=budget)
+                  if acc and (st == 0).all() else
+                  _metric_kit_answer('ACC', qs['ACC'], acc, PTS, False, budget, f'{task_label(runs)} in points'))
+    return [_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget, 'best validation PPL'), acc_answer]

@@ -22,16 +22,19 @@ from .train import Trainer, evaluate
 from .checkpoint import load_weights
 from .freeze import param_report
 from .report import compare, t_interval, interval_text
+from .evidence import Answer, Comparison, NO_DATA, exact_caveat
+from .page import budget_text
 from .pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_,
                          pca_factorize, save_pca_mats, apply_lora, merge_lora, unmerge_lora, attach_scale_layers_)
 
 # %% auto #0
 __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_METHOD_LABELS', 'GAP_TOL',
-           'PCA_COLORS', 'PCA_STUDY', 'PCASettings', 'default_ks', 'check_ks', 'finetune_schedule', 'lora_finetune',
-           'pca_variants', 'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k',
-           'method_means', 'ppl_table', 'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references',
-           'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff',
-           'load_pca_model', 'pca_verdicts', 'pca_main']
+           'PCA_COLORS', 'RECOVERY_METHOD', 'ONE_SEED', 'NOT_MATCHED', 'NO_GAP', 'PCA_STUDY', 'PCASettings',
+           'default_ks', 'check_ks', 'finetune_schedule', 'lora_finetune', 'pca_variants', 'token_embedding_params',
+           'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
+           'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references', 'best_method_per_k',
+           'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff', 'load_pca_model',
+           'pca_answers', 'pca_main']
 
 # %% ../nbs/11a_pca_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -333,7 +336,8 @@ def _per_seed(ok: pd.DataFrame, method: str, k=None) -> pd.Series:
 # %% ../nbs/11a_pca_study.ipynb #bcdf1402
 def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per k: mean losses over paired seeds, and against each reference (baseline, baseline-cont) the fraction of the
-    PCA gap LoRA recovered, with its 95% t-interval over seeds."""
+    PCA gap LoRA recovered, with its 95% t-interval over seeds (helper columns `_*`: per-seed fractions, paired seeds,
+    the seeds without a gap and the mean gap, for `pca_answers`)."""
     runs = with_method_k(runs)
     ok = runs[(runs.status == 'completed') & runs.val_loss.notna()] if 'val_loss' in runs else runs.iloc[:0]
     refs = {m: _per_seed(ok, m) for m in REFERENCE_METHODS}
@@ -353,6 +357,9 @@ def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
             row[f'recovered vs {m}'], row[f'95% CI vs {m}'] = (
                 mean, interval_text(mean, low, high, n, '{:.0%}', point=False))
             row[f'_ci {m}'], row[f'_n {m}'] = (low, high), n
+            row[f'_rec {m}'] = {int(x): float(v) for x, v in rec.dropna().items()}
+            row[f'_paired {m}'], row[f'_gap {m}'] = len(s), float(gap.mean()) if len(s) else np.nan
+            row[f'_nogap {m}'] = [int(x) for x in rec.index[rec.isna()]]
             if len(seeds) and not len(s): notes.append(f'{m} did not complete')
             elif len(s) and n < len(s):
                 no = [int(x) for x in rec.index[rec.isna()]]
@@ -565,20 +572,48 @@ def load_pca_model(spec: RunSpec, find_checkpoint) -> tuple[GPT, Path]:
     return model, ckpt
 
 # %% ../nbs/11a_pca_study.ipynb #231bb5ce
-def pca_verdicts(runs: pd.DataFrame) -> pd.DataFrame:
-    "The console's verdict table: one row per (k, reference) with the recovery class and its evidence."
-    gaps = recovery_table(runs)
-    rows = {}
-    for k, r in gaps.iterrows():
-        for m in REFERENCE_METHODS:
-            mean = r.get(f'recovered vs {m}', np.nan)
-            if pd.isna(mean): continue
-            ci = r[f'_ci {m}']
-            rows[f'k={k} vs {m}'] = {'verdict': _classify(mean, ci),
-                                     'hypothesis': f'PCA + LoRA recovers the PCA-only gap to {m} at k={k}',
-                                     'evidence': f"recovered {mean:.0%} ({interval_text(mean, *ci, r[f'_n {m}'])}, "
-                                                 f"{r[f'_n {m}']} seed(s))"}
-    return pd.DataFrame(rows).T
+RECOVERY_METHOD = ('(PCA - PCA+LoRA) / (PCA - {ref}) in validation loss per seed, the fraction of the PCA-only gap '
+                   'recovered; mean over seeds with a 95% t-interval')
+ONE_SEED = 'rests on one seed: no interval over seeds (needs >= 2), the class comes from the mean alone'
+NOT_MATCHED = ('against baseline, PCA + LoRA trained its fine-tuning steps on top of it: not matched in compute '
+               '(baseline-cont is)')
+NO_GAP = 'no gap'
+_LIMITS = {'part': (0.0, 1.0), 'whole': (1.0,), 'none': (0.0,), 'open': ()}  # the bounds a class says the interval is past
+
+# %% ../nbs/11a_pca_study.ipynb #660c2da2
+def _recovery_answer(k: int, m: str, r: pd.Series, budget: str) -> Answer:
+    "One (k, reference) answer from a row of `recovery_table`."
+    q, question = f'k={k} vs {m}', f'does PCA + LoRA recover the gap PCA-only opens to {m} at k={k}?'
+    n, paired, rec = int(r[f'_n {m}']), int(r[f'_paired {m}']), r[f'_rec {m}']
+    seeds = f"{n} paired seed{'s' if n != 1 else ''}" + (f' of {paired}' if n < paired else '')
+    if not n:  # no seed with a gap: nothing to recover
+        return Answer(q, question, NO_GAP, f'PCA-only {r[f"_gap {m}"]:+.4f} nats vs {m}', '',
+                      f'PCA-only within {GAP_TOL:g} nats of {m} or better at every paired seed',
+                      f"{paired} paired seed{'s' if paired != 1 else ''}", budget)
+    mean, (low, high) = r[f'recovered vs {m}'], r[f'_ci {m}']
+    cls, caveats = _classify(mean, (low, high)), [NOT_MATCHED] if m == 'baseline' else []
+    method = RECOVERY_METHOD.format(ref=m)
+    if low is None: caveats.append(ONE_SEED)
+    else:
+        c = Comparison('recovered', 'PCA + LoRA', m, rec, mean, low, high, relative=False, diffs=rec)
+        method += f'; sign-flip p = {c.p_value(0.0):.3g} against 0%, {c.p_value(1.0):.3g} against 100%'
+        if (lims := _LIMITS[cls]):  # the bound whose exact test is weakest
+            if (cav := exact_caveat(c, max(lims, key=lambda x: c.p_value(x) or 0.0))): caveats.append(cav)
+    if r[f'_nogap {m}']:
+        caveats.append(f'seed(s) {r[f"_nogap {m}"]} left out against {m}: PCA-only is within {GAP_TOL:g} nats of it '
+                       'or better there')
+    return Answer(q, question, cls, f'{mean:.0%} of the gap', '' if low is None else f'95% CI {low:.0%} .. {high:.0%}',
+                  method, seeds, budget, caveats)
+
+# %% ../nbs/11a_pca_study.ipynb #5082ee3b
+def pca_answers(runs: pd.DataFrame) -> list[Answer]:
+    """The study's answers (`evidence.Answer`), one per k and reference with paired runs: the recovery class of PCA +
+    LoRA (`_classify`: part, whole, none, open), or 'no gap' where PCA-only is not worse than the reference."""
+    gaps, runs = recovery_table(runs), with_method_k(runs)
+    out = [_recovery_answer(k, m, r, budget_text(runs, [f'pca-lora-k{k}', m])) for k, r in gaps.iterrows()
+           for m in REFERENCE_METHODS if r.get(f'_paired {m}', 0) and not pd.isna(r.get(f'_paired {m}'))]
+    return out or [Answer('recovery', 'does PCA + LoRA recover the gap PCA-only opens, at any k?', NO_DATA,
+                          method='needs completed PCA, PCA + LoRA and reference runs of a common seed')]
 
 # %% ../nbs/11a_pca_study.ipynb #08737577
 def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
@@ -596,5 +631,5 @@ PCA_STUDY = Study(
     options={'ks': dict(type=int, nargs='+', metavar='K',
                         help='embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m '
                              'and gpt2-124m-1024)')},
-    default_seeds=(0, 1), notebook='experiments/pca.ipynb', report='reports/pca.ipynb', verdicts=pca_verdicts,
+    default_seeds=(0, 1), notebook='experiments/pca.ipynb', report='reports/pca.ipynb', answers=pca_answers,
     main=pca_main)

@@ -4,16 +4,20 @@
 
 # %% ../nbs/14_studies.ipynb #14fb3bde
 from __future__ import annotations
+import dataclasses
 from .core import ConfigError
 from .experiment import Study, STUDIES, get_study, register_study
 from .qk_freeze import QK_FREEZE
 from .pca_study import PCA_STUDY
 from .cvfp_study import CVFP_STUDY
 from .mercator_study import MERCATOR_STUDY
+from .cvfp_report import cvfp_answers
+from .mercator_report import mercator_answers
 
 # %% auto #0
 __all__ = ['STUDIES', 'get_study']
 
 # %% ../nbs/14_studies.ipynb #c4f191fa
 _all_ = ['STUDIES', 'get_study']  # the registry lives in oelm_nb.experiment; this module fills it
-for _s in (QK_FREEZE, PCA_STUDY, CVFP_STUDY, MERCATOR_STUDY): register_study(_s)
+for _s in (QK_FREEZE, PCA_STUDY, dataclasses.replace(CVFP_STUDY, answers=cvfp_answers),
+           dataclasses.replace(MERCATOR_STUDY, answers=mercator_answers)): register_study(_s)

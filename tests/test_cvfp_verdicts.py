@@ -309,3 +309,55 @@ def test_empty_batch(tmp_path):
     assert cr.agreement_sentence([]) == 'No CVFP run recorded the fixed-point agreement.'
     assert cg.layers_sentence(tmp_path / 'bare') == cg.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
     assert cr.batch_sentence(tmp_path / 'bare').endswith(': study `None`, preset `None`, data `None`, seeds None, flags none, overrides {}.')
+
+
+# ------------------------------------------------------------------ the answers through the evidence kit (issue 38)
+def three_seeds(d: Path) -> Path:
+    "Three seeds: ODCM's validation effective rank 4, 5 and 6 points above MCDL's at every sample size, speed-ups 20, 21 and 22x."
+    base = lambda a, n, s: {**cvfp_summary(a, n, s), 'val_er_percent': 40.0 + (4 + s if a == 'ODCM' else 0)}
+    b = make_batch(d, seeds=(0, 1, 2), summaries={(a, n, s): base(a, n, s) for a in ('MCDL', 'ODCM') for n in (10, 20, 40) for s in (0, 1, 2)})
+    for s in (0, 1, 2): write_json(b / f'phase1-speed-s{s}' / 'summary.json', speed_summary(20.0 + s))
+    return b
+
+
+def test_answers_trace_to_the_summaries(tmp_path):
+    "Q1-Q4 from the runs table `oelm run` passes; Q1's and Q2's numbers recomputed here with scipy from the summaries."
+    from scipy import stats
+    from oelm_nb.report import load_runs
+    b = three_seeds(tmp_path / 'b')
+    q1, q2, q3, q4 = cr.cvfp_answers(load_runs(b))
+    assert [(a.qid, a.verdict) for a in (q1, q2, q3, q4)] == [('Q1', 'supported'), ('Q2', 'supported'), ('Q3', 'rejected'), ('Q4', 'rejected')]
+    d = np.array([4.0, 5.0, 6.0])  # per seed, ODCM - MCDL averaged over the three sample sizes
+    lo, hi = stats.t.interval(0.95, 2, loc=d.mean(), scale=stats.sem(d))
+    assert (q1.estimate, q1.interval, q1.seeds) == ('+5.0 points', f'95% CI {lo:+.1f} points .. {hi:+.1f} points', '3 paired seeds')
+    g = np.log([20.0, 21.0, 22.0])  # speed-up = sequential / parallel seconds: the ratio of geometric means
+    glo, ghi = stats.t.interval(0.95, 2, loc=g.mean(), scale=stats.sem(g))
+    assert (q2.estimate, q2.interval) == (f'{np.exp(g.mean()):.1f}x', f'95% CI {np.exp(glo):.1f}x .. {np.exp(ghi):.1f}x')
+    assert q2.budget == '6,400 tokens, 10 iterations per run' and q1.budget == '10-40 stories, 1,000-4,000 training tokens, 4 Phase 1 iterations, 30 Phase 2 steps per run'
+    exact = 'rests on the normal assumption: the exact sign-flip test gives p = 0.25 (with 3 seeds it cannot go below 0.25)'
+    assert q1.caveats == [exact] and q2.caveats[-1] == exact and cr.SHARED_CPU in q2.caveats
+    assert q3.estimate == f'{C1} passed in 0 of 18 runs, {C2} passed in 18 of 18 runs, {C3} passed in 12 of 18 runs' and q3.interval == ''
+    assert q4.estimate == 'Phase 1 ended at its fixed point in 6 of 18 runs, near it in 6, off it in 6'  # 40, 20 and 10 stories
+    assert cr.cvfp_answers(b) == [q1, q2, q3, q4]  # a batch directory gives the same answers
+
+
+def test_answers_one_seed_slow_and_empty(tmp_path):
+    one = cr.cvfp_answers(make_batch(tmp_path / 'one', speedup=8.0))
+    assert [a.verdict for a in one[:2]] == ['inconclusive (needs >= 2 seeds)'] * 2 and one[1].estimate == '8.0x'
+    assert one[0].interval == '' and cr.ONE_SEED in one[0].caveats
+    (tmp_path / 'bare').mkdir()
+    none = cr.cvfp_answers(tmp_path / 'bare')
+    assert [a.verdict for a in none] == ['no data'] * 4
+    assert none[1].method == f"no completed phase1-speed run (oelm run cvfp --out {tmp_path / 'bare'} times it)"
+    mcdl = cr.cvfp_answers(make_batch(tmp_path / 'mcdl', algs=('MCDL',)))
+    assert mcdl[0].verdict == 'no data' and mcdl[0].method.startswith('no sample size with completed MCDL and ODCM runs')
+
+
+def test_registered_cvfp_study_answers(tmp_path):
+    "`oelm run cvfp` prints `get_study('cvfp').answers(runs)`: Answers for a small batch."
+    from oelm_nb.evidence import Answer, answers_text
+    from oelm_nb.report import load_runs
+    from oelm_nb.studies import get_study
+    got = get_study('cvfp').answers(load_runs(three_seeds(tmp_path / 'b')))
+    assert [a.qid for a in got] == ['Q1', 'Q2', 'Q3', 'Q4'] and all(isinstance(a, Answer) for a in got)
+    assert got[0].estimate == '+5.0 points' and 'Q4' in answers_text(got)

@@ -129,11 +129,11 @@ def test_report_answers_with_numbers_from_the_runs(batch):
     sums = {v: read_json(out / f'{v}-s0' / 'summary.json') for v in (*STUDENTS, 'pretrain')}
     for heading in ('Questions and answers', 'Protocol', 'Task accuracy against no-distill', 'KV agreement per layer', 'MSE against Mercator'):
         assert heading in text
-    assert 'Does any distillation variant beat no-distill ? On validation PPL' in text
-    # the headline names the best distilled student on PPL and its difference, computed here from the summaries
+    assert 'does any distillation variant beat no-distill on validation PPL?' in text  # the answers table (mercator_answers)
+    # the PPL answer names the best distilled student and its difference, computed here from the summaries (one seed: the ratio)
     base = sums['no-distill']['best_val_ppl']
     best = min(('mercator-b0.01', 'logit-kd'), key=lambda v: sums[v]['best_val_ppl'])
-    assert f"{best} at {sums[best]['best_val_ppl'] / base - 1:+.2%}" in text
+    assert f"best {best} {sums[best]['best_val_ppl'] / base - 1:+.2%}" in text
     for v in STUDENTS:
         s = sums[v]
         assert f"{s['best_val_ppl']:.3f}" in text and f"{s['final_kv_cos']:.3f}" in text and f"{s['final_kv_cos_centered']:.3f}" in text
@@ -151,7 +151,8 @@ def test_report_renders_when_a_run_failed(batch, tmp_path):
     r = oelm_main('report', str(dst))
     assert r.returncode == 0, r.stderr
     text = html_text(dst / 'report.html')
-    assert 'RuntimeError: boom' in text and 'Cannot say: the no-distill baseline did not complete' in text
+    assert 'RuntimeError: boom' in text
+    assert 'no data' in text and 'the no-distill baseline did not complete' in text  # the answers table (mercator_answers)
 
 
 # ---------------------------------------------------------------- flags and plan

@@ -1,8 +1,8 @@
 """The Mercator report's tables and verdicts (`oelm_nb.mercator_report`) on small fake batch directories.
 
 Each test writes a batch the way the runner does (batch.json, per-run summary.json and metrics.jsonl) and checks
-the sentences the report would print. Expected intervals are recomputed here with scipy, not taken from
-`report.compare`.
+the sentences the report would print and the study's answers (`mercator_answers`, through the evidence kit).
+Expected intervals are recomputed here with scipy, not taken from `report.compare`.
 """
 from __future__ import annotations
 import json, math
@@ -14,7 +14,7 @@ from scipy import stats
 
 from oelm_nb.rundir import write_json
 from oelm_nb.mercator_report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, batch_line, collapse_guard,
-                                     failed_runs_note, headline, mercator_runs, ppl_table, protocol_text, runs_table,
+                                     failed_runs_note, headline, mercator_answers, mercator_runs, ppl_table, protocol_text, runs_table,
                                      student_variants, style_acc, style_agreement, style_ppl, style_runs_table)
 from oelm_nb.mercator_diagnosis import alignment, cause_sentence, mse_sentence, mse_table
 
@@ -55,10 +55,11 @@ def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | 
 
 
 def t_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
-    "Mean and 95% t-interval of the paired relative differences a/b - 1 (independent of report.compare)."
-    rel = np.array(a) / np.array(b) - 1
-    half = stats.t.ppf(0.975, len(rel) - 1) * rel.std(ddof=1) / math.sqrt(len(rel))
-    return rel.mean(), rel.mean() - half, rel.mean() + half
+    """The paired relative difference on the log scale (independent of report.compare): exp(mean log(a/b)) - 1, the ratio
+    of geometric means - 1, with the 95% t-interval of the log ratios taken back the same way."""
+    d = np.log(np.array(a) / np.array(b))
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    return math.expm1(d.mean()), math.expm1(d.mean() - half), math.expm1(d.mean() + half)
 
 
 def verdict_of(tmp_path, ppl, **kw) -> str:
@@ -119,7 +120,9 @@ def test_three_seeds_not_resolvably(tmp_path):
 
 def test_three_seeds_did_not_help_and_resolvably_worse(tmp_path):
     v = verdict_of(tmp_path, {'mercator-b0': [33.0, 34.0, 33.5], 'mse': [32.5, 31.0, 33.0], BASELINE: [32.0, 32.0, 32.0]})
-    assert v.startswith(Q + "On validation PPL, no: even the best, `mse` at +0.52% (95% CI")
+    m, lo, hi = t_interval([32.5, 31.0, 33.0], [32.0] * 3)  # the ratio of geometric means: +0.49%, not the mean ratio's +0.52%
+    assert lo < 0 < m < hi
+    assert v.startswith(Q + f"On validation PPL, no: even the best, `mse` at {m:+.2%} (95% CI {lo:+.2%} .. {hi:+.2%}, 3 seeds)")
     assert v.endswith('3 seeds), is not better, and resolvably worse: 1 of 2 (mercator-b0); ' + NO_ACC + '.')
     ppl = ppl_table(mercator_runs(tmp_path / 'batch'))
     assert ppl.loc[['mse', BASELINE], 'best val PPL'].tolist() == pytest.approx([32.1667, 32.0], abs=1e-4)
@@ -351,3 +354,54 @@ def test_runs_table_escapes_run_data(tmp_path):
     write_json(out / 'mercator-b0-s0' / 'summary.json', {'status': 'failed', 'error': '<img src=x onerror=alert(1)>'})
     html = safe_table(style_runs_table(runs_table(mercator_runs(out)))).to_html()
     assert '<img' not in html and '&lt;img src=x' in html
+
+
+# ------------------------------------------------------------------ the answers through the evidence kit (issue 38)
+EXACT_3 = 'rests on the normal assumption: the exact sign-flip test gives p = 0.25 (with 3 seeds it cannot go below 0.25)'
+
+
+def test_answers_three_seeds_trace_to_the_summaries(tmp_path):
+    "PPL and accuracy answers: verdicts from the intervals, the best student's numbers recomputed here from the summaries."
+    a, b, worse = [30.0, 30.5, 29.8], [32.0, 32.2, 31.9], [33.0, 34.0, 33.5]
+    acc_a, acc_b = [0.30, 0.34, 0.31], [0.20, 0.22, 0.23]
+    out = fake_batch(tmp_path, {'mercator-b0': a, 'mse': worse, BASELINE: b}, roles=True,
+                     acc={'mercator-b0': acc_a, 'mse': [0.2, 0.2, 0.2], BASELINE: acc_b}, task='recall')
+    from oelm_nb.report import load_runs
+    ppl, acc = mercator_answers(load_runs(out))  # the runs table `oelm run` passes, without the report's columns
+    m, lo, hi = t_interval(a, b)
+    assert (ppl.qid, ppl.verdict) == ('PPL', 'yes: 1 of 2 (mercator-b0) beat it; resolvably worse: 1 of 2 (mse)')
+    assert (ppl.estimate, ppl.interval) == (f'best mercator-b0 {m:+.2%}', f'95% CI {lo:+.2%} .. {hi:+.2%}')
+    assert 'ratio of geometric means (log scale)' in ppl.method and 'sign-flip p = 0.25' in ppl.method
+    assert ppl.seeds == '3 paired seeds' and ppl.budget == '30 steps per run' and ppl.caveats == [EXACT_3]
+    am, alo, ahi = (100 * x for x in diff_interval(acc_a, acc_b))
+    assert (acc.qid, acc.verdict) == ('ACC', 'yes: 1 of 2 (mercator-b0) beat it')
+    assert (acc.estimate, acc.interval) == (f'best mercator-b0 {am:+.1f} points', f'95% CI {alo:+.1f} points .. {ahi:+.1f} points')
+    assert 'recall accuracy' in acc.question and acc.caveats == [EXACT_3]
+    assert mercator_answers(mercator_runs(out)) == [ppl, acc]  # the report's table gives the same answers
+
+
+def test_answers_one_seed_and_no_baseline(tmp_path):
+    one = mercator_answers(mercator_runs(fake_batch(tmp_path, {'mercator-b0': [34.0], 'mse': [33.0], BASELINE: [32.0]},
+                                                   acc={'mercator-b0': [0.1], 'mse': [0.3], BASELINE: [0.2]}, name='one')))
+    assert [x.verdict for x in one] == ['no: none is better on average', 'untested: better for 1 of 2 (mse) in a single paired seed']
+    assert (one[0].estimate, one[0].interval) == (f'best mse {33 / 32 - 1:+.2%}', '')  # one seed: the ratio itself, no interval
+    assert one[1].estimate == f'best mse {100 * (0.3 - 0.2):+.1f} points'
+    assert all(x.caveats == [ONE_SEED_NOTE.strip()[1:-1]] for x in one)
+    gone = mercator_answers(mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [None]}, name='gone')))
+    assert [(x.qid, x.verdict, x.method) for x in gone] == [(q, 'no data', 'the no-distill baseline did not complete') for q in ('PPL', 'ACC')]
+    zero = mercator_answers(mercator_runs(fake_batch(tmp_path, {'mercator-b0': [30.0], BASELINE: [32.0]},
+                                                    acc={'mercator-b0': [0.0], BASELINE: [0.0]}, name='zero')))
+    assert (zero[1].verdict, zero[1].estimate) == ('cannot tell', 'every student and no-distill score 0.0% (2 runs)')
+
+
+def test_registered_study_answers_through_the_kit(tmp_path):
+    "`oelm run mercator` prints `get_study('mercator').answers(runs)`: Answers for a small batch."
+    from oelm_nb.evidence import Answer, answers_text
+    from oelm_nb.report import load_runs
+    from oelm_nb.studies import get_study
+    out = fake_batch(tmp_path, {'mercator-b0': [30.0, 30.5], 'mse': [31.0, 31.2], BASELINE: [32.0, 32.2]}, roles=True)
+    got = get_study('mercator').answers(load_runs(out))
+    assert [a.qid for a in got] == ['PPL', 'ACC'] and all(isinstance(a, Answer) for a in got)
+    m = t_interval([30.0, 30.5], [32.0, 32.2])[0]
+    assert got[0].estimate == f'best mercator-b0 {m:+.2%}' and got[1].verdict == 'no data'
+    assert 'PPL' in answers_text(got)

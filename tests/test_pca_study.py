@@ -244,6 +244,29 @@ def test_report_shows_the_table_and_the_verdict(batch):
     assert 'Traceback' not in text and 'Error' not in text
 
 
+def test_answers_trace_to_the_summaries(batch):
+    "`pca_answers` (what `oelm run pca` prints and the report's table shows): each number recomputed here from the summaries."
+    from oelm_nb.report import load_runs
+    out = completed(batch)
+    got = {a.qid: a for a in get_study('pca').answers(load_runs(out))}
+    assert list(got) == [f'k={k} vs {ref}' for k in KS for ref in ('baseline', 'baseline-cont')]
+    text = html_text(out / 'report.html')
+    for q, a in got.items():
+        k, ref = int(q.split()[0][2:]), q.split(' vs ')[1]
+        r = _recovery(out, k, ref)
+        if r is None:  # every seed without a gap (k = d against the baseline; baseline-cont can end worse than PCA-only)
+            assert (a.verdict, a.interval) == ('no gap', ''); continue
+        m, ci = r
+        if ci is None:  # one seed with a gap: the class from the mean, no interval
+            assert (a.estimate, a.interval) == (f'{m:.0%} of the gap', '') and a.seeds.startswith('1 paired seed'); continue
+        lo, hi = ci
+        cls = 'whole' if lo >= 1 else 'none' if hi <= 0 else 'part' if lo > 0 and hi < 1 else 'open'
+        assert (a.verdict, a.estimate, a.interval, a.seeds) == (cls, f'{m:.0%} of the gap', f'95% CI {lo:.0%} .. {hi:.0%}', '2 paired seeds')
+        assert f'{m:.0%} of the gap (95% CI {lo:.0%} .. {hi:.0%})' in text  # the report's answers table
+    assert got[f'k={D} vs baseline'].verdict == 'no gap'  # k = d: PCA-only is the baseline
+    assert "All answers hold at the runs' budget" in text or 'Budgets: ' in text
+
+
 def test_report_renders_with_a_failed_run(batch, tmp_path):
     out = completed(batch)
     dst = tmp_path / 'b'

@@ -4,10 +4,11 @@ Each report is rendered as `oelm run` renders it (papermill, then nbconvert --no
 Q/K freeze, Mercator and CVFP reports on batches written by hand with three seeds (`fake_runs`, and the CVFP
 verdict tests' `make_batch`), the PCA report on the session's shared PCA batch (`shared_runs.pca_batch`, which
 renders its report anyway). The page is parsed into its `<h2>` sections with the standard library's HTML parser,
-and the checks are the issue's acceptance: the first section is "Questions and answers" and states every verdict
-of the study's own verdict table, each with its interval, the budget of a run and the seeds, before any
-provenance or configuration table; those come last, the full configuration folded in a `<details>` element; a
-section without data is one line with the command that gets it.
+and the checks are the issues' acceptance (29, 38): the first section is "Questions and answers", one table of the
+study's answers (`Study.answers`, the evidence kit), each row with its verdict and, where it has one, its interval,
+then one line under the table with the budget (once) and the caveats (each once); provenance and configuration
+come last, the full configuration folded in a `<details>` element; a section without data is one line with the
+command that gets it.
 """
 from __future__ import annotations
 import json, math, re
@@ -37,14 +38,17 @@ class Sections(HTMLParser):
 
     @staticmethod
     def _new(title): return {'title': title, 'text': [], 'items': [], 'tables': []}
+    _row = _cell = None
 
     def handle_starttag(self, tag, attrs):
         if tag in ('style', 'script'): self._skip = tag
         elif tag == 'h2': self._heading = []
         elif tag == 'li': self._items.append([])
         elif tag == 'details': self._details += 1
-        elif tag == 'table': self._tables.append({'headers': [], 'folded': self._details > 0, '_th': None})
-        elif tag == 'th' and self._tables: self._tables[-1]['_th'] = []
+        elif tag == 'table': self._tables.append({'headers': [], 'rows': [], 'folded': self._details > 0, '_th': None})
+        if tag == 'th' and self._tables: self._tables[-1]['_th'] = []
+        if tag == 'tr' and self._tables: self._row = []
+        if tag in ('td', 'th') and self._row is not None: self._cell = []
 
     def handle_endtag(self, tag):
         if tag == self._skip: self._skip = None
@@ -56,6 +60,10 @@ class Sections(HTMLParser):
         elif tag == 'details': self._details -= 1
         elif tag == 'th' and self._tables and self._tables[-1]['_th'] is not None:
             self._tables[-1]['headers'].append(''.join(self._tables[-1]['_th']).strip()); self._tables[-1]['_th'] = None
+        if tag in ('td', 'th') and self._cell is not None and self._row is not None:
+            self._row.append(' '.join(''.join(self._cell).split())); self._cell = None
+        if tag == 'tr' and self._row is not None and self._tables:
+            self._tables[-1]['rows'].append(self._row); self._row = None
         elif tag == 'table' and self._tables:
             t = self._tables.pop(); t.pop('_th'); self.sections[-1]['tables'].append(t)
 
@@ -64,6 +72,7 @@ class Sections(HTMLParser):
         if self._heading is not None: self._heading.append(data); return
         for item in self._items: item.append(data)
         if self._tables and self._tables[-1]['_th'] is not None: self._tables[-1]['_th'].append(data)
+        if self._cell is not None: self._cell.append(data)
         self.sections[-1]['text'].append(data)
 
     def section(self, title: str) -> dict:
@@ -73,28 +82,34 @@ class Sections(HTMLParser):
         return ' '.join(''.join(self.section(title)['text']).split())
 
 
-INTERVAL = re.compile(r'95% CI .+\.\. |needs >= 2 seeds|exact count|quartiles of \d+ interleaved rounds|no interval')
-BUDGET_SEEDS = re.compile(r'; at (?P<budget>[^;]*\d[^;]* per run), (?P<seeds>\d+(-\d+)? seeds?( per variant)?)\.$')
+INTERVAL = re.compile(r'95% CI .+\.\. |exact count|quartiles of \d+ interleaved rounds')
+NO_INTERVAL = ('no data', 'neither formed it', 'earlier', 'no resolvable difference', 'open', 'inconclusive (needs')
 
 
-def answers_first(html_file: Path, expected: dict) -> Sections:
-    """The order checks every report passes; `expected`: question id -> its verdict (from the study's verdict table,
-    'no data' for one without data). Returns the parsed page for the report's own checks."""
+def answer_rows(page: 'Sections') -> dict:
+    "question id -> the cells of its row in the one answers table of 'Questions and answers'."
+    tables = [t for t in page.section('Questions and answers')['tables'] if 'answer' in t['headers']]
+    assert len(tables) == 1, page.section('Questions and answers')['tables']
+    return {r[0]: r for r in tables[0]['rows'] if len(r) >= 4 and r[0]}  # the header row has no id
+
+
+def answers_first(html_file: Path, expected: dict, intervals: bool = True) -> Sections:
+    """The order checks every report passes; `expected`: question id -> its verdict (from the study's answers, 'no
+    data' for one without data). Returns the parsed page for the report's own checks."""
     page = Sections(html_file.read_text(encoding='utf-8'))
     titles = [s['title'] for s in page.sections]
     assert titles[1] == 'Questions and answers', titles  # the first section after the title and introduction
     assert titles[-1] == 'Where the numbers come from', titles
-    assert page.sections[0]['tables'] == [] and page.section('Questions and answers')['tables'] == []
-    items = page.section('Questions and answers')['items']
+    assert page.sections[0]['tables'] == []
+    rows = answer_rows(page)
     for q, verdict in expected.items():
-        mine = [i for i in items if i.startswith(f'{q} ')]
-        assert len(mine) == 1, f'question {q}: {len(mine)} sentences in {items}'
-        line = mine[0]
-        assert verdict in line, (q, verdict, line)
-        if verdict.startswith('no data'): continue
-        if verdict in ('no seed formed it in both', 'neither formed it') or verdict.startswith('only '): continue  # formation counts: no interval
-        assert INTERVAL.search(line), f'{q} states no interval: {line}'
-        assert BUDGET_SEEDS.search(line), f'{q} states no budget and seeds: {line}'
+        assert q in rows, (q, list(rows))
+        row = ' | '.join(rows[q])
+        assert verdict in rows[q][2], (q, verdict, row)  # the answer column
+        if not intervals or any(w in verdict for w in NO_INTERVAL): continue
+        assert INTERVAL.search(row), f'{q} states no interval: {row}'
+    text = page.text('Questions and answers')
+    assert re.search(r"(All answers hold at the runs' budget: [^\[]*?\d[^\[]*? per run\.|Budgets: )", text), text
     # provenance and the configuration: in the last section only, the full configuration folded
     where = [i for i, s in enumerate(page.sections) for t in s['tables'] if {'commit', 'differs'} & set(t['headers'])]
     assert where and set(where) == {len(titles) - 1}, [titles[i] for i in where]
@@ -144,18 +159,21 @@ def qk_report(tmp_path_factory):
 
 def test_qk_freeze_report_answers_first(qk_report):
     from oelm_nb.report import load_runs
-    from oelm_nb.qk_freeze import hypotheses
+    from oelm_nb.qk_freeze import qk_answers
     root, html_file = qk_report
-    h = hypotheses(load_runs(root))
-    # the batch decides something: H1 7% fewer, H2 +1%, H4 +11%; R1 and R2 (recall formation) have no chance level here
-    assert list(h.verdict)[:4] == ['rejected', 'supported', 'no data', 'rejected'] and list(h.index[4:]) == ['R1', 'R2']
-    page = answers_first(html_file, dict(h.verdict))
-    items = page.section('Questions and answers')['items']
+    answers = qk_answers(load_runs(root))
+    verdicts = {a.qid: a.verdict for a in answers}
+    # the batch decides something: H1 7% fewer, H2 +1%, H4 +11%; nothing formed the recall circuit at recall 0.5 with
+    # no chance level recorded
+    assert [verdicts[q] for q in ('H1', 'H2', 'H3', 'H4')] == ['rejected', 'supported', 'no data', 'rejected']
+    page = answers_first(html_file, verdicts)
+    rows = answer_rows(page)
+    assert list(rows) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2']
+    text = page.text('Questions and answers')
     budget = f'{STEPS} steps, {STEPS * BLOCK / 1e3:.3g}k tokens per run'
-    with_data = [i for i, v in zip(items, h.verdict) if not v.startswith('no data')]
-    assert len(with_data) == 5 and all(i.endswith(f'at {budget}, 3 seeds per variant.') for i in with_data)
-    assert all(i.count('tokens per run') <= 1 for i in items)  # the budget is stated once per sentence, at its end
-    assert 'oelm bench --variants oelm,oelm-freeze' in items[2]  # the question without data says how to get it
+    assert text.count('tokens per run') == 1 and f"All answers hold at the runs' budget: {budget}." in text  # once
+    assert text.count('rests on the normal assumption') <= 2  # each caveat once: H2's and H4's p-values differ at most
+    assert 'oelm bench --variants oelm,oelm-freeze' in ' '.join(rows['H3'])  # the question without data says how
     # a section without data is one line with the command that trains it, not a table of 'no data' rows
     controls = page.section('Controls: orthogonality, initial scale, freezing')
     assert controls['tables'] == [] and 'No controls in this batch: oelm run qk-freeze --variants gauss,gauss-freeze' in page.text(controls['title'])
@@ -183,15 +201,15 @@ def mercator_report(tmp_path_factory):
 
 
 def test_mercator_report_answers_first(mercator_report):
-    from oelm_nb.mercator_report import mercator_runs, headline
+    from oelm_nb.report import load_runs
+    from oelm_nb.mercator_report import mercator_answers, headline, mercator_runs
     root, html_file = mercator_report
     answer = headline(mercator_runs(root))
     assert answer.startswith('**Does any distillation variant beat `no-distill`?** On validation PPL, yes: 2 of 3')
-    assert 'on recall accuracy, yes: 1 of 3 (mercator-b0.01)' in answer
-    page = answers_first(html_file, {'Q1': 'Does any distillation variant beat no-distill? On validation PPL, yes: 2 of 3',
-                                     'Q2': 'Mercator variants reached a lower'})
-    items = page.section('Questions and answers')['items']
-    assert all(i.endswith('at 30 steps, 7,680 tokens per run, 3 seeds per variant.') for i in items)  # the students' budget, not the teacher's
+    answers = mercator_answers(load_runs(root))
+    page = answers_first(html_file, {a.qid: a.verdict for a in answers})
+    # the students' budget, not the teacher's
+    assert "All answers hold at the runs' budget: 30 steps, 7,680 tokens per run." in page.text('Questions and answers')
 
 
 # ---------------------------------------------------------------- CVFP: two algorithms at three sample sizes, speed runs, three seeds
@@ -210,14 +228,13 @@ def cvfp_report(tmp_path_factory):
 
 
 def test_cvfp_report_answers_first(cvfp_report):
+    from oelm_nb.cvfp_report import cvfp_answers
     root, html_file = cvfp_report
-    page = answers_first(html_file, {'Q1': 'supported', 'Q2': 'supported', 'Q3': 'rejected', 'Q4': 'rejected'})
-    q1, q2, q3, q4 = page.section('Questions and answers')['items']
-    assert 'ODCM - MCDL +5.0 points (95% CI' in q1 and 'speed-up 21.0x (95% CI' in q2
-    assert q1.endswith('at 10-40 stories, 1,000-4,000 training tokens, 4 Phase 1 iterations, 30 Phase 2 steps per run, 3 seeds per variant.')
-    assert q2.endswith('at 6,400 tokens, 10 iterations per run, 3 seeds.')
-    assert 'Check 1: effective rank passed in 0 of 18 runs' in q3 and 'Fixed point' not in q3
-    assert 'Phase 1 ended at its fixed point in 6 of 18 runs, near it in 6, off it in 6' in q4  # 40, 20 and 10 stories
+    answers = {a.qid: a for a in cvfp_answers(root)}
+    assert [answers[q].verdict for q in ('Q1', 'Q2', 'Q3', 'Q4')] == ['supported', 'supported', 'rejected', 'rejected']
+    page = answers_first(html_file, {q: a.verdict for q, a in answers.items()}, intervals=False)
+    rows = answer_rows(page)
+    assert '95% CI' in ' '.join(rows['Q1']) and '95% CI' in ' '.join(rows['Q2'])
     emb = page.section('Frozen vs trained embedding')
     assert emb['tables'] == [] and 'No --train-embedding runs in this batch: oelm run cvfp --train-embedding' in page.text(emb['title'])
 
@@ -225,9 +242,9 @@ def test_cvfp_report_answers_first(cvfp_report):
 # ---------------------------------------------------------------- PCA: the shared batch (seeds 0 and 1, ks 16 and 64) renders its report
 def test_pca_report_answers_first(tmp_path_factory):
     from oelm_nb.report import load_runs
-    from oelm_nb.pca_study import pca_verdicts
+    from oelm_nb.pca_study import pca_answers
     out = completed(pca_batch(tmp_path_factory))
-    v = pca_verdicts(load_runs(out))
-    assert len(v) >= 1  # a verdict for each k and reference with a gap to recover (4-step runs: at least k=16 vs baseline)
-    page = answers_first(out / 'report.html', dict(v.verdict))
-    assert all('2 seeds per variant.' in i for i in page.section('Questions and answers')['items'])
+    answers = pca_answers(load_runs(out))
+    assert len(answers) >= 1  # an answer for each k and reference (4-step runs: at least k=16 vs baseline)
+    page = answers_first(out / 'report.html', {a.qid: a.verdict for a in answers}, intervals=False)
+    assert all('2 paired seeds' in ' '.join(r) for q, r in answer_rows(page).items() if q.startswith('k='))

@@ -1,5 +1,6 @@
 """The study framework from outside: typed settings per study, run names, the registry, and the verdict functions of the
-Q/K freeze and PCA studies on hand-made run directories (one seed, failed runs, missing metrics)."""
+Q/K freeze and PCA studies on hand-made run directories (one seed, failed runs, missing metrics); every registered study
+answers through the evidence kit."""
 from __future__ import annotations
 import json, math
 
@@ -13,7 +14,8 @@ from oelm_nb.rundir import parse_run_name, run_name
 from oelm_nb.report import compare, load_runs
 from oelm_nb.studies import STUDIES, get_study
 from oelm_nb.qk_freeze import hypotheses
-from oelm_nb.pca_study import ppl_table, recovery_table, recovery_verdict
+from oelm_nb.pca_study import ppl_table, recovery_table, recovery_verdict, pca_answers
+from oelm_nb.evidence import Answer
 from fake_runs import failed, fake_batch
 from cli_helpers import oelm_main
 
@@ -129,7 +131,7 @@ def test_missing_metrics_give_no_data(tmp_path):
     assert hypotheses(load_runs(fake_batch(tmp_path / 'c', 'qk-freeze', {}))).verdict.eq('no data').all()
 
 
-# ====================================================================== PCA verdicts
+# ====================================================================== PCA verdicts and answers
 PCA_PLAN = {'baseline': {'settings.method': 'baseline'},
             **{f'{m}-k{k}': {'settings.method': m, 'model.n_embd_wte': k} for m in ('pca', 'pca-lora') for k in (8, 64)}}
 
@@ -155,3 +157,46 @@ def test_pca_verdict_without_a_baseline(tmp_path):
     runs = {'baseline': lambda s: failed(), 'pca-k8': lambda s: pca_summary('pca', 8, 3.0), 'pca-lora-k8': lambda s: pca_summary('pca-lora', 8, 2.5)}
     gaps = recovery_table(load_runs(fake_batch(tmp_path, 'pca', runs, plan=PCA_PLAN)))
     assert recovery_verdict(gaps).startswith('**No verdict:**')
+
+
+def test_pca_answers_trace_to_the_losses(tmp_path):
+    "Two seeds: the recovered fraction per seed, its mean and t-interval recomputed here from the losses the runs wrote."
+    from scipy import stats
+    loss = {'baseline': (2.0, 2.1), 'pca-k8': (3.0, 3.1), 'pca-lora-k8': (2.4, 2.6), 'pca-k64': (2.0, 2.1), 'pca-lora-k64': (2.0, 2.1)}
+    method = lambda v: 'baseline' if v == 'baseline' else v.rpartition('-k')[0]
+    runs = {v: (lambda s, v=v: pca_summary(method(v), 64 if v == 'baseline' else int(v.rpartition('-k')[2]), loss[v][s])) for v in loss}
+    table = load_runs(fake_batch(tmp_path, 'pca', runs, seeds=(0, 1), plan=PCA_PLAN))
+    got = {a.qid: a for a in pca_answers(table)}
+    assert list(got) == ['k=8 vs baseline', 'k=64 vs baseline']  # no baseline-cont runs in this batch
+    rec = np.array([(3.0 - 2.4) / (3.0 - 2.0), (3.1 - 2.6) / (3.1 - 2.1)])  # 60% and 50%
+    lo, hi = stats.t.interval(0.95, 1, loc=rec.mean(), scale=stats.sem(rec))
+    a = got['k=8 vs baseline']
+    assert (a.verdict, a.estimate, a.interval, a.seeds) == ('open', f'{rec.mean():.0%} of the gap', f'95% CI {lo:.0%} .. {hi:.0%}', '2 paired seeds')
+    assert lo < 0 and hi > 1  # the interval straddles 0% and 100%: open
+    assert a.caveats == ['against baseline, PCA + LoRA trained its fine-tuning steps on top of it: not matched in compute (baseline-cont is)']
+    assert got['k=64 vs baseline'].verdict == 'no gap'  # k = d: PCA-only is the baseline
+
+
+def test_pca_answers_one_seed_says_so(tmp_path):
+    runs = {'baseline': lambda s: pca_summary('baseline', 64, 2.0), 'pca-k8': lambda s: pca_summary('pca', 8, 3.0),
+            'pca-lora-k8': lambda s: pca_summary('pca-lora', 8, 2.5)}
+    (a,) = pca_answers(load_runs(fake_batch(tmp_path, 'pca', runs, plan=PCA_PLAN)))
+    assert (a.verdict, a.estimate, a.interval, a.seeds) == ('part', '50% of the gap', '', '1 paired seed')
+    assert any(c.startswith('rests on one seed') for c in a.caveats)
+    none = pca_answers(load_runs(fake_batch(tmp_path / 'none', 'pca', {**runs, 'pca-lora-k8': lambda s: failed()}, plan=PCA_PLAN)))
+    assert [(x.verdict, x.method) for x in none] == [('no data', 'needs completed PCA, PCA + LoRA and reference runs of a common seed')]
+
+
+def test_every_study_answers_through_the_kit():
+    assert {n: s.answers.__name__ for n, s in STUDIES.items()} == {
+        'qk-freeze': 'qk_answers', 'pca': 'pca_answers', 'cvfp': 'cvfp_answers', 'mercator': 'mercator_answers'}
+
+
+def test_registered_pca_study_answers(tmp_path):
+    "`oelm run pca` prints `get_study('pca').answers(runs)`: Answers for a small batch."
+    runs = {'baseline': lambda s: pca_summary('baseline', 64, 2.0 + 0.1 * s), 'pca-k8': lambda s: pca_summary('pca', 8, 3.0 + 0.1 * s),
+            'pca-lora-k8': lambda s: pca_summary('pca-lora', 8, 2.4 + 0.1 * s)}
+    got = get_study('pca').answers(load_runs(fake_batch(tmp_path, 'pca', runs, seeds=(0, 1), plan=PCA_PLAN)))
+    assert all(isinstance(a, Answer) for a in got) and [a.qid for a in got] == ['k=8 vs baseline']
+    assert (got[0].estimate, got[0].verdict) == ('60% of the gap', 'part')  # 60% at both seeds: no spread
+    assert any('rests on the normal assumption' in c for c in got[0].caveats)  # two seeds: the exact test cannot go below 0.5
