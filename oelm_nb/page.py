@@ -14,12 +14,12 @@ from IPython.display import HTML
 from pandas.io.formats.style import Styler
 
 from .report import hyperparameter_table, safe_table
+from .evidence import NO_DATA
 from .rundir import read_json
 
 # %% auto #0
-__all__ = ['BUDGET', 'NO_DATA', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'answer_sentence',
-           'answers', 'answer_lines', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded',
-           'configuration']
+__all__ = ['BUDGET', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'plot_comparisons',
+           'split_no_data', 'config_diff_table', 'html_of', 'folded', 'configuration']
 
 # %% ../nbs/08b_page.ipynb #efb0fc55
 def code_span(text) -> str:
@@ -76,37 +76,6 @@ def seeds_text(runs: pd.DataFrame, variants=None) -> str:
     span = str(n.min()) if n.min() == n.max() else f'{n.min()}-{n.max()}'
     text = f"{span} seed{'' if n.max() == 1 else 's'}"
     return text + ' per variant' if n.size > 1 else text
-
-# %% ../nbs/08b_page.ipynb #881c0461
-NO_DATA = 'no data'
-
-def answer_sentence(qid, question, verdict, evidence, budget: str, seeds: str) -> str:
-    "One Markdown sentence: the question, its verdict in bold, the number with its interval, the budget and seeds."
-    ev = str(evidence).strip().rstrip('.')
-    if str(verdict).startswith(NO_DATA): return f"**{qid}** {question}: **{verdict}** — {ev}."
-    return f"**{qid}** {question}: **{verdict}** — {ev}; at {budget}, {seeds}."
-
-# %% ../nbs/08b_page.ipynb #67abb121
-def answers(verdicts: pd.DataFrame, # index: question id; columns hypothesis, verdict, evidence
-            budget: str | dict, # `budget_text`, or per question id
-            seeds: str | dict, # `seeds_text`, or per question id
-           ) -> str:
-    "The verdict table as a Markdown list, one sentence per question (`answer_sentence`)."
-    need = {'hypothesis', 'verdict', 'evidence'} - set(verdicts.columns)
-    if need:
-        raise ValueError(f'answers: the verdict table lacks {sorted(need)}; it has {list(verdicts.columns)}')
-    pick = lambda v, q: v.get(q, '') if isinstance(v, dict) else v
-    return '\n'.join(f'- {answer_sentence(q, r.hypothesis, r.verdict, r.evidence, pick(budget, q), pick(seeds, q))}'
-                     for q, r in verdicts.iterrows())
-
-# %% ../nbs/08b_page.ipynb #4008a715
-def answer_lines(items: dict, # question id -> a study's answer sentence (Markdown)
-                 budget: str | dict, seeds: str | dict, # as for `answers`
-                ) -> str:
-    "Answer sentences as a Markdown list, each with the budget and seeds it holds at."
-    pick = lambda v, q: v.get(q, '') if isinstance(v, dict) else v
-    line = lambda q, t: f"- **{q}** {str(t).strip().rstrip('.')}; at {pick(budget, q)}, {pick(seeds, q)}."
-    return '\n'.join(line(q, t) for q, t in items.items())
 
 # %% ../nbs/08b_page.ipynb #a8d9d6dc
 def plot_comparisons(cmps: dict, # label -> `report.Comparison` (None: left out)
