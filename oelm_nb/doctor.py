@@ -181,17 +181,19 @@ def torch_install_command(index: str, version: str | None = None) -> str:
     return f'pip install --force-reinstall torch=={Version(version or torch.__version__).public} --index-url {index}'
 
 def cuda_build_bytes(dist: str = 'torch') -> int:
-    "Bytes on disk of `dist` and the NVIDIA and CUDA packages it requires (nvidia-*, cuda-*, triton): what a CUDA build costs."
+    """Bytes on disk of `dist` and the NVIDIA and CUDA packages it pulls in, directly or through another (nvidia-*, cuda-*,
+    triton; installed ones only): what a CUDA build costs."""
     from packaging.requirements import Requirement
-    reqs = [Requirement(r) for r in metadata.requires(dist) or []]
-    names = [dist] + [r.name for r in reqs if r.name.lower().startswith(('nvidia', 'cuda', 'triton'))
-                      and (r.marker is None or r.marker.evaluate({'extra': ''}))]
-    total = 0
-    for name in dict.fromkeys(names):
-        try: files = metadata.distribution(name).files or []
+    seen, todo, total = set(), [dist], 0
+    while todo:
+        name = todo.pop()
+        try: d = metadata.distribution(name)
         except metadata.PackageNotFoundError: continue
-        for f in files:
+        if d.metadata['Name'].lower() in seen: continue
+        seen.add(d.metadata['Name'].lower())
+        for f in d.files or []:
             with contextlib.suppress(OSError): total += f.locate().stat().st_size
+        todo += [r.name for r in map(Requirement, d.requires or []) if r.name.lower().startswith(('nvidia', 'cuda', 'triton'))]
     return total
 
 def build_mismatch(version: str, # torch's version, e.g. 2.13.0+cu130
