@@ -4,7 +4,9 @@
 1. Each notebook that `nbdev_test` tests (not in folders holding a `.notest` file) runs through nbdev's `nbdev.test.test_nb`
    (nbdev's rules: `tst_flags`, `#| eval: false`, `skip_exec`; a cell that raises fails the check, naming the notebook, the
    cell and the traceback), keeping its outputs; then every notebook goes through nbdev's docs processors (FilterDefaults,
-   as `nbdev_proc_nbs`). One fresh process per notebook, `--jobs` at a time, cached in _mkdocs/proc by its inputs.
+   as `nbdev_proc_nbs`), nbdev's exec_show_docs included as `nbdev_docs` runs it (exports and imports alone in a fresh
+   shell): a notebook that would break `nbdev_docs` fails here. One fresh process per notebook (Python 3.10 too),
+   `--jobs` at a time, cached in _mkdocs/proc by its inputs.
    `--check-only` (`make nbtest`) stops here.
 2. A study's report page is the report executed on an example batch (tools/example_batches.py, cached).
 3. For mkdocs-jupyter, what Quarto would do: frontmatter as title, show_doc's markdown as text, cell options applied.
