@@ -4,13 +4,19 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.oelm-installed
+# torch's build is chosen here, on purpose: TORCH_PIN the release, TORCH_INDEX the wheel index it comes from. Left empty,
+# pip's own: PyPI's torch on Linux is a CUDA build with several GB of NVIDIA libraries (a CPU wheel at hand wins, as
+# on this project's CI). A CPU-only machine: TORCH_INDEX=https://download.pytorch.org/whl/cpu (the CPU build, a few
+# hundred MB); a GPU machine: https://download.pytorch.org/whl/cu130 (or cu126, cu128: at most the CUDA version that
+# nvidia-smi shows). To change the build of an existing .venv: rm -rf .venv, then make setup TORCH_INDEX=...
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # pip warns about every missing local mirror folder; keep the real errors visible
 PIPFILTER := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 RUN_OUT ?= runs/qk-freeze
 
-.PHONY: all setup run test test-fast sync-check readme-check layers nbtest nbdev-test pytest docs readme lab loggers clean
+.PHONY: all setup run test test-pythons test-fast sync-check readme-check layers nbtest nbdev-test pytest docs readme lab loggers clean
 
 all: test
 
@@ -18,11 +24,15 @@ all: test
 # package's torch range is already satisfied and pip never pulls another torch build.
 $(STAMP): settings.ini setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "[setup] installing $(TORCH_PIN) into $(VENV)"
-	@set -o pipefail; $(PIP) install "$(TORCH_PIN)" $(PIPFILTER)
+	@echo "[setup] installing $(TORCH_PIN) into $(VENV) from $(or $(TORCH_INDEX),pip's index (a CUDA build on Linux unless a CPU wheel is at hand; TORCH_INDEX chooses))"
+	@set -o pipefail; $(PIP) install "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") $(PIPFILTER)
 	@echo "[setup] installing oelm_nb[dev,hf] (editable)"
 	@set -o pipefail; $(PIP) install -e ".[dev,hf]" $(PIPFILTER)
-	@$(BIN)/python -c "import torch, oelm_nb, nbdev, papermill; print('[setup] ok: torch', torch.__version__, '| oelm_nb', oelm_nb.__version__)"
+	@$(BIN)/python -c "import torch, oelm_nb, nbdev, papermill; print('[setup] ok: torch', torch.__version__, \
+		'(cuda ' + torch.version.cuda + ' build)' if torch.version.cuda else '(cpu build)', '| oelm_nb', oelm_nb.__version__)"
+	@$(BIN)/python -c "import shutil, torch; torch.version.cuda and not shutil.which('nvidia-smi') and print('[setup] warning:', \
+		'a CUDA build of torch on a machine without an NVIDIA driver (nvidia-smi): GBs that never run; for the CPU build:', \
+		'rm -rf .venv && make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu (details: .venv/bin/oelm doctor --check torch)')"
 	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (oelm_nb)" >/dev/null
 	@touch $(STAMP)
 
@@ -69,6 +79,15 @@ nbdev-test: $(STAMP)
 pytest: $(STAMP)
 	@echo "[test] pytest"
 	@$(BIN)/python -m pytest -n 2 --dist worksteal -q --durations=15 tests
+
+# For maintainers: `make setup` and `make test` on every Python the package promises (settings.ini min_python to 3.13)
+# that is found under pyenv or on PATH, each in a fresh clone of HEAD (committed work only) with its own .venv under
+# PYTHONS_DIR, one after the other; a table of the results and times at the end, exit 1 if one failed. CI runs
+# `make test` once. PYTHONS=3.12 picks versions; TORCH_PIN/TORCH_INDEX pass on to each set-up.
+PYTHONS ?=
+PYTHONS_DIR ?= /tmp/oelm-pythons
+test-pythons:
+	@PYTHONS="$(PYTHONS)" PYTHONS_DIR="$(PYTHONS_DIR)" TORCH_PIN="$(TORCH_PIN)" TORCH_INDEX="$(TORCH_INDEX)" bash tools/test_pythons.sh
 
 # The developer's inner loop (under 2 minutes): the notebook checks and the unit-level tests; tests marked `slow`
 # (batches, papermill, processes end to end) are left to `make test`.

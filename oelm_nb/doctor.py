@@ -4,12 +4,14 @@
 
 # %% ../nbs/17_doctor.ipynb #6c633a8f
 from __future__ import annotations
-import contextlib, io, json, math, os, shutil, statistics, subprocess, sys, tempfile, textwrap, time, warnings
+import contextlib, io, json, math, os, re, shutil, statistics, subprocess, sys, tempfile, textwrap, time, warnings
 from dataclasses import dataclass, field, asdict
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Callable
+
+from packaging.version import Version
 
 import torch
 import torch.nn.functional as F
@@ -31,25 +33,27 @@ from .mercator_hf import nf4_unavailable, teacher_load_kwargs
 from .qk_freeze import QK_FREEZE
 
 # %% auto #0
-__all__ = ['NO_CUDA', 'REPORT', 'OPTIONAL', 'SDPA_OPS', 'RESUME_TOL', 'SMALL_CORPUS', 'DDP_STEPS', 'DDP_BATCH', 'BATCH_SETTINGS',
-           'CHECKS', 'QUICK', 'Check', 'Skip', 'Problem', 'Machine', 'run_check', 'check_packages', 'devices',
-           'check_torch', 'check_disk', 'check_kernel', 'sdpa_kernel_used', 'sdpa_kernels_available', 'check_sdpa',
-           'fixed_batch_fit', 'check_train_steps', 'check_resume', 'check_compile', 'medium512_plan', 'check_medium512',
-           'small_corpus', 'ddp_plan', 'check_ddp', 'check_cvfp_phase2', 'check_nf4_teacher', 'batch_command',
-           'check_papermill_batch', 'Report', 'doctor', 'check_line', 'doctor_main']
+__all__ = ['NO_CUDA', 'REPORT', 'OPTIONAL', 'CPU_INDEX', 'CUDA_INDEX', 'SDPA_OPS', 'RESUME_TOL', 'SMALL_CORPUS', 'DDP_STEPS',
+           'DDP_BATCH', 'BATCH_SETTINGS', 'CHECKS', 'QUICK', 'Check', 'Skip', 'Problem', 'Machine', 'run_check',
+           'same_release', 'torch_build', 'check_packages', 'devices', 'torch_install_command', 'cuda_build_bytes',
+           'build_mismatch', 'check_torch', 'check_disk', 'check_kernel', 'sdpa_kernel_used', 'sdpa_kernels_available',
+           'check_sdpa', 'fixed_batch_fit', 'check_train_steps', 'check_resume', 'check_compile', 'medium512_plan',
+           'check_medium512', 'small_corpus', 'ddp_plan', 'check_ddp', 'check_cvfp_phase2', 'check_nf4_teacher',
+           'batch_command', 'check_papermill_batch', 'Report', 'doctor', 'check_line', 'doctor_main']
 
 # %% ../nbs/17_doctor.ipynb #2374e278
 @dataclass
 class Check:
-    "The outcome of one check: its status, what it measured and, when it did not pass, why and what to do."
+    "The outcome of one check: its status, what it measured and, when it did not pass or found something to fix, why and what to do."
     name: str
     status: str # ok | failed | skipped
     seconds: float
     summary: str = '' # ok: what was measured, in one line
     reason: str = '' # skipped: why it does not apply here
     error: str = '' # failed: the error
-    fix: str = '' # failed or skipped: what to do about it
+    fix: str = '' # failed, skipped or warned: what to do about it
     figures: dict = field(default_factory=dict) # the numbers measured
+    warning: str = '' # ok, but something worth fixing that breaks nothing (what to do: `fix`)
 
 # %% ../nbs/17_doctor.ipynb #e9a54311
 class Skip(Exception):
@@ -89,13 +93,14 @@ REPORT = 'report it with the JSON of `oelm doctor --json PATH` attached' # the f
 
 # %% ../nbs/17_doctor.ipynb #6b886a17
 def run_check(name: str, fn: Callable, machine: Machine) -> Check:
-    "Run check `fn` with its output captured: ok with its summary and figures, skipped (`Skip`), or failed."
+    "Run check `fn` with its output captured: ok with its summary, figures and warning, skipped (`Skip`), or failed."
     out, t0 = io.StringIO(), time.perf_counter()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            summary, figures = fn(machine)
-        return Check(name, 'ok', time.perf_counter() - t0, summary=summary, figures=figures)
+            summary, figures, *warned = fn(machine)
+        warning, fix = warned[0] if warned and warned[0] else ('', '')
+        return Check(name, 'ok', time.perf_counter() - t0, summary=summary, figures=figures, warning=warning, fix=fix)
     except Skip as e: return Check(name, 'skipped', time.perf_counter() - t0, reason=str(e), fix=e.fix)
     except Exception as e:
         figures = dict(getattr(e, 'figures', {}))
@@ -110,6 +115,21 @@ def _version(dist: str) -> str | None:
     try: return metadata.version(dist)
     except metadata.PackageNotFoundError: return None
 
+# %% ../nbs/17_doctor.ipynb #a7c0e1f2
+def same_release(a: str, b: str) -> bool:
+    "Whether versions `a` and `b` are one release, whatever their local labels (`2.13.0` and `2.13.0+cu130` are)."
+    return Version(a).public == Version(b).public
+
+def torch_build(version: str | None = None, # a torch version, e.g. 2.13.0+cu130 (default: the installed torch's)
+                cuda: str | None = None, # the CUDA version of a build without a label (default: the installed torch's)
+               ) -> str:
+    "The build of torch `version`: 'cpu', 'cuda 13.0', 'rocm 6.2' (its local label; without one, 'cuda X' or 'cpu' by `cuda`)."
+    if version is None: version, cuda = torch.__version__, torch.version.cuda
+    local = Version(version).local or ''
+    if m := re.fullmatch(r'cu(\d+)(\d)', local): return f'cuda {m[1]}.{m[2]}'
+    if m := re.fullmatch(r'rocm(\d[\d.]*)', local): return f'rocm {m[1]}'
+    return local.split('.')[0] or (f'cuda {cuda}' if cuda else 'cpu')  # cpu, xpu, ...
+
 # %% ../nbs/17_doctor.ipynb #c44dfe87
 def _requirements(dist: str = 'oelm_nb') -> list:
     "The requirements of `dist` outside its extras, as `packaging` Requirements."
@@ -122,17 +142,23 @@ _SETUP_FIX = 'pip install -e ".[dev,hf]" in the checkout (`make setup` does it)'
 
 # %% ../nbs/17_doctor.ipynb #6e5319ba
 def check_packages(m: Machine) -> tuple[str, dict]:
-    "Every requirement of oelm_nb installed at a version it accepts; the optional extras' versions."
+    """Every requirement of oelm_nb installed at a version it accepts, the torch imported being the torch installed; the
+    torch build; the optional extras' versions."""
     found, bad = {}, []
     for r in _requirements():
         v = found[r.name] = _version(r.name)
         if v is None: bad.append(f'{r.name} is not installed (oelm_nb needs {r})')
-        elif not r.specifier.contains(v, prereleases=True): bad.append(f'{r.name} {v} does not satisfy {r}')
+        elif not r.specifier.contains(Version(v), prereleases=True): bad.append(f'{r.name} {v} does not satisfy {r}')
+    if found.get('torch') and not same_release(found['torch'], torch.__version__):
+        bad.append(f"the torch imported ({torch.__version__}, {Path(torch.__file__).parent}) is not the torch installed "
+                   f"({found['torch']}): another torch comes first on sys.path")
     figures = {'oelm_nb': _version('oelm_nb'), 'python': sys.version.split()[0], 'requirements': found,
+               'torch_build': torch_build(),
                'optional': {n: _version(n) for n in OPTIONAL}}
     if bad: raise Problem('; '.join(bad), _SETUP_FIX, figures)
     extras = ', '.join(f'{n} {v or "not installed"}' for n, v in figures['optional'].items())
-    return (f"oelm_nb {figures['oelm_nb']}, python {figures['python']}, torch {found.get('torch')}: "
+    return (f"oelm_nb {figures['oelm_nb']}, python {figures['python']}, torch {torch.__version__} "
+            f"({figures['torch_build']} build): "
             f'all {len(found)} requirements met; {extras}'), figures
 
 # %% ../nbs/17_doctor.ipynb #53ef8b7a
@@ -141,6 +167,46 @@ def devices() -> list[dict]:
     props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     return [{'index': i, 'name': p.name, 'memory_gib': round(p.total_memory / GiB, 1),
              'capability': f'{p.major}.{p.minor}'} for i, p in enumerate(props)]
+
+# %% ../nbs/17_doctor.ipynb #c9e2b4d6
+CPU_INDEX = 'https://download.pytorch.org/whl/cpu' # PyTorch's index of CPU-only wheels (`make setup TORCH_INDEX=...`)
+CUDA_INDEX = 'https://download.pytorch.org/whl/cu130' # one of PyTorch's CUDA indexes (cu126, cu128, cu130, ...)
+
+def torch_install_command(index: str, version: str | None = None) -> str:
+    """The one line that installs torch `version`'s release (default: the installed one's) from wheel index `index`: in
+    this checkout's .venv a fresh `make setup TORCH_INDEX=...` (no NVIDIA libraries left behind), elsewhere pip."""
+    venv, make = Path(sys.prefix), Path(sys.prefix).parent / 'Makefile'
+    if venv.name == '.venv' and make.is_file() and 'TORCH_INDEX' in make.read_text():
+        return f'cd {venv.parent} && rm -rf .venv && make setup TORCH_INDEX={index}'
+    return f'pip install --force-reinstall torch=={Version(version or torch.__version__).public} --index-url {index}'
+
+def cuda_build_bytes(dist: str = 'torch') -> int:
+    """Bytes on disk of `dist` and the NVIDIA and CUDA packages it pulls in, directly or through another (nvidia-*, cuda-*,
+    triton; installed ones only): what a CUDA build costs."""
+    from packaging.requirements import Requirement
+    seen, todo, total = set(), [dist], 0
+    while todo:
+        name = todo.pop()
+        try: d = metadata.distribution(name)
+        except metadata.PackageNotFoundError: continue
+        if d.metadata['Name'].lower() in seen: continue
+        seen.add(d.metadata['Name'].lower())
+        for f in d.files or []:
+            with contextlib.suppress(OSError): total += f.locate().stat().st_size
+        todo += [r.name for r in map(Requirement, d.requires or []) if r.name.lower().startswith(('nvidia', 'cuda', 'triton'))]
+    return total
+
+def build_mismatch(version: str, # torch's version, e.g. 2.13.0+cu130
+                   cuda: str | None, # torch.version.cuda
+                   driver: bool, # an NVIDIA driver (nvidia-smi) on this machine
+                   devs: list, # the CUDA devices torch sees
+                   size: Callable[[], int] = cuda_build_bytes) -> tuple[str, str] | None:
+    "(warning, fix) when a CUDA build of torch sits on a machine without an NVIDIA GPU (no driver, no device), else None."
+    build = torch_build(version, cuda)
+    if not build.startswith('cuda') or driver or devs: return None
+    return (f'torch {version} is a {build} build, {size() / GiB:.1f} GiB on disk with its NVIDIA libraries, on a machine '
+            'without an NVIDIA GPU (no nvidia-smi, no CUDA device): it runs only on the CPU, as the CPU build would',
+            torch_install_command(CPU_INDEX, version))
 
 # %% ../nbs/17_doctor.ipynb #fba63f6e
 def _environment_problems(devs: list[dict]) -> list[tuple[str, str]]:
@@ -152,9 +218,10 @@ def _environment_problems(devs: list[dict]) -> list[tuple[str, str]]:
                     f'{torch.get_num_threads()} threads', 'unset OMP_NUM_THREADS, or set it to the cores per process, '
                     'e.g. export OMP_NUM_THREADS=8'))
     if driver and torch.version.cuda is None:
-        out.append(('this machine has an NVIDIA driver (nvidia-smi) but torch is a CPU build: every run trains on '
-                    'the CPU', 'install the CUDA build of the same torch version (see pytorch.org, e.g. pip install '
-                    f'torch=={torch.__version__.split("+")[0]} --index-url https://download.pytorch.org/whl/cu126)'))
+        out.append((f'this machine has an NVIDIA driver (nvidia-smi) but torch {torch.__version__} is a '
+                    f'{torch_build()} build: every run trains on the CPU', 'install a CUDA build of torch: '
+                    f'{torch_install_command(CUDA_INDEX)} ({CUDA_INDEX.rsplit("/", 1)[1]}: CUDA 13.0; pick the cuXYZ of a CUDA '
+                    'version nvidia-smi shows or lower, pytorch.org lists them)'))
     if torch.version.cuda and driver and not devs:
         out.append((f'torch {torch.__version__} is a CUDA build and nvidia-smi is present, but torch sees no GPU '
                     f'(CUDA_VISIBLE_DEVICES={cvd!r})', 'unset CUDA_VISIBLE_DEVICES or set it to GPU indices, e.g. 0,1; '
@@ -164,10 +231,11 @@ def _environment_problems(devs: list[dict]) -> list[tuple[str, str]]:
 
 # %% ../nbs/17_doctor.ipynb #6d8132a8
 def check_torch(m: Machine) -> tuple[str, dict]:
-    "torch's build, the visible devices, bf16 support, the default precision and threads; set-up mistakes fail it."
+    """torch's build, the visible devices, bf16 support, the default precision and threads; set-up mistakes fail it, a
+    CUDA build on a machine without a GPU is a warning."""
     devs = devices()
     bf16 = torch.cuda.is_bf16_supported() if m.cuda else cpu_has_native_bf16()
-    figures = {'torch': torch.__version__, 'cuda': torch.version.cuda,
+    figures = {'torch': torch.__version__, 'build': torch_build(), 'cuda': torch.version.cuda,
                'cudnn': torch.backends.cudnn.version() if torch.cuda.is_available() else None, 'devices': devs,
                'device': str(m.device), 'bf16': bf16, 'precision': precision_note(m.device),
                'threads': torch.get_num_threads(), 'cpu_count': os.cpu_count(),
@@ -175,10 +243,13 @@ def check_torch(m: Machine) -> tuple[str, dict]:
                'CUDA_VISIBLE_DEVICES': os.environ.get('CUDA_VISIBLE_DEVICES')}
     if bad := _environment_problems(devs):
         raise Problem('; '.join(e for e, _ in bad), '; '.join(f for _, f in bad), figures)
-    build = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU build'
     where = '; '.join(f"GPU {d['index']} {d['name']} {d['memory_gib']} GiB sm_{d['capability']}" for d in devs)
-    return (f"torch {torch.__version__} ({build}); {where or NO_CUDA}; running on {m.device}, "
-            f"{figures['precision']}; {figures['threads']} threads of {os.cpu_count()} cores"), figures
+    measured = {}  # the CUDA build's size, measured once and only when it is warned about
+    warned = build_mismatch(torch.__version__, torch.version.cuda, bool(shutil.which('nvidia-smi')), devs,
+                            size=lambda: measured.setdefault('bytes', cuda_build_bytes()))
+    if warned: figures['cuda_build_gib'] = round(measured['bytes'] / GiB, 2)
+    return (f"torch {torch.__version__} ({figures['build']} build); {where or NO_CUDA}; running on {m.device}, "
+            f"{figures['precision']}; {figures['threads']} threads of {os.cpu_count()} cores"), figures, warned
 
 # %% ../nbs/17_doctor.ipynb #480f5301
 def check_disk(m: Machine, where: Path | None = None) -> tuple[str, dict]:
@@ -550,6 +621,7 @@ class Report:
         counts = {s: sum(c.status == s for c in self.checks) for s in ('ok', 'failed', 'skipped')}
         return {'oelm_nb': _version('oelm_nb'), 'torch': torch.__version__, 'device': self.device,
                 'quick': self.quick, 'seconds': self.seconds, 'counts': counts, 'scratch': self.scratch,
+                'warnings': [c.name for c in self.checks if c.warning],
                 'checks': [asdict(c) for c in self.checks]}
 
 # %% ../nbs/17_doctor.ipynb #39483180
@@ -571,14 +643,15 @@ def doctor(quick: bool = False, # only the quick checks
 
 # %% ../nbs/17_doctor.ipynb #96535cc1
 def check_line(c: Check, width: int = 120) -> str:
-    "One check as a table row wrapped to `width`, with its fix below when it did not pass."
+    "One check as a table row wrapped to `width`, with its warning and its fix below when it has one or did not pass."
     head = f'{c.name:<16}{c.status:<9}{c.seconds:>6.1f}s  '
     text = {'ok': c.summary, 'skipped': c.reason}.get(c.status, c.error)
     if len(text) > 700: text = text[:700] + ' ... (all of it in --json)'
     pad = ' ' * len(head)
     lines = textwrap.wrap(text, width, initial_indent=head, subsequent_indent=pad) or [head]
-    if c.fix and c.status != 'ok': lines += textwrap.wrap(f'fix: {c.fix}', width, initial_indent=pad,
-                                                          subsequent_indent=pad + '     ')
+    if c.warning: lines += textwrap.wrap(f'warning: {c.warning}', width, initial_indent=pad, subsequent_indent=pad + '         ')
+    if c.fix and (c.status != 'ok' or c.warning): lines += textwrap.wrap(f'fix: {c.fix}', width, initial_indent=pad,
+                                                                         subsequent_indent=pad + '     ')
     return '\n'.join(lines)
 
 # %% ../nbs/17_doctor.ipynb #8043c9ac
@@ -590,7 +663,9 @@ def doctor_main(quick: bool = False, device: str = 'auto', json_path: str | None
     out(f"{'check':<16}{'status':<9}{'time':>7}  details")
     rep = doctor(quick, device, only, log=lambda c: out(check_line(c)))
     n = rep.to_dict()['counts']
-    out(f"{n['ok']} ok, {n['failed']} failed, {n['skipped']} skipped in {rep.seconds:.0f}s on {rep.device}"
+    warned = rep.to_dict()['warnings']
+    out(f"{n['ok']} ok, {n['failed']} failed, {n['skipped']} skipped" + (f", {len(warned)} warning(s) ({', '.join(warned)})"
+        if warned else '') + f" in {rep.seconds:.0f}s on {rep.device}"
         + (f'; scratch files kept in {rep.scratch}' if rep.scratch else ''))
     if json_path:
         Path(json_path).write_text(json.dumps(rep.to_dict(), indent=1, default=str)); out(f'figures: {json_path}')

@@ -13,7 +13,7 @@ import torch
 import oelm_nb.doctor as D
 from oelm_nb.cli import main
 
-FIELDS = {'name', 'status', 'seconds', 'summary', 'reason', 'error', 'fix', 'figures'}
+FIELDS = {'name', 'status', 'seconds', 'summary', 'reason', 'error', 'fix', 'figures', 'warning'}
 
 
 def bad_kernel(root: Path) -> Path:

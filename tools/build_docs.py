@@ -4,7 +4,9 @@
 1. Each notebook that `nbdev_test` tests (not in folders holding a `.notest` file) runs through nbdev's `nbdev.test.test_nb`
    (nbdev's rules: `tst_flags`, `#| eval: false`, `skip_exec`; a cell that raises fails the check, naming the notebook, the
    cell and the traceback), keeping its outputs; then every notebook goes through nbdev's docs processors (FilterDefaults,
-   as `nbdev_proc_nbs`). One fresh process per notebook, `--jobs` at a time, cached in _mkdocs/proc by its inputs.
+   as `nbdev_proc_nbs`), nbdev's exec_show_docs included as `nbdev_docs` runs it (exports and imports alone in a fresh
+   shell): a notebook that would break `nbdev_docs` fails here. One fresh process per notebook (Python 3.10 too),
+   `--jobs` at a time, cached in _mkdocs/proc by its inputs.
    `--check-only` (`make nbtest`) stops here.
 2. A study's report page is the report executed on an example batch (tools/example_batches.py, cached).
 3. For mkdocs-jupyter, what Quarto would do: frontmatter as title, show_doc's markdown as text, cell options applied.
@@ -81,11 +83,46 @@ def run_test_nb(fn: Path):
                              f"{nb.cells[n - 1].source if n else ''}\n----- traceback -----\n{shell.prettytb(fname=_rel(fn))}")
     return ran[0] if ran else None
 
+MIXED_HINT = ("this cell mixes imports with other code: nbdev's exec_show_docs runs it (it has imports) without the cells "
+              "it needs (they have none); put its imports in a cell of their own (nbdev's FAQ)")
+
+class exec_show_docs_check(exec_show_docs):
+    """nbdev's own exec_show_docs, as `nbdev_docs` runs it before Quarto renders: the exported cells, every cell with an
+    import and the show_doc cells, alone in a fresh shell. A notebook that fails here breaks `nbdev_docs` (most often a
+    cell mixing imports with code that needs a cell nbdev does not run: NameError). Its outputs are dropped: the pages
+    keep test_nb's, and show_doc renders in the test shell (docs_procs)."""
+    def begin(self):
+        from IPython.core.interactiveshell import InteractiveShell
+        self.prev = InteractiveShell._instance  # CaptureShell() makes itself IPython's shell: the test shell is again after
+        super().begin()
+    def __call__(self, cell):
+        import warnings
+        outs = cell.get('outputs')
+        try:
+            with warnings.catch_warnings():  # nbdev's FAQ warning on every cell mixing imports and code: fatal only where it fails
+                warnings.simplefilter('ignore')
+                super().__call__(cell)
+        except Exception:
+            from nbdev.processors import _ast_contains
+            import ast
+            trees, k = cell.parsed_() or [], self.k
+            mixed = _ast_contains(trees, (ast.Import, ast.ImportFrom)) and _ast_contains(trees, (ast.Expr, ast.Assign))
+            raise DocsBuildError(f"{_rel(Path(self.nb.path_))}: `nbdev_docs` would fail: nbdev's exec_show_docs (the exported "
+                                 f"cells, the cells with imports and the show_doc cells, run alone in a fresh shell) stopped "
+                                 f"at the cell below: {type(k.exc).__name__}: {k.exc}" + (f'; {MIXED_HINT}' if mixed else '')
+                                 + f"\n----- cell source -----\n{cell.source}\n----- traceback -----\n{k.prettytb(fname=_rel(Path(self.nb.path_)))}") from None
+        finally:
+            if outs is not None: cell['outputs'] = outs
+    def end(self):  # no widget state: a static page has no kernel to run widgets
+        from IPython.core.interactiveshell import InteractiveShell
+        InteractiveShell._instance = self.prev
+
 def docs_procs(shell=None) -> list:
     """nbdev's docs processors (FilterDefaults, as nbdev_proc_nbs; settings.ini `procs`/`skip_procs` count). After test_nb,
-    show_doc runs in its shell: exec_show_docs reruns exports and imports alone in a fresh one, where a cell mixing imports
-    and other code fails (nbdev's FAQ). An exported name is documented from its module: a class defined in a cell has no
-    source for its fields' comments, and nbdev links a function defined in a cell to the first module with that name."""
+    nbdev's exec_show_docs runs as `nbdev_docs` runs it (exec_show_docs_check: exports and imports alone in a fresh shell,
+    where a cell mixing imports and code that needs another cell fails, nbdev's FAQ), then show_doc runs in the test shell
+    for the pages: an exported name is documented from its module (a class defined in a cell has no source for its fields'
+    comments, and nbdev links a function defined in a cell to the first module with that name)."""
     lib = nbdev_config().lib_name
     class show_docs_in_test_shell(Processor):
         def begin(self): self.mod = _default_exp(self.nb); shell.run_cell('from nbdev.showdoc import show_doc')
@@ -96,8 +133,9 @@ def docs_procs(shell=None) -> list:
                                                             f"'{x[1]}', {x[1]}))")
             shell.cell(cell)
             cell.source = source
-            if shell.exc: raise DocsBuildError(f'{_rel(self.nb.path_)}: show_doc failed:\n{shell.prettytb()}')
-    return [show_docs_in_test_shell if p is exec_show_docs and shell else p for p in FilterDefaults().procs()]
+            if shell.exc: raise DocsBuildError(f'{_rel(Path(self.nb.path_))}: show_doc failed:\n{shell.prettytb()}')
+    return [q for p in FilterDefaults().procs()
+            for q in ([exec_show_docs_check, show_docs_in_test_shell] if p is exec_show_docs and shell else [p])]
 
 def process_notebook(src: str, dst: str, execute: bool) -> float:
     """One notebook as nbdev treats it, in this (fresh) process: run by nbdev's test runner when `execute`, its outputs
@@ -127,12 +165,17 @@ def _mp_context():
                                 'matplotlib.pyplot', 'pandas'])
     return ctx
 
+def _in_fresh_process(ctx, *args) -> tuple[bool, float | str]:
+    """_worker(*args) in a process that runs nothing else and then ends (what `max_tasks_per_child=1` gives from Python
+    3.11, written so that 3.10 has it too): a notebook never sees what an earlier one imported, patched or registered."""
+    with cf.ProcessPoolExecutor(1, mp_context=ctx) as ex: return ex.submit(_worker, *args).result()
+
 def _key(d: DocNb) -> str:
     "What a processed notebook depends on: the notebook, the library, settings.ini, this processing, the versions."
     h = hashlib.sha256(f'{d.library} {nbdev.__version__} {execnb.__version__} {sys.version}'.encode())
     for p in [d.src, ROOT / 'settings.ini', *sorted((ROOT / nbdev_config().lib_path).glob('**/*.py'))]:
         h.update(p.name.encode() + p.read_bytes())
-    for f in (process_notebook, run_test_nb, docs_procs): h.update(inspect.getsource(f).encode())
+    for f in (process_notebook, run_test_nb, docs_procs, exec_show_docs_check): h.update(inspect.getsource(f).encode())
     return h.hexdigest()
 
 def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cache: bool = True, quiet: bool = False) -> dict[Path, Path]:
@@ -147,8 +190,9 @@ def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cach
     os.environ.setdefault('PYTHONHASHSEED', '0')
     for v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'):  # oversubscribed cores: torch's QR ~10x slower
         os.environ.setdefault(v, str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
-    with cf.ProcessPoolExecutor(max(1, jobs), mp_context=_mp_context(), max_tasks_per_child=1) as ex:
-        futs = {ex.submit(_worker, str(d.src), str(dst), d.library): (d, keyf, key) for d, dst, keyf, key in todo}
+    ctx = _mp_context()
+    with cf.ThreadPoolExecutor(max(1, jobs)) as ex:  # `jobs` notebooks at a time, each in a process of its own
+        futs = {ex.submit(_in_fresh_process, ctx, str(d.src), str(dst), d.library): (d, keyf, key) for d, dst, keyf, key in todo}
         for f in cf.as_completed(futs):
             d, keyf, key = futs[f]
             try: ok, res = f.result()
