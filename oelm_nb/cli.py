@@ -194,7 +194,10 @@ def cmd_run(args) -> int:
     from oelm_nb.cluster import ClusterBackend, detach, follow
     study = get_study(args.study)
     variants, overrides, options = study_plan(study, args)
-    seeds, out = args.seeds or list(study.default_seeds), Path(args.out or f'runs/{args.study}')
+    from oelm_nb.evidence import MIN_PILOT
+    # --precision without --seeds: a pilot of MIN_PILOT seeds (a 2-seed pilot's t of 12.7 asks for hundreds of seeds)
+    default = list(range(MIN_PILOT)) if args.precision is not None else list(study.default_seeds)
+    seeds, out = args.seeds or default, Path(args.out or f'runs/{args.study}')
     cluster = cluster_config(args)
     jobs = args.jobs or (1 if cluster is None else 64)
     backend = ClusterBackend(cluster, shlex.join(['oelm', *args.argv])) if cluster else None
@@ -345,7 +348,8 @@ def study_variants_text(study, preset: str = 'tiny') -> str:
 def add_seed_options(r, study):
     "How many seeds `oelm run <study>` trains: the seeds given, or as many as `--precision` needs."
     r.add_argument('--seeds', type=_non_negative, nargs='+', default=None,
-                   help=f"default: {' '.join(map(str, study.default_seeds))}; with --precision, the pilot (at least 2)")
+                   help=f"default: {' '.join(map(str, study.default_seeds))}; with --precision, the pilot (default 0 1 2 3 4; "
+                        "at least 2)")
     r.add_argument('--precision', default=None, metavar='PCT',
                    help="run seeds until the 95%% interval on the study's main comparison is at most +-PCT (e.g. 5%% "
                    "or 0.05): Stein's two-stage procedure sizes the batch from the pilot's spread (default: none)")

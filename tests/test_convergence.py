@@ -274,3 +274,24 @@ def test_an_unresolved_answer_says_what_it_would_take(tmp_path):
     assert a['R1'].verdict == 'no resolvable difference' and a['R1'].estimate.startswith('formed: oelm-freeze 4 of 4, gpt 4 of 4')
     for x in a.values():  # H1 counts parameters, H3 times steps: neither rests on how far the runs trained
         assert any(c.startswith('of 12 runs') for c in x.caveats) == (x.qid not in ('H1', 'H3') and x.verdict != 'no data'), x
+
+
+def test_under_a_stein_design_h4_uses_steins_interval(tmp_path):
+    "A batch sized by --precision (precision.json on H4's comparison): H4's interval and verdict are Stein's."
+    from oelm_nb.precision import precision_record, stein_seeds, stein_interval
+    from oelm_nb.qk_freeze import qk_answers
+    ppl = {'gpt': [10.0, 10.1, 10.2, 10.3, 10.4], 'oelm': [10.0, 10.1, 10.2, 10.3, 10.4],
+           'oelm-freeze': [11.3, 11.4, 11.2, 11.6, 11.5]}
+    root = write(tmp_path / 'b', {(v, s): {'val_loss': np.log(p) + SETTLED - 1.2, 'recall_acc': jump(0.3)}
+                                  for v, ps in ppl.items() for s, p in enumerate(ps)})
+    runs = load_runs(root)
+    diffs = compare(runs, 'oelm-freeze', 'gpt').diffs
+    plan = stein_seeds(diffs.values(), math.log1p(0.05))
+    rec = precision_record(plan, ('best_val_ppl', 'oelm-freeze', 'gpt'), list(diffs), list(diffs), diffs, diffs)
+    (root / 'precision.json').write_text(json.dumps(rec))
+    h4 = {a.qid: a for a in qk_answers(runs)}['H4']
+    m, lo, hi = stein_interval(diffs.values(), plan)
+    assert h4.interval == f'95% CI {math.expm1(lo):+.1%} .. {math.expm1(hi):+.1%}'
+    assert "Stein's two-stage interval (pilot of 5, t with 4 df)" in h4.method
+    assert h4.verdict == ('rejected' if math.expm1(lo) >= 0.10 else 'inconclusive' if math.expm1(hi) >= 0.10 else 'supported')
+    assert not any('normal assumption' in c for c in h4.caveats)  # Stein's design: the interval is the design's own
