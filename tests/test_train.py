@@ -605,3 +605,20 @@ def test_data_and_eval_hooks_replace_token_windows():
     assert seen == [(st, mi) for st in range(6) for mi in range(2)]
     assert len(evals) == 2 and s['tokens'] == 6 * 2 * 32 and s['best_val_loss'] is not None
     assert [r['step'] for r in t.records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_chance_recall_is_counted_on_the_scored_positions():
+    "evaluate's recall_chance: the share of the positions recall_acc scores whose target is the chance token (numpy)."
+    import numpy as np
+    data = copy_task_data(n_seqs=64, half=8, vocab=16, seed=1)
+    data.meta = {'recall': {'chance_token': 3}}
+    T_, B, N = 24, 4, 2
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=T_, vocab_size=16, dropout=0.0))
+    out = T.evaluate(model, data, T_, B, N, torch.device('cpu'))
+    starts = T.eval_starts(len(data.tokens), T_, B * N)
+    idx = starts[:, None] + np.arange(1, T_ + 1)
+    y, rec = np.asarray(data.tokens)[idx].astype(int), np.asarray(data.recall)[idx].astype(int)
+    scored = (rec > 0) & (rec <= np.arange(1, T_ + 1))  # the antecedent inside the window
+    assert out['recall_n'] == scored.sum() and out['recall_chance'] == pytest.approx((y[scored] == 3).mean())
+    data.meta = {}
+    assert 'recall_chance' not in T.evaluate(model, data, T_, B, N, torch.device('cpu'))  # no chance token: none
