@@ -361,3 +361,16 @@ def test_registered_cvfp_study_answers(tmp_path):
     got = get_study('cvfp').answers(load_runs(three_seeds(tmp_path / 'b')))
     assert [a.qid for a in got] == ['Q1', 'Q2', 'Q3', 'Q4'] and all(isinstance(a, Answer) for a in got)
     assert got[0].estimate == '+5.0 points' and 'Q4' in answers_text(got)
+
+
+def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path, capsys):
+    "What `oelm run cvfp` prints after the batch: the answers through the kit, and answers.json beside the runs."
+    import json
+    from oelm_nb.cli import print_batch_summary
+    from oelm_nb.evidence import Answer
+    root = three_seeds(tmp_path / 'b')
+    print_batch_summary(root)
+    out = capsys.readouterr().out
+    stored = json.loads((root / 'answers.json').read_text())
+    assert stored['study'] == 'cvfp' and [a['qid'] for a in stored['answers']] == ['Q1', 'Q2', 'Q3', 'Q4']
+    for a in map(Answer.from_dict, stored['answers']): assert f'{a.qid:>4} {a.verdict}' in out

@@ -405,3 +405,16 @@ def test_registered_study_answers_through_the_kit(tmp_path):
     m = t_interval([30.0, 30.5], [32.0, 32.2])[0]
     assert got[0].estimate == f'best mercator-b0 {m:+.2%}' and got[1].verdict == 'no data'
     assert 'PPL' in answers_text(got)
+
+
+def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path, capsys):
+    "What `oelm run mercator` prints after the batch: the answers through the kit, and answers.json beside the runs."
+    import json
+    from oelm_nb.cli import print_batch_summary
+    from oelm_nb.evidence import Answer
+    out_dir = fake_batch(tmp_path, {'mercator-b0': [30.0, 30.5], 'mse': [31.0, 31.2], BASELINE: [32.0, 32.2]}, roles=True)
+    print_batch_summary(out_dir)
+    out = capsys.readouterr().out
+    stored = json.loads((out_dir / 'answers.json').read_text())
+    assert stored['study'] == 'mercator' and [a['qid'] for a in stored['answers']] == ['PPL', 'ACC']
+    for a in map(Answer.from_dict, stored['answers']): assert f'{a.qid:>4} {a.verdict}' in out

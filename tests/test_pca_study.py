@@ -296,3 +296,16 @@ def test_pca_lora_run_is_reproducible(batch, tmp_path):
     assert 'baseline-s0: already completed' in r2.stdout
     first, second = read_json(out / 'pca-lora-k16-s0' / 'summary.json'), read_json(again / 'pca-lora-k16-s0' / 'summary.json')
     assert (second['best_val_loss'], second['final_val_loss']) == (first['best_val_loss'], first['final_val_loss'])
+
+
+def test_the_console_summary_prints_the_answers(batch, capsys):
+    "What `oelm run pca` prints after the batch: the answers through the kit (answers.json beside the runs)."
+    import json
+    from oelm_nb.cli import print_batch_summary
+    from oelm_nb.evidence import Answer
+    out_dir = batch[0]
+    print_batch_summary(out_dir)
+    out = capsys.readouterr().out
+    stored = json.loads((out_dir / 'answers.json').read_text())
+    assert stored['study'] == 'pca' and stored['answers']
+    for a in map(Answer.from_dict, stored['answers']): assert f'{a.qid:>4} {a.verdict}' in out
