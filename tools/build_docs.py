@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import execnb, nbdev.test
 from execnb.nbio import read_nb, write_nb
 from execnb.shell import CaptureShell
-from fastcore.basics import ifnone
+from fastcore.basics import ifnone, str2bool
 from fastcore.xtras import working_directory
 from nbdev.config import get_config
 from nbdev.doclinks import _nbpath2html, nbglob
@@ -98,10 +98,14 @@ class exec_show_docs_check(exec_show_docs):
     def __call__(self, cell):
         import warnings
         outs = cell.get('outputs')
+        sd = getattr(cell, 'has_sd', False) and re.fullmatch(r'show_doc\(([\w.]+)\)', cell.source.strip())
         try:
             with warnings.catch_warnings():  # nbdev's FAQ warning on every cell mixing imports and code: fatal only where it fails
                 warnings.simplefilter('ignore')
-                super().__call__(cell)
+                if not sd: super().__call__(cell)
+                elif hasattr(self, 'k') and not str2bool(getattr(self.nb, 'frontmatter_', {}).get('skip_showdoc', False)):
+                    self.k.run(f'{sd[1]};')  # nbdev's show_doc(name) of an exported name: what can fail here is the name;
+                    if self.k.exc: raise self.k.exc  # show_doc itself renders once, in the test shell (docs_procs)
         except Exception:
             from nbdev.processors import _ast_contains
             import ast
