@@ -45,5 +45,6 @@ setuptools.setup(
     long_description_content_type='text/markdown',
     zip_safe=False,
     entry_points={'console_scripts': cfg.get('console_scripts', '').split(),
+                  'oelm_nb.studies': cfg.get('studies', '').split(),
                   'nbdev': [f'{cfg.get("lib_path")}={cfg.get("lib_path")}._modidx:d']},
     **setup_cfg)

@@ -10,7 +10,7 @@ TIMEOUT = 420  # seconds for one `oelm run` on a loaded 2-core machine
 
 def oelm_cmd(*args: str) -> list[str]:
     "The command line of the installed `oelm` console script (or the module where the script is missing)."
-    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.cli', *args]
+    return [str(OELM), *args] if OELM.exists() else [sys.executable, '-m', 'oelm_nb.app.cli', *args]
 
 
 def run_oelm(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
@@ -19,10 +19,10 @@ def run_oelm(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
 
 
 def oelm_main(*args: str) -> subprocess.CompletedProcess:
-    """`oelm ARGS` through `oelm_nb.cli.main` in this process, its exit status and output as `run_oelm` returns them.
+    """`oelm ARGS` through `oelm_nb.app.cli.main` in this process, its exit status and output as `run_oelm` returns them.
     For commands that start no batch (help, params, data, sample, export, usage errors): no interpreter and no torch
     import to pay for. The console script itself (`sys.exit(main())`) is checked in a subprocess by test_cli."""
-    from oelm_nb.cli import main
+    from oelm_nb.app.cli import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try: rc = main(list(args))

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import oelm_nb.studies  # noqa: F401  the package's studies registered, as `oelm` registers them (tests resolve runs by study name)
 
 # ---------------------------------------------------------------- hypothesis
 # torch's first call in a process is slow (lazy init), so no per-example deadline;

@@ -1,6 +1,6 @@
 """Batches the suites share: each trained once per pytest session, in this process, and only read by the tests.
 
-A papermill execution costs seconds of kernel start-up before its first step; `oelm_nb.runner.execute_inline` runs a
+A papermill execution costs seconds of kernel start-up before its first step; `oelm_nb.lab.runner.execute_inline` runs a
 batch's runs in-process with the same run directories, summaries and report. Each study keeps exactly one papermill
 batch end to end in its own suite (qk-freeze: test_runner; pca: test_cluster; cvfp: test_cvfp_study; mercator: the
 HF-mode batch of test_mercator_study); every test that only reads runs, reports, exports or verdicts uses a batch from here.
@@ -23,7 +23,7 @@ def session_root(tmp_path_factory) -> Path:
 
 
 def shared_batch(tmp_path_factory, name: str, study: str, **run_study_kwargs) -> tuple[Path, dict]:
-    """`oelm_nb.runner.run_study(study, ...)` with every run in-process, once per session under `name`.
+    """`oelm_nb.lab.runner.run_study(study, ...)` with every run in-process, once per session under `name`.
     Returns (batch dir, record): record['log'] holds the lines `oelm run` would print, record['failed'] the failed runs,
     record['error'] the exception if the batch itself raised (the tests then fail with it, the batch is not retried)."""
     root = session_root(tmp_path_factory)
@@ -35,7 +35,7 @@ def shared_batch(tmp_path_factory, name: str, study: str, **run_study_kwargs) ->
 
 
 def _train(study: str, out: Path, kwargs: dict) -> dict:
-    from oelm_nb.runner import run_study, execute_inline
+    from oelm_nb.lab.runner import run_study, execute_inline
     lines, t0 = [], time.time()
     kwargs = {'seeds': [0], 'report': False, **kwargs}
     kwargs['overrides'] = {**SMALL_CORPUS, **kwargs.get('overrides', {})}

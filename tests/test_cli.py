@@ -1,6 +1,6 @@
 """The `oelm` command line from outside: `params`, `bench`, `data prepare` and every `--help`.
 
-Each check runs `oelm_nb.cli.main`, the console script's function, in this process (`cli_helpers.oelm_main`: exit
+Each check runs `oelm_nb.app.cli.main`, the console script's function, in this process (`cli_helpers.oelm_main`: exit
 status, stdout and stderr as a subprocess would give them, without an interpreter start-up and a torch import per
 command); one test runs the installed console script itself, so its exit status is checked where users meet it. Expected numbers come from arithmetic on the
 architecture, never from the library: parameter counts from the config fields, the FLOPs that frozen Q/K save
@@ -84,7 +84,7 @@ def test_bench_counts_flops_and_optimizer_state_exactly():
                         ('bench', '--preset', 'tiny', '--variants', 'oelm,oelm-freeze', '--steps', '5', '--block-size', '32', '--json'))
     rows = {r['variant']: r for r in ok_json(good)}
     assert list(rows) == ['oelm', 'oelm-freeze', 'reference']  # the nanoGPT-structured yardstick is timed alongside
-    from oelm_nb.model import PRESETS  # the tiny preset's shape (the bench code is what is under test)
+    from oelm_nb.model.gpt import PRESETS  # the tiny preset's shape (the bench code is what is under test)
     n_layer, d = PRESETS['tiny']['n_layer'], PRESETS['tiny']['n_embd']
     tokens = 1 * 32  # default --batch-size 1 x --block-size 32
     frozen = n_layer * 2 * d * d
@@ -101,7 +101,7 @@ def test_bench_counts_flops_and_optimizer_state_exactly():
         for k in ('step_time_median_s', 'tokens_per_s'):
             assert isinstance(r[k], (int, float)) and np.isfinite(r[k]) and r[k] > 0, (r['variant'], k, r[k])
         assert r['step_time_iqr_s'] >= 0
-    from oelm_nb.device import autocast_dtype
+    from oelm_nb.model.device import autocast_dtype
     import torch
     dtype = 'float32' if autocast_dtype(torch.device('cpu')) is None else 'bfloat16'  # the default precision, resolved
     ref = rows['reference']
@@ -167,11 +167,11 @@ def test_the_console_script_returns_mains_exit_status():
 @pytest.mark.slow
 def test_version_and_study_help_lists_variants_options_and_defaults():
     import oelm_nb
-    from oelm_nb.studies import STUDIES
-    from oelm_nb.cli import build_parser
+    from oelm_nb.lab.experiment import studies
+    from oelm_nb.app.cli import build_parser
     v = oelm_main('--version')
     assert v.returncode == 0 and v.stdout.strip() == f'oelm_nb {oelm_nb.__version__}'
-    for name, study in STUDIES.items():
+    for name, study in studies().items():
         h = oelm_main('run', name, '--help')
         assert h.returncode == 0, h.stderr
         text = ' '.join(h.stdout.split())  # argparse wraps lines
@@ -199,8 +199,8 @@ def test_params_takes_the_study_variants():
 
 
 def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path):
-    from oelm_nb.cli import build_parser, study_plan
-    from oelm_nb.studies import get_study
+    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.lab.experiment import get_study
     args = build_parser().parse_args(['run', 'qk-freeze', '--loggers', 'tensorboard,wandb'])
     assert study_plan(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
     r = oelm_main('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
@@ -210,7 +210,7 @@ def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path)
 @pytest.mark.parametrize('study', ['qk-freeze', 'pca', 'cvfp', 'mercator'])
 def test_one_meaning_per_flag_the_old_spellings_are_refused_naming_the_new(study, capsys):
     "`--parallel` meant 'GPU sets at once' in three studies and 'Phase 1's parallel version' in CVFP: refused everywhere."
-    from oelm_nb.cli import build_parser
+    from oelm_nb.app.cli import build_parser
     for flag, new in (('--parallel', '--concurrent'), ('--sequential', '--phase1 sequential')):
         with pytest.raises(SystemExit) as e: build_parser().parse_args(['run', study, flag])
         assert e.value.code == 2 and new in capsys.readouterr().err

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from oelm_nb.cluster import ClusterConfig, sbatch_script, slurm_parameters, time_minutes
-from oelm_nb.core import ConfigError
-from oelm_nb.rundir import read_holder, is_alive
+from oelm_nb.lab.cluster import ClusterConfig, sbatch_script, slurm_parameters, time_minutes
+from oelm_nb.base.core import ConfigError
+from oelm_nb.base.rundir import read_holder, is_alive
 from cli_helpers import run_oelm, oelm_cmd, read_json, tiny_args
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
@@ -43,7 +43,7 @@ def test_sbatch_script_of_a_two_gpu_run(tmp_path):
 
 
 def test_cluster_flags_are_checked_before_anything_runs(tmp_path, capsys):
-    from oelm_nb.cli import main
+    from oelm_nb.app.cli import main
     out = tmp_path / 'b'
     for args, msg in ((['--partition', 'gpu'], 'only with --backend slurm'),
                       (['--backend', 'slurm', '--time', '4h'], 'HH:MM:SS'),

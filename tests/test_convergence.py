@@ -11,10 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from oelm_nb.convergence import (CONVERGENCE_RULE, formation_rule, formation_test, kaplan_meier, annealing_areas,
+from oelm_nb.report.convergence import (CONVERGENCE_RULE, formation_rule, formation_test, kaplan_meier, annealing_areas,
                                  annealing_law, schedule, gap_curve, budget_sentence)
-from oelm_nb.core import TrainConfig
-from oelm_nb.report import (Comparison, budget_text, compare, convergence, convergence_caveat, convergence_note,
+from oelm_nb.base.core import TrainConfig
+from oelm_nb.report.tables import (Comparison, budget_text, compare, convergence, convergence_caveat, convergence_note,
                             formation, formation_comparison, formation_level, formed_count, load_runs, paired,
                             seeds_command, seeds_needed, t_interval)
 
@@ -88,7 +88,7 @@ def test_the_rule_on_synthetic_curves(tmp_path):
 
 def test_the_forecast_matches_a_run_twice_as_long():
     "Measured against the law's own 2T run (the schedule stretched): the forecast gain is the true one."
-    from oelm_nb.convergence import forecast
+    from oelm_nb.report.convergence import forecast
     y = LAW(0.8, 3.0, 0.5, 0.0002)
     S1l, S2l = annealing_areas(schedule(CFG.replace(max_steps=6000)))
     truth = 1 - annealing_law(S1l[-1], S2l[-1], 0.8, 3.0, 0.5, 0.0002) / y[-1]
@@ -99,7 +99,7 @@ def test_the_forecast_matches_a_run_twice_as_long():
 @pytest.mark.parametrize('seed', range(6))
 def test_no_label_comes_from_a_fit_on_a_bound(seed):
     "Whatever the curve, a stated label has no floor or exponent on a bound: such fits read 'no fit'."
-    from oelm_nb.convergence import forecast, fit_annealing
+    from oelm_nb.report.convergence import forecast, fit_annealing
     rng = np.random.default_rng(seed)
     y = (1.2 + 2 * np.exp(-STEPS / 300)) * (1 + rng.normal(0, 0.002, len(STEPS)))  # exponential: not the law's shape
     f = forecast(STEPS, y, CFG)
@@ -193,7 +193,7 @@ def test_the_log_rank_test_holds_its_level():
 def test_gap_curve_traces_to_the_losses(tmp_path):
     root = write(tmp_path / 'b', {**{('a', s): {'val_loss': SETTLED + 0.1 + 0.01 * s} for s in range(3)},
                                   **{('b', s): {'val_loss': SETTLED + 0.02 * s * (STEPS > 2500)} for s in range(3)}})
-    from oelm_nb.report import load_curves
+    from oelm_nb.report.tables import load_curves
     curves = load_curves(root)
     gc = gap_curve(curves, 'a', 'b')
     d = np.array([0.1 + 0.01 * s - 0.02 * s for s in range(3)])  # per-seed log gap at the last step
@@ -242,8 +242,8 @@ def test_seeds_needed_is_a_power_calculation():
 
 
 def test_seeds_command_is_a_valid_oelm_run_of_the_same_batch(tmp_path):
-    from oelm_nb.cli import build_parser, study_plan
-    from oelm_nb.studies import get_study
+    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.lab.experiment import get_study
     root = fake_batch(tmp_path / 'my batch', 'qk-freeze', {'gpt': lambda s: False, 'oelm-freeze': lambda s: False})
     b = json.loads((root / 'batch.json').read_text())
     b.update(preset='tiny', data='synthetic', steps=3000, overrides={'train.lr': 0.01, 'data.n_stories': 300})
@@ -259,7 +259,7 @@ def test_seeds_command_is_a_valid_oelm_run_of_the_same_batch(tmp_path):
 
 
 def test_an_unresolved_answer_says_what_it_would_take(tmp_path):
-    from oelm_nb.qk_freeze import qk_answers
+    from oelm_nb.studies.qk_freeze.study import qk_answers
     ppl = {'gpt': [10.0, 10.1, 10.2, 10.3], 'oelm': [10.0, 10.1, 10.2, 10.3], 'oelm-freeze': [10.3, 10.9, 10.2, 10.8]}
     root = write(tmp_path / 'b', {(v, s): {'val_loss': np.log(p) + SETTLED - 1.2, 'recall_acc': jump(0.3 + 0.05 * s)}
                                   for v, ps in ppl.items() for s, p in enumerate(ps)})
@@ -278,8 +278,8 @@ def test_an_unresolved_answer_says_what_it_would_take(tmp_path):
 
 def test_under_a_stein_design_h4_uses_steins_interval(tmp_path):
     "A batch sized by --precision (precision.json on H4's comparison): H4's interval and verdict are Stein's."
-    from oelm_nb.precision import precision_record, stein_seeds, stein_interval
-    from oelm_nb.qk_freeze import qk_answers
+    from oelm_nb.lab.precision import precision_record, stein_seeds, stein_interval
+    from oelm_nb.studies.qk_freeze.study import qk_answers
     ppl = {'gpt': [10.0, 10.1, 10.2, 10.3, 10.4], 'oelm': [10.0, 10.1, 10.2, 10.3, 10.4],
            'oelm-freeze': [11.3, 11.4, 11.2, 11.6, 11.5]}
     root = write(tmp_path / 'b', {(v, s): {'val_loss': np.log(p) + SETTLED - 1.2, 'recall_acc': jump(0.3)}

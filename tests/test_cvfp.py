@@ -7,15 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oelm_nb.core import ConfigError
-from oelm_nb.rundir import write_json
-from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, build_context_cache, combined_loss, cvfp_config, cvfp_loss,
+from oelm_nb.base.core import ConfigError
+from oelm_nb.base.rundir import write_json
+from oelm_nb.studies.cvfp.method import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, build_context_cache, combined_loss, cvfp_config, cvfp_loss,
                           effective_rank, logits_from_cache, markov_tokens, mcdl_loss, odcm_loss, odcm_cov_loss, phase2_batch_size,
                           train_phase1, train_phase2, val_effective_rank, context_scan)
-from oelm_nb.cvfp_study import DIVERSITY_DESCRIPTIONS
-from oelm_nb.cvfp_checks import (convergence_verdict, cvfp_convergence_check, identity_check, context_spread,
+from oelm_nb.studies.cvfp.study import DIVERSITY_DESCRIPTIONS
+from oelm_nb.studies.cvfp.checks import (convergence_verdict, cvfp_convergence_check, identity_check, context_spread,
                                  effective_rank_check, final_diff_grade)
-from oelm_nb.cvfp_alpha import alpha_progression, fit_power_law
+from oelm_nb.studies.cvfp.alpha import alpha_progression, fit_power_law
 
 SMALL = dict(vocab_size=32, context_dim=8, embed_dim=8, num_layers=2)  # two layers: the per-layer cache is exercised
 
@@ -386,7 +386,7 @@ def test_phase2_trains_the_tied_embedding_when_asked():
     n_tok, n_emb = sum(p.numel() for p in trained.token_block.parameters()), trained.embedding.weight.numel()
     assert (pf.train_embedding, pf.trainable_params) == (False, n_tok) and (pt.train_embedding, pt.trainable_params) == (True, n_tok + n_emb)
     # the validation PPL is measured on contexts cached before Phase 2 (the old embedding), with the new embedding as token input and head
-    from oelm_nb.cvfp import evaluate_cached
+    from oelm_nb.studies.cvfp.method import evaluate_cached
     assert pt.val_ppl == pytest.approx(evaluate_cached(trained, val, val_cache)['val_ppl'], rel=1e-6)
     assert pf.val_ppl != pt.val_ppl
 

@@ -225,14 +225,14 @@ def test_report_states_the_numbers(batch):
 
 # ====================================================================== flags and plan (no training)
 def parse(*argv):
-    from oelm_nb.cli import build_parser
+    from oelm_nb.app.cli import build_parser
     return build_parser().parse_args(['run', 'cvfp', *argv])
 
 
 def test_flags_reach_the_plan_and_the_runs():
-    from oelm_nb.cli import study_plan
-    from oelm_nb.experiment import resolve_spec
-    from oelm_nb.studies import get_study
+    from oelm_nb.app.cli import study_plan
+    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.lab.experiment import get_study
     st = get_study('cvfp')
     a = parse('--phase1', 'sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
     assert a.opt_phase1 == 'sequential' and a.concurrent is True  # Phase 1's version and the runner's concurrency: two flags
@@ -267,7 +267,7 @@ def test_flags_reach_the_plan_and_the_runs():
     (['--variants', 'VICReg-n10'], "no variant 'VICReg-n10'"),
 ])
 def test_bad_flags_are_clear_errors(argv, message, tmp_path, capsys):
-    from oelm_nb.cli import main
+    from oelm_nb.app.cli import main
     rc = main(['run', 'cvfp', '--out', str(tmp_path / 'b'), *argv])
     err = capsys.readouterr().err
     assert rc == 2 and 'oelm run: error:' in err and message in err, err
@@ -276,7 +276,7 @@ def test_bad_flags_are_clear_errors(argv, message, tmp_path, capsys):
 
 def test_phase1_takes_a_version(tmp_path, capsys):
     "--phase1 parallel|sequential picks Phase 1's version; anything else is refused by the parser, naming the choices."
-    from oelm_nb.cli import main
+    from oelm_nb.app.cli import main
     with pytest.raises(SystemExit) as e: main(['run', 'cvfp', '--out', str(tmp_path / 'b'), '--phase1', 'both'])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "argument --phase1: invalid choice: 'both' (choose from 'parallel', 'sequential')" in err, err
@@ -286,16 +286,16 @@ def test_phase1_takes_a_version(tmp_path, capsys):
 # ====================================================================== embeddings from a path
 @pytest.fixture(scope='module')
 def tiny_data(tmp_path_factory):
-    from oelm_nb.core import DataConfig
-    from oelm_nb.data import prepare_data
+    from oelm_nb.base.core import DataConfig
+    from oelm_nb.data.corpus import prepare_data
     return prepare_data(DataConfig(source='synthetic', vocab_size=300, n_train_stories=60, n_val_stories=10),
                         tmp_path_factory.mktemp('cvfp-data'), progress=False)
 
 
 def test_first_stories_matches_the_token_file(tiny_data):
-    from oelm_nb.core import ConfigError
-    from oelm_nb.cvfp_study import first_stories
-    from oelm_nb.data import load_split
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.studies.cvfp.study import first_stories
+    from oelm_nb.data.corpus import load_split
     tr = load_split(tiny_data, 'train')
     for n in (1, 7, 60):
         ids = first_stories(tr.tokens, tr.meta['eot_id'], n)
@@ -306,9 +306,9 @@ def test_first_stories_matches_the_token_file(tiny_data):
 
 def test_embed_run_takes_a_hf_style_directory(tiny_data, tmp_path):
     from safetensors.torch import save_file, load_file
-    from oelm_nb.core import ConfigError
-    from oelm_nb.cvfp_study import run_cvfp, load_embedding
-    from oelm_nb.experiment import resolve_spec
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.studies.cvfp.study import run_cvfp, load_embedding
+    from oelm_nb.lab.experiment import resolve_spec
     hf = tmp_path / 'hf-model'; hf.mkdir()
     w = torch.randn(300, 24)
     save_file({'transformer.h.0.attn.c_attn.weight': torch.randn(24, 72), 'transformer.wte.weight': w, 'lm_head.weight': torch.zeros(300, 24)},
@@ -333,8 +333,8 @@ def test_embed_run_takes_a_hf_style_directory(tiny_data, tmp_path):
 def test_train_embedding_twin(tiny_data, tmp_path):
     "--train-embedding: same Phase 1 as the frozen run, Phase 2 trains the tied embedding; the frozen run's embedding is the upstream one."
     from safetensors.torch import save_file, load_file
-    from oelm_nb.cvfp_study import run_cvfp
-    from oelm_nb.experiment import resolve_spec
+    from oelm_nb.studies.cvfp.study import run_cvfp
+    from oelm_nb.lab.experiment import resolve_spec
     src = tmp_path / 'emb.safetensors'
     save_file({'model.embed_tokens.weight': torch.randn(300, 16, generator=torch.Generator().manual_seed(0))}, str(src))
     b = tmp_path / 'b'
@@ -359,9 +359,9 @@ def test_train_embedding_twin(tiny_data, tmp_path):
 
 
 def test_cvfp_run_needs_its_embed_run_and_valid_settings(tiny_data, tmp_path):
-    from oelm_nb.core import ConfigError
-    from oelm_nb.cvfp_study import run_cvfp
-    from oelm_nb.experiment import resolve_spec
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.studies.cvfp.study import run_cvfp
+    from oelm_nb.lab.experiment import resolve_spec
     spec = resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None, options={'samples': [2]})
     with pytest.raises(ConfigError, match="'embed' run of seed 0 must complete first"): run_cvfp(spec)
     with pytest.raises(ConfigError, match=r"study 'cvfp', settings: CVFPSettings has no field\(s\) \['contxt_dim'\]"):

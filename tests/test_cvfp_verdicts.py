@@ -1,4 +1,4 @@
-"""The CVFP report's tables, verdicts and sentences (oelm_nb.cvfp_report) and alpha fits (oelm_nb.cvfp_alpha) on small fake batch directories.
+"""The CVFP report's tables, verdicts and sentences (oelm_nb.studies.cvfp.report) and alpha fits (oelm_nb.studies.cvfp.alpha) on small fake batch directories.
 
 `make_batch` writes what `oelm run cvfp` leaves behind (batch.json, one summary.json per run, the CVFP runs'
 phase1.jsonl and metrics.jsonl) with round numbers, so every expected value here is worked out by hand. Run
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oelm_nb.rundir import write_json
-from oelm_nb import cvfp_report as cr, cvfp_alpha as ca, cvfp_guidelines as cg
+from oelm_nb.base.rundir import write_json
+from oelm_nb.studies.cvfp import report as cr, alpha as ca, guidelines as cg
 
 RULES = {'identity': 'zero_diff > 0.1 and token similarity < 0.95', 'convergence': 'final_diff < 0.001 (GOOD) and verdict CONVERGED or CONVERGING',
          'effective_rank': 'guidelines bands', 'agreement': 'mean cosine >= 0.99: fixed point (PASS); >= 0.9: near; below: off'}
@@ -323,7 +323,7 @@ def three_seeds(d: Path) -> Path:
 def test_answers_trace_to_the_summaries(tmp_path):
     "Q1-Q4 from the runs table `oelm run` passes; Q1's and Q2's numbers recomputed here with scipy from the summaries."
     from scipy import stats
-    from oelm_nb.report import load_runs
+    from oelm_nb.report.tables import load_runs
     b = three_seeds(tmp_path / 'b')
     q1, q2, q3, q4 = cr.cvfp_answers(load_runs(b))
     assert [(a.qid, a.verdict) for a in (q1, q2, q3, q4)] == [('Q1', 'supported'), ('Q2', 'supported'), ('Q3', 'rejected'), ('Q4', 'rejected')]
@@ -355,9 +355,9 @@ def test_answers_one_seed_slow_and_empty(tmp_path):
 
 def test_registered_cvfp_study_answers(tmp_path):
     "`oelm run cvfp` prints `get_study('cvfp').answers(runs)`: Answers for a small batch."
-    from oelm_nb.evidence import Answer, answers_text
-    from oelm_nb.report import load_runs
-    from oelm_nb.studies import get_study
+    from oelm_nb.report.evidence import Answer, answers_text
+    from oelm_nb.report.tables import load_runs
+    from oelm_nb.lab.experiment import get_study
     got = get_study('cvfp').answers(load_runs(three_seeds(tmp_path / 'b')))
     assert [a.qid for a in got] == ['Q1', 'Q2', 'Q3', 'Q4'] and all(isinstance(a, Answer) for a in got)
     assert got[0].estimate == '+5.0 points' and 'Q4' in answers_text(got)
@@ -366,8 +366,8 @@ def test_registered_cvfp_study_answers(tmp_path):
 def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path, capsys):
     "What `oelm run cvfp` prints after the batch: the answers through the kit, and answers.json beside the runs."
     import json
-    from oelm_nb.cli import print_batch_summary
-    from oelm_nb.evidence import Answer
+    from oelm_nb.app.cli import print_batch_summary
+    from oelm_nb.report.evidence import Answer
     root = three_seeds(tmp_path / 'b')
     print_batch_summary(root)
     out = capsys.readouterr().out

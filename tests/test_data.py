@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from oelm_nb.core import DataConfig
-from oelm_nb.data import (DataError, TokenData, batch, generate_stories, load_split, prepare_data, read_documents,
+from oelm_nb.base.core import DataConfig
+from oelm_nb.data.corpus import (DataError, TokenData, batch, generate_stories, load_split, prepare_data, read_documents,
                           read_meta, recall_positions, synthetic_splits, token_dtype)
-from oelm_nb.tokenizer import EOT, BPETokenizer, gpt2_tokenizer, load_tokenizer
+from oelm_nb.data.tokenizer import EOT, BPETokenizer, gpt2_tokenizer, load_tokenizer
 
 SMALL = DataConfig(vocab_size=700, n_train_stories=1500, n_val_stories=150, seed=3)
 
@@ -218,7 +218,7 @@ def test_tinystories_offline_fails_fast(monkeypatch, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="HF datasets not installed (the hf extra)")
 def test_tinystories_unreachable_hub_fails_fast(monkeypatch, tmp_path):
     "Without offline variables, an unreachable Hub is detected by a short probe instead of datasets' retries."
-    import oelm_nb.data as D
+    import oelm_nb.data.corpus as D
     for k in ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'): monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv('HF_HOME', str(tmp_path / 'hf'))
     monkeypatch.setattr(D, '_reachable', lambda *a, **k: False)
@@ -228,7 +228,7 @@ def test_tinystories_unreachable_hub_fails_fast(monkeypatch, tmp_path):
 
 
 def test_gpt2_tokenizer_offline_fails_fast(monkeypatch, tmp_path):
-    import oelm_nb.tokenizer as T
+    import oelm_nb.data.tokenizer as T
     pytest.importorskip('tiktoken')
     monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'empty-cache'))
     monkeypatch.setattr(T, '_reachable', lambda *a, **k: False)
@@ -259,7 +259,7 @@ def test_prepare_data_caches(tmp_path):
 def toy_tiktoken():
     "A byte-level tiktoken encoding built here (bytes plus ' '+letter merges): no download needed."
     tiktoken = pytest.importorskip('tiktoken')
-    from oelm_nb.tokenizer import TiktokenTokenizer
+    from oelm_nb.data.tokenizer import TiktokenTokenizer
     ranks = {bytes([i]): i for i in range(256)}
     for c in 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz': ranks[b' ' + c.encode()] = len(ranks)
     pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -277,7 +277,7 @@ def test_tiktoken_tokenizer_locates_recall_tokens():
 
 
 def test_prepare_with_gpt2_tokenizer_path(monkeypatch, tmp_path):
-    import oelm_nb.data as D, oelm_nb.tokenizer as T
+    import oelm_nb.data.corpus as D, oelm_nb.data.tokenizer as T
     tok = toy_tiktoken()
     monkeypatch.setattr(D, 'gpt2_tokenizer', lambda *a, **k: tok)
     monkeypatch.setattr(T, 'gpt2_tokenizer', lambda *a, **k: tok)  # load_tokenizer, of chapter tokenizer
@@ -296,9 +296,9 @@ def test_literal_end_of_text_only_ever_separates_documents(tmp_path):
     "A literal <|endoftext|> inside a JSONL text ends the document: the prepared streams hold the id exactly once per document."
     import json as _json
     import numpy as _np
-    from oelm_nb.core import DataConfig
-    from oelm_nb.data import prepare_data, load_split, read_documents
-    from oelm_nb.tokenizer import EOT
+    from oelm_nb.base.core import DataConfig
+    from oelm_nb.data.corpus import prepare_data, load_split, read_documents
+    from oelm_nb.data.tokenizer import EOT
     texts = [f'story {i} begins. {EOT} story {i} part two ends.' if i % 3 == 0 else f'plain story number {i} here.' for i in range(30)]
     src = tmp_path / 'docs.jsonl'
     src.write_text(''.join(_json.dumps({'text': t}) + '\n' for t in texts))

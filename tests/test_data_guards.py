@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from oelm_nb.memory import available_memory, check_step_memory, param_counts, step_memory
-from oelm_nb.cli import main
-from oelm_nb.core import ConfigError, DataConfig
-from oelm_nb.data import DataError, load_split, prepare_data, read_meta
-from oelm_nb.freeze import param_report
-from oelm_nb.model import GPT, model_config
+from oelm_nb.train.memory import available_memory, check_step_memory, param_counts, step_memory
+from oelm_nb.app.cli import main
+from oelm_nb.base.core import ConfigError, DataConfig
+from oelm_nb.data.corpus import DataError, load_split, prepare_data, read_meta
+from oelm_nb.model.freeze import param_report
+from oelm_nb.model.gpt import GPT, model_config
 
 TINY_DATA = DataConfig(vocab_size=300, n_train_stories=200, n_val_stories=30, seed=0)
 
@@ -157,7 +157,7 @@ def _no_model(*a, **k):
 
 
 def test_bench_huge_batch_is_refused_before_allocating(monkeypatch, capsys):
-    monkeypatch.setattr('oelm_nb.bench.build_variant', _no_model)
+    monkeypatch.setattr('oelm_nb.lab.bench.build_variant', _no_model)
     assert main(['bench', '--batch-size', '10000000', '--no-memory']) == 2
     err = capsys.readouterr().err
     assert 'oelm bench: error:' in err and 'Traceback' not in err
@@ -168,7 +168,7 @@ def test_bench_huge_batch_is_refused_before_allocating(monkeypatch, capsys):
 
 def test_bench_allocation_failure_becomes_config_error(monkeypatch, capsys):
     def oom(*a, **k): raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes")
-    monkeypatch.setattr('oelm_nb.bench.build_variant', oom)
+    monkeypatch.setattr('oelm_nb.lab.bench.build_variant', oom)
     assert main(['bench', '--no-memory', '--dtypes', 'float32']) == 2
     err = capsys.readouterr().err
     assert 'out of memory at batch_size=1 x block_size=128' in err and "can't allocate memory" in err
@@ -184,7 +184,7 @@ def test_check_step_memory_on_tiny_preset():
 
 
 def test_check_step_memory_suggests_a_fitting_accumulation(monkeypatch):
-    monkeypatch.setattr('oelm_nb.memory.available_memory', lambda device='cpu': (2 ** 30, 'cpu (test)'))
+    monkeypatch.setattr('oelm_nb.train.memory.available_memory', lambda device='cpu': (2 ** 30, 'cpu (test)'))
     cfg = model_config('tiny')
     with pytest.raises(ConfigError) as e: check_step_memory(cfg, 512, None, 'cpu', grad_accum=2)
     msg = str(e.value)

@@ -90,16 +90,39 @@ def page(site: Path, html: str) -> tuple[str, _Page]:
 
 
 def test_notebooks_are_discovered():
-    "The notebooks nbdev_test runs are the library chapters (index first); nbs/experiments and nbs/reports hold a .notest file."
+    """The notebooks nbdev_test runs are the library chapters (index first, then in reading order, one folder per package);
+    nbs/experiments and nbs/reports hold a .notest file."""
     names = [d.src.name for d in LIB_NBS]
     assert names[0] == 'index.ipynb', 'index.ipynb is the home page'
-    assert len(names) >= 2 and [d.src for d in LIB_NBS[1:]] == sorted(d.src for d in LIB_NBS[1:]), 'chapters in notebook order'
-    assert not any(d.src.parent != ROOT / 'nbs' for d in LIB_NBS), 'sub-folders of nbs/ are not library chapters'
-    assert {d.html for d in LIB_NBS} >= {'index.html', 'model.html'}, 'pages named as nbdev names them (03_model -> model)'
+    numbers = [bd.chapter_number(d.src) for d in LIB_NBS[1:]]
+    assert len(numbers) >= 2 and numbers == sorted(numbers) and len(set(numbers)) == len(numbers), 'one number per chapter'
+    for d in LIB_NBS[1:]:
+        folder = d.src.parent.relative_to(ROOT / 'nbs').as_posix()
+        assert folder in bd.SECTIONS, f'{d.src.name}: a chapter lives in a package folder of nbs/ ({list(bd.SECTIONS)})'
+        mod = re.search(r'#\|\s*default_exp\s+([\w.]+)', d.src.read_text()).group(1)
+        assert mod.rsplit('.', 1)[0].replace('.', '/') == folder, f'{d.src}: exports {mod}, not a module of {folder}'
+    assert {d.html for d in LIB_NBS} >= {'index.html', 'model/gpt.html'}, 'pages named as nbdev names them (23_gpt -> gpt)'
     for folder in ('experiments', 'reports'):
         assert (ROOT / 'nbs' / folder / '.notest').exists(), f'nbdev_test must skip nbs/{folder} (papermill notebooks)'
         assert {d.dest for d in DOCS if d.src.parent.name == folder and not d.library} == \
                {f'{folder}/{p.name}' for p in (ROOT / 'nbs' / folder).glob('*.ipynb')}
+
+
+def test_chapter_numbers_follow_dependencies():
+    "Reading order: a chapter's exported code imports only modules of chapters numbered before it."
+    number = {}
+    for d in LIB_NBS[1:]:
+        mod = re.search(r'#\|\s*default_exp\s+([\w.]+)', d.src.read_text()).group(1)
+        number[f'oelm_nb.{mod}'] = bd.chapter_number(d.src)
+    late = []
+    for d in LIB_NBS[1:]:
+        me = bd.chapter_number(d.src)
+        for c in json.loads(d.src.read_text())['cells']:
+            s = ''.join(c['source'])
+            if c['cell_type'] != 'code' or not re.match(r'#\|\s*export', s): continue
+            for m in re.findall(r'from (oelm_nb(?:\.\w+)+) import', s):
+                if number.get(m, -1) > me: late.append(f'{d.src.name} imports {m} (chapter {number[m]})')
+    assert not late, late
 
 
 def _title(d) -> str:
@@ -110,11 +133,13 @@ def _title(d) -> str:
 
 
 def test_mkdocs_yml_lists_every_notebook_and_matches_settings():
-    "mkdocs.yml is static: its nav lists every notebook, in notebook order, under its title; its site settings are settings.ini's."
+    "mkdocs.yml is static: its nav lists every notebook, in reading order and by package, under its title; its site settings are settings.ini's."
     from mkdocs.utils import yaml_load
     conf = yaml_load((ROOT / 'mkdocs.yml').read_text())
     entry = lambda d: {'Home' if d.dest == 'index.ipynb' else _title(d): d.dest}
-    expected = [entry(d) for d in LIB_NBS]
+    expected = [entry(LIB_NBS[0])]
+    for folder, title in bd.SECTIONS.items():
+        expected.append({title: [entry(d) for d in LIB_NBS[1:] if d.src.parent.relative_to(ROOT / 'nbs').as_posix() == folder]})
     for section in dict.fromkeys(d.dest.split('/')[0] for d in DOCS if not d.library):
         expected.append({section.title(): [entry(d) for d in DOCS if not d.library and d.dest.split('/')[0] == section]})
     assert conf['nav'] == expected, ('mkdocs.yml nav does not list the notebooks (a new, renamed or retitled notebook?); '

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import oelm_nb.doctor as D
-from oelm_nb.cli import main
+import oelm_nb.app.doctor as D
+from oelm_nb.app.cli import main
 
 FIELDS = {'name', 'status', 'seconds', 'summary', 'reason', 'error', 'fix', 'figures', 'warning'}
 

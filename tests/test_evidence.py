@@ -1,4 +1,4 @@
-"""The evidence kit (oelm_nb.evidence) checked by simulation, from outside: coverage of the paired interval on the log
+"""The evidence kit (oelm_nb.report.evidence) checked by simulation, from outside: coverage of the paired interval on the log
 scale, Stein's two-stage interval, the stated power against simulated batches, and the exact sign-flip test.
 
 Every simulation is seeded and draws its batches here, independently of the kit's own `simulate_*` helpers; the kit
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from oelm_nb.evidence import (Answer, answers_frame, answers_footer, answers_text, exact_caveat, paired, power,
+from oelm_nb.report.evidence import (Answer, answers_frame, answers_footer, answers_text, exact_caveat, paired, power,
                               seeds_for_power, signflip_p, smallest_signflip_p, stein_size, threshold_verdict)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from cli_helpers import oelm_main, run_oelm, tiny_args
 from shared_runs import qk_freeze_batch, pca_batch, completed, inline_batch
-from oelm_nb.sample import load_run_model, run_codec
+from oelm_nb.lab.sample import load_run_model, run_codec
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -70,7 +70,7 @@ SMALL = dict(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
 def _model(variant='gpt', **extra):
-    from oelm_nb.model import GPT, model_config
+    from oelm_nb.model.gpt import GPT, model_config
     m = GPT(model_config('tiny', variant=variant, **SMALL, **extra), init_seed=1)
     with torch.no_grad():  # trained-like: non-zero biases everywhere, scale_up / scale_down included
         g = torch.Generator().manual_seed(2)
@@ -80,7 +80,7 @@ def _model(variant='gpt', **extra):
 
 
 def _lora_model():
-    from oelm_nb.pca import apply_lora
+    from oelm_nb.model.pca import apply_lora
     m = _model(n_embd_wte=8)
     apply_lora(m, rank=2, alpha=4)
     with torch.no_grad():
@@ -92,7 +92,7 @@ def _lora_model():
 
 def _hf_gap(model, path) -> float:
     "Export `model`, read it back with transformers.from_pretrained, and return the largest logit difference."
-    from oelm_nb.export import to_hf_gpt2
+    from oelm_nb.lab.export import to_hf_gpt2
     to_hf_gpt2(model).save_pretrained(path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     ids = torch.randint(0, model.cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(4))
@@ -118,7 +118,7 @@ def test_every_supported_variant_reloads_in_transformers_with_our_logits(name, b
 
 def test_the_logits_comparison_can_fail(tmp_path):
     "The check above compares numbers: an export of one model against another model's logits is far apart."
-    from oelm_nb.export import to_hf_gpt2
+    from oelm_nb.lab.export import to_hf_gpt2
     a, b = _model(n_embd_wte=8), _model(n_embd_wte=8)
     with torch.no_grad(): b.transformer.tok.scale_down.bias.add_(0.5)  # only the bias that the export folds differs
     to_hf_gpt2(a).save_pretrained(tmp_path / 'a')
@@ -128,9 +128,9 @@ def test_the_logits_comparison_can_fail(tmp_path):
 
 
 def test_a_lora_model_is_merged_on_a_copy_and_an_unfoldable_head_is_refused():
-    from oelm_nb.core import ConfigError
-    from oelm_nb.export import to_hf_gpt2
-    from oelm_nb.pca import lora_modules
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.lab.export import to_hf_gpt2
+    from oelm_nb.model.pca import lora_modules
     m = _lora_model()
     to_hf_gpt2(m)
     assert not any(x.merged for x in lora_modules(m))  # the run's model keeps its adapters
@@ -140,15 +140,15 @@ def test_a_lora_model_is_merged_on_a_copy_and_an_unfoldable_head_is_refused():
 
 
 def test_nanogpt_refuses_an_untied_or_factorized_model():
-    from oelm_nb.core import ConfigError
-    from oelm_nb.export import to_nanogpt_state
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.lab.export import to_nanogpt_state
     with pytest.raises(ConfigError, match="nanoGPT's GPT always ties its output head"): to_nanogpt_state(_model(tie_embeddings=False))
     with pytest.raises(ConfigError, match='token table is factorized'): to_nanogpt_state(_model(n_embd_wte=8))
 
 
 def test_lora_adapters_round_trip_alone(tmp_path):
-    from oelm_nb.core import ConfigError
-    from oelm_nb.pca import save_lora_adapters, load_lora_adapters, lora_state, ADAPTER_FILE
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.model.pca import save_lora_adapters, load_lora_adapters, lora_state, ADAPTER_FILE
     from safetensors.torch import load_file
     tuned = _lora_model()
     save_lora_adapters(tuned, tmp_path / 'ad')
@@ -163,7 +163,7 @@ def test_lora_adapters_round_trip_alone(tmp_path):
         after = load_lora_adapters(fresh, tmp_path / 'ad').eval()(ids)[0]
         assert (after - tuned(ids)[0]).abs().max().item() < 1e-6 and (after - before).abs().max().item() > 1e-2
     with pytest.raises(ConfigError, match=r'transformer.tok.wte.lora_B: model \(16, 2\), file \(8, 2\)'):
-        from oelm_nb.pca import apply_lora
+        from oelm_nb.model.pca import apply_lora
         wide = _model(n_embd_wte=16); apply_lora(wide, rank=2, alpha=4)
         load_lora_adapters(wide, tmp_path / 'ad')
 
@@ -190,24 +190,24 @@ def test_a_run_starts_from_an_exported_nanogpt_checkpoint(run, tmp_path):
 
 
 def test_init_from_a_config_built_gpt2_directory_reproduces_its_logits(tmp_path):
-    from oelm_nb.weights import load_init_weights
-    from oelm_nb.model import GPT, model_config
+    from oelm_nb.model.weights import load_init_weights
+    from oelm_nb.model.gpt import GPT, model_config
     cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu')
     torch.manual_seed(0); hf = transformers.GPT2LMHeadModel(cfg).eval(); hf.save_pretrained(tmp_path / 'gpt2')
     ours = GPT(model_config('tiny', vocab_size=120, block_size=64, n_embd=32, n_layer=2, n_head=4, attn_bias=True), init_seed=5)
     load_init_weights(ours, tmp_path / 'gpt2').eval()
     ids = torch.randint(0, 120, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(): assert (ours(ids)[0] - hf(ids).logits).abs().max().item() < 1e-5
-    from oelm_nb.core import ConfigError
+    from oelm_nb.base.core import ConfigError
     with pytest.raises(ConfigError, match='Match it with --set model.vocab_size=120 --set model.block_size=64 --set model.n_layer=2'):
         load_init_weights(GPT(model_config('tiny', vocab_size=120, block_size=64, n_embd=64, n_layer=2, n_head=4), init_seed=0), tmp_path / 'gpt2')
 
 
 def test_init_from_an_untied_gpt2_directory(tmp_path):
     "A config-built GPT-2 with tie_word_embeddings=False: an untied model reproduces its logits, a tied one is refused by name."
-    from oelm_nb.core import ConfigError
-    from oelm_nb.weights import load_init_weights
-    from oelm_nb.model import GPT, model_config
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.model.weights import load_init_weights
+    from oelm_nb.model.gpt import GPT, model_config
     cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu',
                                   tie_word_embeddings=False)
     torch.manual_seed(0); hf = transformers.GPT2LMHeadModel(cfg).eval(); hf.save_pretrained(tmp_path / 'gpt2')
@@ -248,8 +248,8 @@ def test_pca_study_runs_export_merged_and_factorized(tmp_path_factory, tmp_path)
         assert gap < 1e-5, (name, gap)
         assert hf.config.tie_word_embeddings == (name == 'baseline-s0')
     s = json.loads((out / 'pca-k16-s0' / 'summary.json').read_text())
-    from oelm_nb.pca_study import _eval
-    from oelm_nb.experiment import prepare_run
+    from oelm_nb.studies.pca.study import _eval
+    from oelm_nb.lab.experiment import prepare_run
     ours, spec, _ = load_run_model(out / 'pca-k16-s0', device='cpu')
     assert abs(_eval(ours, spec, prepare_run(spec)[2])['val_loss'] - s['val_loss']) < 1e-5  # the model the run evaluated
 
@@ -257,12 +257,12 @@ def test_pca_study_runs_export_merged_and_factorized(tmp_path_factory, tmp_path)
 def test_dropouts_are_read_from_the_source_and_written_on_export(tmp_path):
     "GPT-2's three dropouts: --init-from carries them into the run's model (--set wins), the model applies each, export writes them back."
     transformers = pytest.importorskip('transformers')
-    from oelm_nb.cli import build_parser, study_plan
-    from oelm_nb.studies import get_study
-    from oelm_nb.export import hf_config
-    from oelm_nb.weights import init_dropouts
-    from oelm_nb.model import GPT, model_config
-    from oelm_nb.pca import from_hf_gpt2
+    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.export import hf_config
+    from oelm_nb.model.weights import init_dropouts
+    from oelm_nb.model.gpt import GPT, model_config
+    from oelm_nb.model.pca import from_hf_gpt2
     src = tmp_path / 'gpt2'
     cfg = transformers.GPT2Config(vocab_size=120, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function='gelu',
                                   resid_pdrop=0.1, attn_pdrop=0.0, embd_pdrop=0.25)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from oelm_nb.fixed_point import (Agreement, GUIDELINES_AGREEMENT, compare_contexts, fixed_point_agreement, sequential, settle,
+from oelm_nb.studies.cvfp.fixed_point import (Agreement, GUIDELINES_AGREEMENT, compare_contexts, fixed_point_agreement, sequential, settle,
                                  shift, sweep)
 
 N = 10

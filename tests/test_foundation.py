@@ -15,10 +15,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from oelm_nb.core import ConfigError, ModelConfig, TrainConfig, VARIANTS
-from oelm_nb.orthogonal import OrthogonalLinear, init_orthogonal_, is_learnable_orthogonal
-from oelm_nb.freeze import UnfreezeSchedule, frozen_qk_layers, param_report
-from oelm_nb.model import GPT, PRESETS, model_config
+from oelm_nb.base.core import ConfigError, ModelConfig, TrainConfig, VARIANTS
+from oelm_nb.model.orthogonal import OrthogonalLinear, init_orthogonal_, is_learnable_orthogonal
+from oelm_nb.model.freeze import UnfreezeSchedule, frozen_qk_layers, param_report
+from oelm_nb.model.gpt import GPT, PRESETS, model_config
 
 MEDIUM_TOTAL, MEDIUM_FROZEN, MEDIUM_TRAINABLE = 44_896_768, 3_145_728, 41_751_040
 GPT2_SMALL_TIED = 124_439_808  # the well-known GPT-2 small count (tied embeddings)

@@ -1,10 +1,10 @@
-"""The GSM8K answer parser and the GSM8K-format sample file of the GSM8K chapter (`oelm_nb.gsm8k`), on tricky strings."""
+"""The GSM8K answer parser and the GSM8K-format sample file of the GSM8K chapter (`oelm_nb.studies.mercator.gsm8k`), on tricky strings."""
 from __future__ import annotations
 import json
 from decimal import Decimal
 
 import pytest
-from oelm_nb.gsm8k import gsm8k_number, gsm8k_correct, gsm8k_sample, write_gsm8k_sample
+from oelm_nb.studies.mercator.gsm8k import gsm8k_number, gsm8k_correct, gsm8k_sample, write_gsm8k_sample
 
 
 @pytest.mark.parametrize('text, number', [

@@ -3,7 +3,7 @@ without one (PyPI's metadata), a CUDA build on a machine without a GPU, the torc
 Pythons the package promises.
 
 Every place the package checks a version, each fed the three forms of one release:
-- `same_release` (oelm_nb.doctor): two versions of one release, whatever their labels;
+- `same_release` (oelm_nb.app.doctor): two versions of one release, whatever their labels;
 - `torch_build`: the build a version names (cpu, cuda 13.0), from its label or torch.version.cuda;
 - `check_packages`: each requirement's range (packaging's SpecifierSet, local labels allowed) and the torch imported
   being the torch installed (PyPI's metadata says 2.13.0 of the torch whose __version__ is 2.13.0+cu130);
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import oelm_nb.doctor as D
-from oelm_nb.cli import main
+import oelm_nb.app.doctor as D
+from oelm_nb.app.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSIONS = {'2.13.0+cu130': ('13.0', 'cuda 13.0'), '2.13.0+cpu': (None, 'cpu'), '2.13.0': (None, 'cpu')}

@@ -38,7 +38,7 @@ def project(tmp_path):
     root = tmp_path / 'proj'
     (root / 'nbs' / 'reports').mkdir(parents=True)
     shutil.copy(REPO / 'settings.ini', root / 'settings.ini')
-    shutil.copy(REPO / 'nbs' / '02_freeze.ipynb', root / 'nbs' / '02_freeze.ipynb')
+    shutil.copy(REPO / 'nbs' / 'model' / '22_freeze.ipynb', root / 'nbs' / '02_freeze.ipynb')
     shutil.copy(REPO / 'nbs' / 'reports' / 'qk_freeze.ipynb', root / 'nbs' / 'reports' / 'qk_freeze.ipynb')
     return root
 

@@ -1,4 +1,4 @@
-"""Tests of oelm_nb.mercator: the Mercator loss, presets, stages, KV extraction and distillation end to end."""
+"""Tests of oelm_nb.studies.mercator.method: the Mercator loss, presets, stages, KV extraction and distillation end to end."""
 from __future__ import annotations
 import math, os, time
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from oelm_nb.core import ConfigError
-from oelm_nb.model import GPT, model_config
-from oelm_nb.mercator import (mercator_loss, mse_loss, MercatorConfig, mercator_config, MERCATOR_PRESETS, ElasticBottleneck,
+from oelm_nb.base.core import ConfigError
+from oelm_nb.model.gpt import GPT, model_config
+from oelm_nb.studies.mercator.method import (mercator_loss, mse_loss, MercatorConfig, mercator_config, MERCATOR_PRESETS, ElasticBottleneck,
                               KVProjector, kv_projector, cosine_stage, centered_cosine, layer_map, gpt_kv, hf_kv, extract_kv,
                               flatten_heads, kv_width, distill_hook, load_causal_lm, ModelLoadError)
 
@@ -170,10 +170,10 @@ def test_qwen2_distillation_end_to_end():
     assert s_kv[0][0].shape == (4, 1, 12, 8)
 
 def test_distill_with_gpt_through_trainer(tmp_path):
-    from oelm_nb.core import TrainConfig
-    from oelm_nb.metrics import read_metrics
-    from oelm_nb.train import Trainer
-    from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
+    from oelm_nb.base.core import TrainConfig
+    from oelm_nb.base.metrics import read_metrics
+    from oelm_nb.train.trainer import Trainer
+    from oelm_nb.train.trainer import copy_task_data  # the train chapter's copying task (its examples use it too)
     data = copy_task_data(n_seqs=64, seed=0)
     teacher = GPT(model_config('tiny', vocab_size=64, block_size=32, n_layer=3, n_head=4, n_embd=32, dropout=0.0), init_seed=0)
     student = GPT(model_config('tiny', vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0), init_seed=1)
@@ -218,7 +218,7 @@ def test_load_from_local_directory(tmp_path):
 def test_logit_kd_matches_an_independent_kl():
     "tau^2 KL(teacher || student) of the softened distributions, computed here in float64 numpy from the definition."
     import numpy as np
-    from oelm_nb.mercator import logit_kd_loss
+    from oelm_nb.studies.mercator.method import logit_kd_loss
     g = torch.Generator().manual_seed(0)
     zs, zt = torch.randn(2, 7, 13, generator=g) * 3, torch.randn(2, 7, 13, generator=g) * 3
     mask = torch.ones(2, 7, dtype=torch.bool); mask[1, 4:] = False
@@ -235,7 +235,7 @@ def test_logit_kd_matches_an_independent_kl():
 
 
 def test_stage_and_pass_labels_at_their_boundaries():
-    from oelm_nb.mercator import pass_label, collapsed
+    from oelm_nb.studies.mercator.method import pass_label, collapsed
     assert [cosine_stage(c) for c in (0.4999, 0.5, 0.6999, 0.7, 0.8999, 0.9, 0.9499, 0.95)] == \
         ['Adapting', 'Learning', 'Learning', 'Good', 'Good', 'Great', 'Great', 'Excellent']
     assert [pass_label(c) for c in (0.7999, 0.8, 0.8999, 0.9, 0.9499, 0.95, 1.0)] == \
@@ -245,7 +245,7 @@ def test_stage_and_pass_labels_at_their_boundaries():
 
 def test_centered_loss_gives_no_credit_for_a_shared_direction():
     "Collapsed vectors (one shared direction plus noise) score ~0 loss raw but ~1 (orthogonal) centered."
-    from oelm_nb.mercator import center
+    from oelm_nb.studies.mercator.method import center
     g = torch.Generator().manual_seed(1)
     u = torch.randn(1, 1, 16, generator=g) * 10
     s, t = u + 0.1 * torch.randn(4, 32, 16, generator=g), u + 0.1 * torch.randn(4, 32, 16, generator=g)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from oelm_nb.core import ConfigError
-from oelm_nb.experiment import resolve_spec
-from oelm_nb.studies import get_study
-from oelm_nb.mercator import cosine_stage, layer_map, pass_label
-from oelm_nb.mercator_study import mercator_common, mercator_run, MercatorSettings
-from oelm_nb.mercator_hf import resolve_checkpoint, resolve_dataset, load_texts, load_records
+from oelm_nb.base.core import ConfigError
+from oelm_nb.lab.experiment import resolve_spec
+from oelm_nb.lab.experiment import get_study
+from oelm_nb.studies.mercator.method import cosine_stage, layer_map, pass_label
+from oelm_nb.studies.mercator.study import mercator_common, mercator_run, MercatorSettings
+from oelm_nb.studies.mercator.hf import resolve_checkpoint, resolve_dataset, load_texts, load_records
 from cli_helpers import oelm_main, run_oelm as oelm, read_json, html_text
 from shared_runs import shared_batch, completed
 
@@ -104,13 +104,13 @@ def test_students_start_from_the_same_weights(batch):
     assert a['ce_loss'] == pytest.approx(b['ce_loss'], rel=1e-6) == pytest.approx(k['ce_loss'], rel=1e-6)
     assert a['kv_loss'] == pytest.approx(b['kv_loss'], rel=1e-6)  # both score with Mercator beta 0.01; no-distill only detaches the student
     # the start is the pre-trained student: its step-1 cross-entropy equals the pre-trained model's on that batch, not a random init's
-    from oelm_nb.experiment import RunSpec
-    from oelm_nb.model import GPT
-    from oelm_nb.checkpoint import load_weights
+    from oelm_nb.lab.experiment import RunSpec
+    from oelm_nb.model.gpt import GPT
+    from oelm_nb.train.checkpoint import load_weights
     spec = RunSpec.load_json(out / 'no-distill-s0' / 'config.json')
     s = read_json(out / 'no-distill-s0' / 'summary.json')
-    from oelm_nb.train import train_starts
-    from oelm_nb.data import load_split, batch as make_batch
+    from oelm_nb.train.trainer import train_starts
+    from oelm_nb.data.corpus import load_split, batch as make_batch
     train_d, T = load_split(spec.resolved_data_dir, 'train'), spec.model.block_size
     micro = [make_batch(train_d, train_starts(len(train_d.tokens), T, spec.train.batch_size, spec.train.seed, 0, m, 0, 1), T)
              for m in range(spec.train.grad_accum)]
@@ -216,7 +216,7 @@ def _qwen2(path, n_layers, n_heads, n_kv, head_dim, hidden, vocab, seed):
 
 def test_hf_mode_teacher_and_student_runs(tmp_path):
     pytest.importorskip('transformers')
-    from oelm_nb.gsm8k import write_gsm8k_sample, gsm8k_correct
+    from oelm_nb.studies.mercator.gsm8k import write_gsm8k_sample, gsm8k_correct
     data = write_gsm8k_sample(tmp_path / 'gsm8k_like.jsonl', 60, seed=1)  # the GSM8K chapter's GSM8K-format file
     recs = [json.loads(l) for l in data.read_text().splitlines()]
     tok = _tokenizer([r['question'] + '\n' + r['answer'] for r in recs])
@@ -258,7 +258,7 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
     assert -1 <= s['final_kv_cos'] <= 1 and -1 <= s['final_kv_cos_centered'] <= 1 and math.isfinite(s['best_val_ppl'])
     proj = load_file(str(batch / 'mercator-b0.01-s0' / 'checkpoints' / 'final' / 'projector.safetensors'))
     assert proj['k.0.net.1.weight'].shape[1] == 32 and proj['v.1.net.4.weight'].shape[0] == 8
-    from oelm_nb.mercator import load_causal_lm
+    from oelm_nb.studies.mercator.method import load_causal_lm
     student = load_causal_lm(batch / 'mercator-b0.01-s0' / 'student')  # saved with save_pretrained
     before = load_causal_lm(s_dir)
     assert any(not torch.equal(a, b) for (n, a), (_, b) in zip(student.state_dict().items(), before.state_dict().items()) if 'k_proj' in n)
@@ -268,7 +268,7 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
 def test_hf_mode_batch_through_the_cli_reports_gsm8k_accuracy(tmp_path):
     "`oelm run mercator --teacher --student --dataset` end to end (papermill runs, report) on tiny Qwen2 checkpoints and a GSM8K-format file."
     pytest.importorskip('transformers')
-    from oelm_nb.gsm8k import write_gsm8k_sample
+    from oelm_nb.studies.mercator.gsm8k import write_gsm8k_sample
     data = write_gsm8k_sample(tmp_path / 'gsm8k.jsonl', 40, seed=2)
     recs = [json.loads(l) for l in data.read_text().splitlines()]
     tok = _tokenizer([r['question'] + '\n' + r['answer'] for r in recs])

@@ -1,4 +1,4 @@
-"""The Mercator report's tables and verdicts (`oelm_nb.mercator_report`) on small fake batch directories.
+"""The Mercator report's tables and verdicts (`oelm_nb.studies.mercator.report`) on small fake batch directories.
 
 Each test writes a batch the way the runner does (batch.json, per-run summary.json and metrics.jsonl) and checks
 the sentences the report would print and the study's answers (`mercator_answers`, through the evidence kit).
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from oelm_nb.rundir import write_json
-from oelm_nb.mercator_report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, batch_line, collapse_guard,
+from oelm_nb.base.rundir import write_json
+from oelm_nb.studies.mercator.report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, batch_line, collapse_guard,
                                      failed_runs_note, headline, mercator_answers, mercator_runs, ppl_table, protocol_text, runs_table,
                                      student_variants, style_acc, style_agreement, style_ppl, style_runs_table)
-from oelm_nb.mercator_diagnosis import alignment, cause_sentence, mse_sentence, mse_table
+from oelm_nb.studies.mercator.diagnosis import alignment, cause_sentence, mse_sentence, mse_table
 
 
 def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | None = None, name: str = 'batch',
@@ -349,7 +349,7 @@ def test_roles_and_old_summaries(tmp_path):
 
 def test_runs_table_escapes_run_data(tmp_path):
     "An error text is data: the styled runs table escapes it once it passes through safe_table."
-    from oelm_nb.report import safe_table
+    from oelm_nb.report.tables import safe_table
     out = fake_batch(tmp_path, {'mercator-b0': [None], BASELINE: [32.0]})
     write_json(out / 'mercator-b0-s0' / 'summary.json', {'status': 'failed', 'error': '<img src=x onerror=alert(1)>'})
     html = safe_table(style_runs_table(runs_table(mercator_runs(out)))).to_html()
@@ -366,7 +366,7 @@ def test_answers_three_seeds_trace_to_the_summaries(tmp_path):
     acc_a, acc_b = [0.30, 0.34, 0.31], [0.20, 0.22, 0.23]
     out = fake_batch(tmp_path, {'mercator-b0': a, 'mse': worse, BASELINE: b}, roles=True,
                      acc={'mercator-b0': acc_a, 'mse': [0.2, 0.2, 0.2], BASELINE: acc_b}, task='recall')
-    from oelm_nb.report import load_runs
+    from oelm_nb.report.tables import load_runs
     ppl, acc = mercator_answers(load_runs(out))  # the runs table `oelm run` passes, without the report's columns
     m, lo, hi = t_interval(a, b)
     assert (ppl.qid, ppl.verdict) == ('PPL', 'yes: 1 of 2 (mercator-b0) beat it; resolvably worse: 1 of 2 (mse)')
@@ -396,9 +396,9 @@ def test_answers_one_seed_and_no_baseline(tmp_path):
 
 def test_registered_study_answers_through_the_kit(tmp_path):
     "`oelm run mercator` prints `get_study('mercator').answers(runs)`: Answers for a small batch."
-    from oelm_nb.evidence import Answer, answers_text
-    from oelm_nb.report import load_runs
-    from oelm_nb.studies import get_study
+    from oelm_nb.report.evidence import Answer, answers_text
+    from oelm_nb.report.tables import load_runs
+    from oelm_nb.lab.experiment import get_study
     out = fake_batch(tmp_path, {'mercator-b0': [30.0, 30.5], 'mse': [31.0, 31.2], BASELINE: [32.0, 32.2]}, roles=True)
     got = get_study('mercator').answers(load_runs(out))
     assert [a.qid for a in got] == ['PPL', 'ACC'] and all(isinstance(a, Answer) for a in got)
@@ -410,8 +410,8 @@ def test_registered_study_answers_through_the_kit(tmp_path):
 def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path, capsys):
     "What `oelm run mercator` prints after the batch: the answers through the kit, and answers.json beside the runs."
     import json
-    from oelm_nb.cli import print_batch_summary
-    from oelm_nb.evidence import Answer
+    from oelm_nb.app.cli import print_batch_summary
+    from oelm_nb.report.evidence import Answer
     out_dir = fake_batch(tmp_path, {'mercator-b0': [30.0, 30.5], 'mse': [31.0, 31.2], BASELINE: [32.0, 32.2]}, roles=True)
     print_batch_summary(out_dir)
     out = capsys.readouterr().out

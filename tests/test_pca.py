@@ -1,4 +1,4 @@
-"""PCA factorization, npy/npz files, GPT-2 import, LoRA and parameter arithmetic (oelm_nb.pca)."""
+"""PCA factorization, npy/npz files, GPT-2 import, LoRA and parameter arithmetic (oelm_nb.model.pca)."""
 from __future__ import annotations
 import copy
 import json
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from oelm_nb.core import ConfigError
-from oelm_nb.freeze import param_report
-from oelm_nb.model import GPT, MLP
-from oelm_nb.pca import (LORA_TARGETS, LoRAEmbedding, LoRALinear, apply_lora, embedding_pca, from_hf_gpt2, load_pca_mats,
+from oelm_nb.base.core import ConfigError
+from oelm_nb.model.freeze import param_report
+from oelm_nb.model.gpt import GPT, MLP
+from oelm_nb.model.pca import (LORA_TARGETS, LoRAEmbedding, LoRALinear, apply_lora, embedding_pca, from_hf_gpt2, load_pca_mats,
                          lora_modules, merge_lora, pca_factorize, save_pca_mats, unmerge_lora)
 
 SMALL = dict(vocab_size=300, n_embd=64, n_layer=2, n_head=2, block_size=32)
@@ -198,7 +198,7 @@ def test_matches_peft():
 @pytest.mark.parametrize('K', [64, 128, 256, 512])
 def test_gpt2_124m_factorized_param_counts(K, capsys):
     "`oelm params --preset gpt2-124m --n-embd-wte K` against the architecture's arithmetic."
-    from oelm_nb.cli import main
+    from oelm_nb.app.cli import main
     V, d, L, T, ff = 50257, 768, 12, 2048, 3072  # the PCA document's 2,048 positions
     want = {'embedding': V * K + (K * d + d) + (d * K + K) + T * d,  # wte (tied head counted once), scale_up, scale_down, wpe
             'attention.qk': L * 2 * (d * d + d),
@@ -218,7 +218,7 @@ def test_gpt2_124m_factorized_param_counts(K, capsys):
 @pytest.mark.parametrize('k', [1, 5, 16, 63, 64])
 def test_reconstruction_metrics_match_numpy(base, k):
     "Relative Frobenius error and mean row cosine of the k-direction reconstruction, recomputed with NumPy's SVD."
-    from oelm_nb.pca import reconstruction_curve, reconstruction_metrics
+    from oelm_nb.model.pca import reconstruction_curve, reconstruction_metrics
     E = base.transformer.tok.wte.weight.detach().double().numpy() * np.logspace(0, -1.5, 64)  # a decaying spectrum
     mu = E.mean(0)
     _, S, Vt = np.linalg.svd(E - mu, full_matrices=False)
@@ -234,7 +234,7 @@ def test_reconstruction_metrics_match_numpy(base, k):
 
 
 def test_reconstruction_metrics_are_monotone_and_reject_bad_k(base):
-    from oelm_nb.pca import reconstruction_curve, reconstruction_metrics
+    from oelm_nb.model.pca import reconstruction_curve, reconstruction_metrics
     c = reconstruction_curve(base.transformer.tok.wte.weight)
     assert np.all(np.diff(c['relative_error']) <= 1e-12) and c['relative_error'][-1] < 1e-9
     assert c['mean_cosine'][-1] == pytest.approx(1, abs=1e-9)
@@ -249,7 +249,7 @@ def _fresh(k=8, seed=0, **kw):
 @pytest.mark.parametrize('scheme', ['matched', 'orthogonal'])
 def test_factorized_init_matches_the_full_tables_scale(scheme):
     "The token signal entering the blocks and the initial logits have the full N(0, init_std) model's scale (not ~18x below it)."
-    from oelm_nb.pca import init_factorized_
+    from oelm_nb.model.pca import init_factorized_
     full = GPT.from_preset('tiny', init_seed=0)
     x = torch.randint(0, full.cfg.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -263,7 +263,7 @@ def test_factorized_init_matches_the_full_tables_scale(scheme):
 
 
 def test_factorized_init_details():
-    from oelm_nb.pca import init_factorized_
+    from oelm_nb.model.pca import init_factorized_
     d, k = 64, 8
     ref = _fresh(k)
     g = init_factorized_(_fresh(k), 'gpt', seed=0)

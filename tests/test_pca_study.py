@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from oelm_nb.core import ConfigError
-from oelm_nb.experiment import resolve_spec
-from oelm_nb.studies import get_study
-from oelm_nb.pca import LORA_TARGETS
-from oelm_nb.pca_study import pca_variants
+from oelm_nb.base.core import ConfigError
+from oelm_nb.lab.experiment import resolve_spec
+from oelm_nb.lab.experiment import get_study
+from oelm_nb.model.pca import LORA_TARGETS
+from oelm_nb.studies.pca.study import pca_variants
 from cli_helpers import oelm_main, run_oelm as oelm, read_json, html_text, tiny_args
 from shared_runs import pca_batch, completed, PCA_KS
 
@@ -61,9 +61,9 @@ def test_baseline_cont_trains_exactly_the_lora_runs_schedule(preset, steps):
 
 def test_lowrank_with_the_models_own_init_is_the_plain_training_run(tmp_path):
     "lowrank trains through its own path (to re-draw the factors); with lowrank_init='gpt' that path gives train_run's losses exactly."
-    from oelm_nb.experiment import train_run
-    from oelm_nb.pca_study import pca_run
-    from oelm_nb.metrics import read_metrics
+    from oelm_nb.lab.experiment import train_run
+    from oelm_nb.studies.pca.study import pca_run
+    from oelm_nb.base.metrics import read_metrics
     over = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
             'train.eval_batches': 2, 'train.dtype': 'float32', 'settings.lowrank_init': 'gpt', 'train.progress': False}
     spec = lambda d: resolve_spec('pca', 'lowrank-k8', 'tiny', 0, 8, str(tmp_path / d / 'lowrank-k8-s0'), 'synthetic', str(tmp_path / 'data'),
@@ -246,7 +246,7 @@ def test_report_shows_the_table_and_the_verdict(batch):
 
 def test_answers_trace_to_the_summaries(batch):
     "`pca_answers` (what `oelm run pca` prints and the report's table shows): each number recomputed here from the summaries."
-    from oelm_nb.report import load_runs
+    from oelm_nb.report.tables import load_runs
     out = completed(batch)
     got = {a.qid: a for a in get_study('pca').answers(load_runs(out))}
     assert list(got) == [f'k={k} vs {ref}' for k in KS for ref in ('baseline', 'baseline-cont')]
@@ -301,8 +301,8 @@ def test_pca_lora_run_is_reproducible(batch, tmp_path):
 def test_the_console_summary_prints_the_answers(batch, capsys):
     "What `oelm run pca` prints after the batch: the answers through the kit (answers.json beside the runs)."
     import json
-    from oelm_nb.cli import print_batch_summary
-    from oelm_nb.evidence import Answer
+    from oelm_nb.app.cli import print_batch_summary
+    from oelm_nb.report.evidence import Answer
     out_dir = batch[0]
     print_batch_summary(out_dir)
     out = capsys.readouterr().out

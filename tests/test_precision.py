@@ -1,4 +1,4 @@
-"""`oelm run STUDY --precision PCT`: Stein's two-stage procedure (oelm_nb.precision), from outside.
+"""`oelm run STUDY --precision PCT`: Stein's two-stage procedure (oelm_nb.lab.precision), from outside.
 
 The second stage's size is checked against the formula written out here with scipy's t quantile; the end-to-end test
 trains a small qk-freeze batch in this process (`runner.execute_inline`, 4 steps on the 300-story corpus) twice: once
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from oelm_nb.core import ConfigError
-from oelm_nb.cli import main
-from oelm_nb.experiment import STUDIES
-from oelm_nb.precision import (MAX_SEEDS, check_precision, design_seeds, parse_precision, precision_record,
+from oelm_nb.base.core import ConfigError
+from oelm_nb.app.cli import main
+from oelm_nb.lab.experiment import studies
+from oelm_nb.lab.precision import (MAX_SEEDS, check_precision, design_seeds, parse_precision, precision_record,
                                precision_text, run_with_precision, stein_interval, stein_seeds)
-from oelm_nb.report import compare, load_runs, safe_markdown
+from oelm_nb.report.tables import compare, load_runs, safe_markdown
 from shared_runs import SMALL_CORPUS
 
 
@@ -128,7 +128,7 @@ def test_max_seeds_is_a_positive_integer():
 
 
 def test_every_study_names_a_main_comparison_it_plans():
-    for name, st in STUDIES.items():
+    for name, st in studies().items():
         if name not in ('qk-freeze', 'pca', 'cvfp', 'mercator'): continue  # toy studies other suites register
         metric, a, b = check_precision(name, list(st.default_seeds), 0.05)
         assert isinstance(metric, str) and a != b, name
@@ -140,7 +140,7 @@ def test_every_study_names_a_main_comparison_it_plans():
 
 
 def test_the_statistics_need_no_torch():
-    code = "import sys, oelm_nb.precision as p; p.precision_text('.'); assert 'torch' not in sys.modules"
+    code = "import sys, oelm_nb.lab.precision as p; p.precision_text('.'); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, '-c', code], check=True)
 
 
@@ -168,10 +168,10 @@ def test_precision_text(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 def test_precision_end_to_end_with_the_cap(tmp_path, monkeypatch):
-    from oelm_nb import runner
+    from oelm_nb.lab import runner
     rendered = []
     monkeypatch.setattr(runner, 'render_report', lambda out, study, log=print: rendered.append(out) or out / 'report.html')
-    monkeypatch.setattr(STUDIES['qk-freeze'], 'after_batch', None)  # the Q/K study's timing is not under test here
+    monkeypatch.setattr(studies()['qk-freeze'], 'after_batch', None)  # the Q/K study's timing is not under test here
     out, lines = tmp_path / 'batch', []
     kw = dict(variants=['gpt', 'oelm-freeze'], steps=4, overrides=SMALL_CORPUS, execute=runner.execute_inline,
               out_dir=out, log=lines.append)

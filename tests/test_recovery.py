@@ -22,16 +22,16 @@ import torch
 from torch import nn
 from safetensors.torch import load_file
 
-import oelm_nb.train as T
-import oelm_nb.checkpoint as C
-from oelm_nb.rundir import RecoveryWarning, pid_alive
-from oelm_nb.core import ConfigError, ModelConfig, TrainConfig
-from oelm_nb.model import GPT
-from oelm_nb.checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, read_checkpoint_meta
-from oelm_nb.metrics import MetricsError, read_metrics
-from oelm_nb.train import Trainer, lm_loss
-from oelm_nb.guards import TrainingDiverged, TrainingOutOfMemory, param_rms
-from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
+import oelm_nb.train.trainer as T
+import oelm_nb.train.checkpoint as C
+from oelm_nb.base.rundir import RecoveryWarning, pid_alive
+from oelm_nb.base.core import ConfigError, ModelConfig, TrainConfig
+from oelm_nb.model.gpt import GPT
+from oelm_nb.train.checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, read_checkpoint_meta
+from oelm_nb.base.metrics import MetricsError, read_metrics
+from oelm_nb.train.trainer import Trainer, lm_loss
+from oelm_nb.train.trainer import TrainingDiverged, TrainingOutOfMemory, param_rms
+from oelm_nb.train.trainer import copy_task_data  # the train chapter's copying task (its examples use it too)
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

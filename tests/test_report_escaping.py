@@ -72,7 +72,7 @@ BAD_NAME = 'run`<img src=x onerror=alert("pwned-name")>'  # a backtick ends the 
 def test_the_checks_find_markup_the_unescaped_path_makes():
     "Negative control: a Styler and IPython's Markdown (as nbconvert renders it) leave live elements; the helpers do not."
     from nbconvert.filters import markdown2html
-    from oelm_nb.report import safe_markdown, safe_table
+    from oelm_nb.report.tables import safe_markdown, safe_table
     table = pd.DataFrame({'variant': [BAD_NAME], 'error': [BAD_ERROR]})
     sentence = f"**1 run(s) did not complete:** `{BAD_NAME}-s0` (failed: {BAD_ERROR})"
     unsafe = Page(table.style.to_html() + markdown2html(sentence))
@@ -118,7 +118,7 @@ def qk_report(tmp_path_factory):
 def test_qk_freeze_report_shows_run_strings_as_text(qk_report):
     assert_escaped(qk_report, QK.values())
     # and behind the escaping, the page forbids every script (a Content-Security-Policy in its head)
-    from oelm_nb.runner import NO_SCRIPTS
+    from oelm_nb.lab.runner import NO_SCRIPTS
     head = qk_report.read_text(encoding='utf-8').split('</head>')[0]
     assert NO_SCRIPTS in head and "script-src 'none'" in NO_SCRIPTS
 

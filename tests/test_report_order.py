@@ -121,7 +121,7 @@ def answers_first(html_file: Path, expected: dict, intervals: bool = True) -> Se
 
 
 def render(root: Path) -> Path:
-    from oelm_nb.runner import render_report
+    from oelm_nb.lab.runner import render_report
     return render_report(root, log=lambda *a: None)
 
 
@@ -158,8 +158,8 @@ def qk_report(tmp_path_factory):
 
 
 def test_qk_freeze_report_answers_first(qk_report):
-    from oelm_nb.report import load_runs
-    from oelm_nb.qk_freeze import qk_answers
+    from oelm_nb.report.tables import load_runs
+    from oelm_nb.studies.qk_freeze.study import qk_answers
     root, html_file = qk_report
     answers = qk_answers(load_runs(root))
     verdicts = {a.qid: a.verdict for a in answers}
@@ -201,8 +201,8 @@ def mercator_report(tmp_path_factory):
 
 
 def test_mercator_report_answers_first(mercator_report):
-    from oelm_nb.report import load_runs
-    from oelm_nb.mercator_report import mercator_answers, headline, mercator_runs
+    from oelm_nb.report.tables import load_runs
+    from oelm_nb.studies.mercator.report import mercator_answers, headline, mercator_runs
     root, html_file = mercator_report
     answer = headline(mercator_runs(root))
     assert answer.startswith('**Does any distillation variant beat `no-distill`?** On validation PPL, yes: 2 of 3')
@@ -228,7 +228,7 @@ def cvfp_report(tmp_path_factory):
 
 
 def test_cvfp_report_answers_first(cvfp_report):
-    from oelm_nb.cvfp_report import cvfp_answers
+    from oelm_nb.studies.cvfp.report import cvfp_answers
     root, html_file = cvfp_report
     answers = {a.qid: a for a in cvfp_answers(root)}
     assert [answers[q].verdict for q in ('Q1', 'Q2', 'Q3', 'Q4')] == ['supported', 'supported', 'rejected', 'rejected']
@@ -241,8 +241,8 @@ def test_cvfp_report_answers_first(cvfp_report):
 
 # ---------------------------------------------------------------- PCA: the shared batch (seeds 0 and 1, ks 16 and 64) renders its report
 def test_pca_report_answers_first(tmp_path_factory):
-    from oelm_nb.report import load_runs
-    from oelm_nb.pca_study import pca_answers
+    from oelm_nb.report.tables import load_runs
+    from oelm_nb.studies.pca.study import pca_answers
     out = completed(pca_batch(tmp_path_factory))
     answers = pca_answers(load_runs(out))
     assert len(answers) >= 1  # an answer for each k and reference (4-step runs: at least k=16 vs baseline)

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import oelm_nb
-from oelm_nb.data import TokenData
-from oelm_nb.experiment import (COMMAND_ENV, SAMPLE_PROMPTS, provenance, record_provenance, write_summary, resolve_spec, prepare_run, sample_prompts)
-from oelm_nb.rundir import read_json
-from oelm_nb.rundir import RunMismatch
-from oelm_nb.report import (load_runs, load_curves, convergence, convergence_note, convergence_caveat, provenance_table,
+from oelm_nb.data.corpus import TokenData
+from oelm_nb.lab.experiment import (COMMAND_ENV, SAMPLE_PROMPTS, provenance, record_provenance, write_summary, resolve_spec, prepare_run, sample_prompts)
+from oelm_nb.base.rundir import read_json
+from oelm_nb.base.rundir import RunMismatch
+from oelm_nb.report.tables import (load_runs, load_curves, convergence, convergence_note, convergence_caveat, provenance_table,
                             hyperparameter_table, run_links, variant_colors, plot_curves, NOT_RECORDED)
 
 from fake_runs import fake_batch, fake_run, failed
@@ -50,7 +50,7 @@ def test_a_copy_of_the_package_outside_a_checkout_has_no_commit(tmp_path):
     "An installed wheel (here: the package copied out of the checkout) reports commit None, not some checkout's commit."
     import shutil
     shutil.copytree(REPO / 'oelm_nb', tmp_path / 'oelm_nb', ignore=shutil.ignore_patterns('__pycache__'))
-    code = 'import json, oelm_nb, oelm_nb.experiment as e; print(json.dumps([oelm_nb.__file__, e.provenance()]))'
+    code = 'import json, oelm_nb, oelm_nb.lab.experiment as e; print(json.dumps([oelm_nb.__file__, e.provenance()]))'
     res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, 'PYTHONPATH': str(tmp_path)})
     assert res.returncode == 0, res.stderr

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from oelm_nb.qk_freeze import QK_TRAIN
+from oelm_nb.studies.qk_freeze.study import QK_TRAIN
 import torch
 from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, tiny_args
 
-from oelm_nb.experiment import resolve_spec, prepare_run
-from oelm_nb.rundir import parse_run_name
-from oelm_nb.rundir import RunMismatch, read_workers, run_lock
+from oelm_nb.lab.experiment import resolve_spec, prepare_run
+from oelm_nb.base.rundir import parse_run_name
+from oelm_nb.base.rundir import RunMismatch, read_workers, run_lock
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -160,8 +160,8 @@ def test_killing_oelm_alone_stops_its_trainer_and_a_rerun_continues_cleanly(tmp_
     (('--data', '/nonexistent/corpus.txt'), '/nonexistent/corpus.txt'),
 ])
 def test_flags_a_batch_cannot_honour_are_refused_before_anything_runs(tmp_path, capsys, flags, message):
-    "In-process through `oelm_nb.cli.main` (the console script's exit status and one-line error: test_cli)."
-    from oelm_nb.cli import main
+    "In-process through `oelm_nb.app.cli.main` (the console script's exit status and one-line error: test_cli)."
+    from oelm_nb.app.cli import main
     if '--gpus' in flags and torch.cuda.is_available(): pytest.skip('this machine has CUDA')
     out = tmp_path / 'never'
     try: rc = main(['run', 'qk-freeze', '--variants', 'gpt', '--out', str(out), *flags])

@@ -125,9 +125,9 @@ def test_batch_completes_with_complete_run_directories(batch):
 
 def test_report_preset_accounting_matches_the_models(batch):
     "The report's second parameter table is the tiny preset's own configuration, counted by building the models."
-    from oelm_nb.experiment import resolve_spec
-    from oelm_nb.freeze import param_report
-    from oelm_nb.model import GPT
+    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.model.freeze import param_report
+    from oelm_nb.model.gpt import GPT
     out, rc, stdout, stderr = batch
     assert rc == 0, stderr
     text = html_text(out / 'report.html')
@@ -142,9 +142,9 @@ def test_report_preset_accounting_matches_the_models(batch):
 
 # ====================================================================== medium512 accounting, as the report does it
 def test_medium512_preset_accounting_as_the_report_computes_it(tmp_path):
-    from oelm_nb.experiment import resolve_spec
-    from oelm_nb.freeze import param_report
-    from oelm_nb.model import GPT
+    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.model.freeze import param_report
+    from oelm_nb.model.gpt import GPT
     total = expected_total(50257, 512, 6, 512, 2048)
     assert total == 44_896_768
     want = {'gpt': (total, total, 0), 'oelm-freeze': (total, 41_751_040, 3_145_728)}
@@ -241,7 +241,7 @@ def test_failed_run_is_retried_from_scratch(batch, tmp_path):
     (bad / 'meta.json').write_text('{"step": 99, "tokens": ')
     (d / 'gpt-s1' / 'summary.json').write_text(json.dumps(
         {'status': 'failed', 'variant': 'gpt', 'seed': 1, 'error': f'CheckpointError: {bad}/meta.json is corrupt'}))
-    from oelm_nb.runner import run_study, execute_inline  # the runner's decision is under test: the run itself goes in-process
+    from oelm_nb.lab.runner import run_study, execute_inline  # the runner's decision is under test: the run itself goes in-process
     lines = []
     res = run_study('qk-freeze', variants=list(VARIANTS), seeds=list(SEEDS), steps=4, out_dir=d, overrides=OVERRIDES, report=False,
                     execute=execute_inline, log=lines.append)
@@ -285,7 +285,7 @@ def test_run_explorer_follows_its_widgets(batch, tmp_path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    from oelm_nb.explorer import RunExplorer
+    from oelm_nb.report.explorer import RunExplorer
     out, rc, stdout, stderr = batch
     assert rc == 0, stderr
     d = copy_batch(out, tmp_path / 'copy')
@@ -352,9 +352,9 @@ def test_gpu_set_of_two_trains_through_torchrun(tmp_path):
 # ====================================================================== runs that start from other runs
 def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_path, monkeypatch):
     "The runner adds missing upstream variants, starts dependents only after them, and records blocked runs as failed."
-    from oelm_nb import runner
-    from oelm_nb.experiment import Study, Variant, NoSettings
-    from oelm_nb.studies import STUDIES
+    from oelm_nb.lab import runner
+    from oelm_nb.lab.experiment import Study, Variant, NoSettings
+    from oelm_nb.lab.experiment import STUDIES
     variants = lambda preset, steps, opts: {'base': Variant({'model.variant': 'gpt'}), 'child-1': Variant({'model.variant': 'oelm'}, ('base',))}
     monkeypatch.setitem(STUDIES, 'chain-test', Study('chain-test', 'a chain', NoSettings, variants, run=lambda spec, progress=None: {},
                                                      train={}, data={}, default_variants=('child-1',), report=None))
@@ -376,9 +376,9 @@ def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_
 
 def test_every_study_has_its_own_run_command(capsys):
     "`oelm run --help` lists the studies; each has its notebooks and its own flags (in-process; the console script's help: test_cli)."
-    from oelm_nb.cli import main
-    from oelm_nb.studies import STUDIES as studies
-    from oelm_nb.runner import notebook_path
+    from oelm_nb.app.cli import main
+    from oelm_nb.lab.experiment import studies as _studies; studies = _studies()
+    from oelm_nb.lab.runner import notebook_path
     def help_of(*args) -> tuple[int, str]:
         try: rc = main([*args, '--help'])
         except SystemExit as e: rc = e.code

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import oelm_main
 from shared_runs import qk_freeze_batch
-from oelm_nb.core import ConfigError
-from oelm_nb.sample import sample
+from oelm_nb.base.core import ConfigError
+from oelm_nb.lab.sample import sample
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 

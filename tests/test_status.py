@@ -1,4 +1,4 @@
-"""`oelm_nb.status` from outside: the table of a batch's runs, read from its run directories while a live process
+"""`oelm_nb.lab.status` from outside: the table of a batch's runs, read from its run directories while a live process
 trains one of them, without taking a lock or writing a file; what is not a batch, and damaged files, say so."""
 from __future__ import annotations
 import json, subprocess, sys, textwrap, time
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from oelm_nb.core import ConfigError
-from oelm_nb.status import batch_status, format_status, run_state, show_status
+from oelm_nb.base.core import ConfigError
+from oelm_nb.lab.status import batch_status, format_status, run_state, show_status
 
 
 def write(p: Path, obj):
@@ -33,7 +33,7 @@ def snapshot(d: Path) -> dict:
 TRAINER = textwrap.dedent('''
     import json, sys, time
     from pathlib import Path
-    from oelm_nb.rundir import run_lock
+    from oelm_nb.base.rundir import run_lock
     run = Path(sys.argv[1])
     with run_lock(run):
         with open(run / 'metrics.jsonl', 'a') as f:

@@ -8,20 +8,20 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st_
 
-from oelm_nb.core import ConfigError
-from oelm_nb.experiment import resolve_spec
-from oelm_nb.rundir import parse_run_name, run_name
-from oelm_nb.report import compare, load_runs
-from oelm_nb.studies import STUDIES, get_study
-from oelm_nb.qk_freeze import hypotheses
-from oelm_nb.pca_study import ppl_table, recovery_table, recovery_verdict, pca_answers
-from oelm_nb.evidence import Answer
+from oelm_nb.base.core import ConfigError
+from oelm_nb.lab.experiment import resolve_spec
+from oelm_nb.base.rundir import parse_run_name, run_name
+from oelm_nb.report.tables import compare, load_runs
+from oelm_nb.lab.experiment import studies, get_study
+from oelm_nb.studies.qk_freeze.study import hypotheses
+from oelm_nb.studies.pca.study import ppl_table, recovery_table, recovery_verdict, pca_answers
+from oelm_nb.report.evidence import Answer
 from fake_runs import failed, fake_batch
 from cli_helpers import oelm_main
 
 
 # ====================================================================== settings and names
-@pytest.mark.parametrize('study', list(STUDIES))
+@pytest.mark.parametrize('study', list(studies()))
 def test_every_study_rejects_an_unknown_settings_field_by_name(study):
     st = get_study(study)
     variant = st.planned()[-1]
@@ -188,7 +188,7 @@ def test_pca_answers_one_seed_says_so(tmp_path):
 
 
 def test_every_study_answers_through_the_kit():
-    assert {n: s.answers.__name__ for n, s in STUDIES.items()} == {
+    assert {n: s.answers.__name__ for n, s in studies().items()} == {
         'qk-freeze': 'qk_answers', 'pca': 'pca_answers', 'cvfp': 'cvfp_answers', 'mercator': 'mercator_answers'}
 
 

@@ -16,17 +16,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import oelm_nb
-import oelm_nb.train as T
-from oelm_nb.checkpoint import CheckpointError, list_checkpoints, load_weights, read_checkpoint_meta
-from oelm_nb.core import ConfigError, DataConfig, ModelConfig, TrainConfig
-from oelm_nb.data import TokenData, load_split, prepare_data
-from oelm_nb.experiment import resolve_spec, train_run
-from oelm_nb.rundir import read_json
-from oelm_nb.model import GPT
-from oelm_nb.metrics import read_metrics
-from oelm_nb.train import Trainer, lm_loss, lr_at
-from oelm_nb.guards import TrainingDiverged
-from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
+import oelm_nb.train.trainer as T
+from oelm_nb.train.checkpoint import CheckpointError, list_checkpoints, load_weights, read_checkpoint_meta
+from oelm_nb.base.core import ConfigError, DataConfig, ModelConfig, TrainConfig
+from oelm_nb.data.corpus import TokenData, load_split, prepare_data
+from oelm_nb.lab.experiment import resolve_spec, train_run
+from oelm_nb.base.rundir import read_json
+from oelm_nb.model.gpt import GPT
+from oelm_nb.base.metrics import read_metrics
+from oelm_nb.train.trainer import Trainer, lm_loss, lr_at
+from oelm_nb.train.trainer import TrainingDiverged
+from oelm_nb.train.trainer import copy_task_data  # the train chapter's copying task (its examples use it too)
 
 PKG = Path(oelm_nb.__file__).resolve().parent
 SUB_ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': '', 'PYTHONUNBUFFERED': '1'}
@@ -105,7 +105,7 @@ def test_bf16_runs_are_bitwise_reproducible_with_fp32_weights_state_and_loss(tmp
     ({'architecture': 'aarch64'}, 0.8, False),
 ])
 def test_native_bf16_is_detected_but_auto_stays_fp32_on_cpu(monkeypatch, caps, speedup, native):
-    import oelm_nb.device as core
+    import oelm_nb.model.device as core
     monkeypatch.setattr(torch._C._cpu, '_get_cpu_capability', lambda: caps)
     monkeypatch.setattr(core, 'bf16_matmul_speedup', lambda *a, **k: speedup)
     core.cpu_has_native_bf16.cache_clear()
@@ -174,15 +174,15 @@ CHILD = textwrap.dedent('''
     from pathlib import Path
     import torch
     torch.set_num_threads(1)
-    import oelm_nb.train as T
-    import oelm_nb.checkpoint as C
-    from oelm_nb.core import ModelConfig, TrainConfig
-    from oelm_nb.model import GPT
+    import oelm_nb.train.trainer as T
+    import oelm_nb.train.checkpoint as C
+    from oelm_nb.base.core import ModelConfig, TrainConfig
+    from oelm_nb.model.gpt import GPT
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     out, kill_at = Path(sys.argv[2]), spec['kill_at']
     sys.path.insert(0, sys.argv[3])  # tests/, for the copy task
-    from oelm_nb.train import copy_task_data  # the train chapter's copying task (its examples use it too)
+    from oelm_nb.train.trainer import copy_task_data  # the train chapter's copying task (its examples use it too)
     _orig = C.save_file
 
     def slow_save_file(tensors, filename, *a, **k):
@@ -296,7 +296,7 @@ def ddp_runs(stories, tmp_path_factory):
     ddp_dir.mkdir()
     ddp_spec(stories, ddp_dir, batch_size=B).save_json(tmp / 'cfg.json')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           '-m', 'oelm_nb.cli', 'train', '--config', str(tmp / 'cfg.json'), '--no-progress']
+           '-m', 'oelm_nb.app.cli', 'train', '--config', str(tmp / 'cfg.json'), '--no-progress']
     res = subprocess.run(cmd, cwd=tmp, env=SUB_ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     single = train_run(ddp_spec(stories, one_dir, batch_size=2 * B), progress=False)
@@ -314,7 +314,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(ddp_runs
     m_ddp, m_one = read_metrics(ddp_dir), read_metrics(one_dir)
     assert [r['step'] for r in m_ddp] == [r['step'] for r in m_one] == list(range(1, DDP_STEPS + 1))
     assert [r['tokens'] for r in m_ddp] == [r['tokens'] for r in m_one]
-    # the same function, not bit for bit (float32 reductions in another order): why DDP_LOSS_TOL holds, see nbs/05_train.ipynb
+    # the same function, not bit for bit (float32 reductions in another order): why DDP_LOSS_TOL holds, see nbs/train/41_trainer.ipynb
     dev = [abs(a['train_loss'] - b['train_loss']) for a, b in zip(m_ddp, m_one)]
     print(f'DDP vs single-process max |train_loss diff| over {DDP_STEPS} steps: {max(dev):.3e}')
     assert max(dev) < DDP_TOL, dev
@@ -411,7 +411,7 @@ def test_load_weights_mismatch_names_the_file(tmp_path):
 
 # ====================================================================== 6. bad configs through the CLI
 def run_cli(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'oelm_nb.cli', *args], cwd=cwd, env=SUB_ENV, capture_output=True,
+    return subprocess.run([sys.executable, '-m', 'oelm_nb.app.cli', *args], cwd=cwd, env=SUB_ENV, capture_output=True,
                           text=True, timeout=120)
 
 def one_error_line(res: subprocess.CompletedProcess, command: str) -> str:
@@ -504,8 +504,8 @@ def test_missing_wandb_is_a_config_error(tmp_path):
 
 # ====================================================================== 9. metrics
 def test_the_metrics_module_imports_no_torch():
-    "Reports read runs without torch: oelm_nb.metrics imports neither torch nor any module that does (a fresh process)."
-    probe = ("import sys, oelm_nb.metrics as m; print(m.__file__); "
+    "Reports read runs without torch: oelm_nb.base.metrics imports neither torch nor any module that does (a fresh process)."
+    probe = ("import sys, oelm_nb.base.metrics as m; print(m.__file__); "
              "print(sorted(n for n in sys.modules if n.split('.')[0] == 'torch'))")
     res = subprocess.run([sys.executable, '-c', probe], env=SUB_ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -585,9 +585,9 @@ def test_story_corpus_eval_reports_recall(stories, tmp_path):
 def test_data_and_eval_hooks_replace_token_windows():
     "A study with its own batches (not windows of train_data) trains through the same loop via batch_fn/eval_fn."
     import torch.nn.functional as F
-    from oelm_nb.core import ModelConfig, TrainConfig
-    from oelm_nb.model import GPT
-    from oelm_nb.train import Trainer
+    from oelm_nb.base.core import ModelConfig, TrainConfig
+    from oelm_nb.model.gpt import GPT
+    from oelm_nb.train.trainer import Trainer
     data = torch.randint(0, 32, (64, 9))
     seen, evals = [], []
     def batch_fn(step, micro):

@@ -53,7 +53,7 @@ def nbdev_config(): return get_config(path=ROOT)
 @dataclass
 class DocNb:
     src: Path          # the notebook (a report shown on an example batch: that execution of it)
-    dest: str          # its page in the docs folder, named as nbdev names it: nbs/03_model.ipynb -> model.ipynb (model.html)
+    dest: str          # its page in the docs folder, named as nbdev names it: nbs/model/23_gpt.ipynb -> model/gpt.ipynb (model/gpt.html)
     library: bool      # run by the notebook check (nbdev_test tests it), or shown as saved
     example: str = ''  # a report executed on an example batch: what the batch ran
     @property
@@ -64,7 +64,18 @@ def discover(nbs: Path | None = None) -> list[DocNb]:
     nbs = Path(nbs or nbdev_config().nbs_path).resolve()
     docs = [DocNb(p, _nbpath2html(p.relative_to(nbs)).with_suffix('.ipynb').as_posix(), bool(nbdev.test._keep_file(p, '.notest')))
             for p in nbglob(nbs, as_path=True)]
-    return sorted(docs, key=lambda d: (not d.library, d.src.stem != 'index', d.src))
+    return sorted(docs, key=lambda d: (not d.library, d.src.stem != 'index', chapter_number(d.src), d.src))
+
+def chapter_number(nb: Path) -> int:
+    "A chapter's place in reading order: the number its file name starts with (nbs/lab/52_runner.ipynb -> 52)."
+    m = re.match(r'(\d+)', nb.name)
+    return int(m.group(1)) if m else -1
+
+# the docs' sections: one per package folder of nbs/, in reading order (mkdocs.yml's nav, checked by tests/test_docs.py)
+SECTIONS = {'base': 'Base: configurations, run directories, metrics', 'data': 'Data', 'model': 'Model',
+            'report': 'Reports and evidence', 'train': 'Training', 'lab': 'The lab: studies, batches, tools',
+            'studies/qk_freeze': 'Study: Q/K freeze', 'studies/pca': 'Study: PCA embeddings', 'studies/cvfp': 'Study: CVFP',
+            'studies/mercator': 'Study: Mercator', 'app': 'Application'}
 
 # ---------------------------------------------------------------------------------------------- nbdev, one notebook
 def run_test_nb(fn: Path):
@@ -309,7 +320,7 @@ EXTRA_CSS = """.md-grid { max-width: 1400px; }
 # ---------------------------------------------------------------------------------------------- the site
 def run_mkdocs(docs_dir: Path, site_dir: Path) -> None:
     "`mkdocs build` with mkdocs.yml on the pages in docs_dir (its `!ENV` default: _mkdocs/docs); strict: a warning fails it."
-    from oelm_nb.runner import module_args  # `python -m mkdocs` without the imports nbformat does not need
+    from oelm_nb.lab.runner import module_args  # `python -m mkdocs` without the imports nbformat does not need
     r = subprocess.run([sys.executable, *module_args('mkdocs'), 'build', '-f', str(ROOT / 'mkdocs.yml'), '-d', str(site_dir)],
                        capture_output=True, text=True, env={**os.environ, 'OELM_DOCS_DIR': str(docs_dir)})
     if r.returncode: raise DocsBuildError('mkdocs build failed:\n' + '\n'.join(l for l in r.stderr.splitlines() if 'INFO' not in l))

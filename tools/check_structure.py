@@ -1,14 +1,14 @@
-"""The package's size rules, measured: modules at most 600 lines, export cells at most 60 lines (median at most 12),
-library lines at most 120 characters.
+"""The package's size rules, measured: export cells at most 60 lines (median at most 12), library lines at most 120
+characters. Modules have no cap: size follows the concern.
 
     python tools/check_structure.py            # every module and notebook; exit 1 when a rule is broken
-    python tools/check_structure.py nbs/05_train.ipynb ...   # only these notebooks (and their modules)
+    python tools/check_structure.py nbs/train/41_trainer.ipynb ...   # only these notebooks (and their modules)
 """
 import json, re, statistics, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_MODULE, MAX_CELL, MEDIAN_CELL, MAX_LINE = 600, 60, 12, 120
+MAX_CELL, MEDIAN_CELL, MAX_LINE = 60, 12, 120  # no cap on a module: size follows its concern
 
 
 def export_cells(nb: Path) -> list[list[str]]:
@@ -39,7 +39,6 @@ def problems(notebooks: list[Path]) -> tuple[list[str], list[int]]:
             if len(c) > MAX_CELL: bad.append(f'{nb.name}: an export cell of {len(c)} lines (max {MAX_CELL}): {c[0][:60]!r}')
         if mod.exists():
             lines = mod.read_text().splitlines()
-            if len(lines) > MAX_MODULE: bad.append(f'{mod.name}: {len(lines)} lines (max {MAX_MODULE})')
             in_all = False  # nbdev writes the __all__ list itself (a few characters over 120): not ours to wrap
             for i, l in enumerate(lines, 1):
                 in_all = l.startswith('__all__ = [') or (in_all and l.startswith(' '))
@@ -48,7 +47,7 @@ def problems(notebooks: list[Path]) -> tuple[list[str], list[int]]:
 
 
 if __name__ == '__main__':
-    nbs = [Path(a).resolve() for a in sys.argv[1:]] or sorted((ROOT / 'nbs').glob('[0-9]*.ipynb'))
+    nbs = [Path(a).resolve() for a in sys.argv[1:]] or sorted((ROOT / 'nbs').rglob('[0-9]*.ipynb'))
     bad, sizes = problems(nbs)
     for b in bad: print(b)
     med = statistics.median(sizes) if sizes else 0

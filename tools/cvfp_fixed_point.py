@@ -2,7 +2,7 @@
 """Does CVFP's Phase 1 reach its fixed point? The measurements of issue 30, on a batch's story corpus and embedding.
 
 The New-LLM guidelines compared Phase 1's parallel contexts with a sequential pass of the trained block (mean cosine
-0.9969 on 56,602 tokens); `oelm_nb.fixed_point.fixed_point_agreement` is that comparison. This tool measures it on
+0.9969 on 56,602 tokens); `oelm_nb.studies.cvfp.fixed_point.fixed_point_agreement` is that comparison. This tool measures it on
 the first SAMPLES training stories of a batch made by `oelm run cvfp` (its `data/` and `embed-s0/`; an embedding run
 is enough: `oelm run cvfp --variants embed --seeds 0 --out DIR`, about a minute):
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from oelm_nb.data import load_split
-from oelm_nb.cvfp import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, context_scan, effective_rank, train_phase1,
+from oelm_nb.data.corpus import load_split
+from oelm_nb.studies.cvfp.method import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, context_scan, effective_rank, train_phase1,
                           train_phase2, val_effective_rank, _parallel_pass, _phase1_step, _sequential_pass, _settled)
-from oelm_nb.cvfp_study import first_stories, select_val_tokens
-from oelm_nb.fixed_point import compare_contexts, shift
+from oelm_nb.studies.cvfp.study import first_stories, select_val_tokens
+from oelm_nb.studies.cvfp.fixed_point import compare_contexts, shift
 
 
 def load(batch: Path, samples: int, width: int, random_embedding: bool, val_tokens: int = 10_000):

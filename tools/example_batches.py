@@ -4,7 +4,7 @@
 The report pages of the site would otherwise show code without a single output. At docs time this
 script runs one small batch per study (the tiny preset, a 300-story corpus with a 300-token
 vocabulary, 2 seeds, a few dozen steps) in one process per study, each run called in-process
-(`oelm_nb.runner.execute_inline`, no notebook per run), and renders the study's report on it with
+(`oelm_nb.lab.runner.execute_inline`, no notebook per run), and renders the study's report on it with
 papermill, as `oelm run` does. The numbers on those pages show what the report computes; runs this
 short answer nothing, and each page says so.
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL_CORPUS = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
                 'train.eval_batches': 2}
 
-# study -> the batch: `oelm_nb.runner.run_study` keyword arguments on top of the small corpus
+# study -> the batch: `oelm_nb.lab.runner.run_study` keyword arguments on top of the small corpus
 EXAMPLES: dict[str, dict] = {
     'qk-freeze': dict(steps=30),
     'pca': dict(steps=30, options={'ks': [8, 16]}),
@@ -52,7 +52,7 @@ def describe(study: str) -> str:
 
 def run_example(study: str, out: Path, log=print):
     "Run the example batch of `study` into `out` (runs in this process) and render its report; returns the BatchResult."
-    from oelm_nb.runner import run_study, execute_inline
+    from oelm_nb.lab.runner import run_study, execute_inline
     ex = EXAMPLES[study]
     res = run_study(study, seeds=[0, 1], steps=ex['steps'], out_dir=out, options=ex.get('options'),
                     overrides={**SMALL_CORPUS, **ex.get('overrides', {})}, execute=execute_inline, report=True, log=log)
@@ -62,8 +62,8 @@ def run_example(study: str, out: Path, log=print):
 
 def report_studies() -> dict[str, str]:
     "Report notebook (relative to nbs/) -> its study."
-    from oelm_nb.studies import STUDIES
-    return {st.report: name for name, st in STUDIES.items() if st.report}
+    from oelm_nb.lab.experiment import studies
+    return {st.report: name for name, st in studies().items() if st.report}
 
 
 NOTE = ('<div class="admonition example"><p class="admonition-title">Executed on an example batch</p><p>This page is the '
@@ -103,7 +103,7 @@ def report_page(study: str, report_nb: Path, ex_dir: Path, use_cache: bool = Tru
 if __name__ == '__main__':
     if len(sys.argv) != 3 or sys.argv[1] not in EXAMPLES:
         sys.exit(f"usage: python tools/example_batches.py STUDY OUT_DIR, STUDY one of {', '.join(EXAMPLES)}")
-    from oelm_nb.runner import skip_slow_imports
+    from oelm_nb.lab.runner import skip_slow_imports
     skip_slow_imports()  # the report page is written here (nbconvert), as `oelm run` writes it
     t0 = time.time()
     res = run_example(sys.argv[1], Path(sys.argv[2]), log=lambda s: None)

@@ -1,6 +1,6 @@
 """Size the library notebooks' export cells for reading, without changing the code they export.
 
-    python tools/tidy_cells.py nbs/08_report.ipynb ...   # or no argument: every library notebook
+    python tools/tidy_cells.py nbs/report/32_tables.ipynb ...   # or no argument: every library notebook
 
 1. An export cell that holds several top-level functions or classes is split into one cell per function or class
    (decorators and the comments just above a definition go with it; consecutive plain statements stay together).
@@ -159,7 +159,7 @@ def tidy(path: Path) -> tuple[int, int]:
 
 if __name__ == '__main__':
     root = Path(__file__).resolve().parent.parent
-    paths = [Path(p) for p in sys.argv[1:]] or sorted((root / 'nbs').glob('[0-9]*.ipynb'))
+    paths = [Path(p) for p in sys.argv[1:]] or sorted((root / 'nbs').rglob('[0-9]*.ipynb'))
     for p in paths:
         a, b = tidy(p)
         print(f'[tidy] {p.name}: {a} -> {b} export cells')

@@ -1,0 +1,1 @@
+"The application: `oelm` and `oelm doctor`."

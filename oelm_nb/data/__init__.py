@@ -1,0 +1,1 @@
+"The data layer: the story corpus, tokenizers, token files."

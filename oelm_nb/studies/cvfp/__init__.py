@@ -1,0 +1,1 @@
+"The CVFP study: the fixed point, the method, its checks, the study, its report."

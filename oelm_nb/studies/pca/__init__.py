@@ -1,0 +1,1 @@
+"The PCA embedding study."

@@ -1,0 +1,1 @@
+"The Q/K freeze study."

@@ -1,0 +1,1 @@
+"The training layer: checkpoints, the trainer and its guards, memory."
