@@ -52,9 +52,9 @@ def test_params_medium512_accounting_and_overrides():
     assert MEDIUM_TOTAL == 44_896_768 and MEDIUM_QK == 3_145_728  # the documented counts, from arithmetic alone
     p = '--preset', 'medium512', '--json'
     gpt, frz, vocab, wte, bad = run_all(('params', *p, '--variant', 'gpt'), ('params', *p, '--variant', 'oelm-freeze'),
-                                        ('params', *p, '--variant', 'gpt', '--vocab-size', '10000'),
-                                        ('params', *p, '--variant', 'oelm-freeze', '--n-embd-wte', '128'),
-                                        ('params', *p, '--variant', 'gpt', '--n-head', '7'))
+                                        ('params', *p, '--variant', 'gpt', '--set', 'model.vocab_size=10000'),
+                                        ('params', *p, '--variant', 'oelm-freeze', '--set', 'model.n_embd_wte=128'),
+                                        ('params', *p, '--variant', 'gpt', '--set', 'model.n_head=7'))
     gpt, frz, vocab, wte = map(ok_json, (gpt, frz, vocab, wte))
     assert (gpt['total'], gpt['trainable'], gpt['frozen']) == (44_896_768, 44_896_768, 0)
     assert (frz['total'], frz['trainable'], frz['frozen']) == (44_896_768, 41_751_040, 3_145_728)
@@ -62,11 +62,11 @@ def test_params_medium512_accounting_and_overrides():
     assert sum(c['total'] for c in frz['components'].values()) == frz['total']
     assert frz['components']['attention.qk'] == {'total': MEDIUM_QK, 'trainable': 0, 'frozen': MEDIUM_QK}
 
-    # --vocab-size 10000: only the tied table shrinks, by (50257 - 10000) rows of 512
+    # --set model.vocab_size=10000: only the tied table shrinks, by (50257 - 10000) rows of 512
     assert vocab['config']['vocab_size'] == 10_000
     assert vocab['total'] == gpt['total'] - (50257 - 10_000) * 512 == gpt_params(**{**MEDIUM, 'V': 10_000})
     assert vocab['frozen'] == 0 and vocab['trainable'] == vocab['total']
-    # --n-embd-wte 128: table [V, 128] instead of [V, 512], plus scale_up (128->512) and scale_down (512->128) with biases
+    # --set model.n_embd_wte=128: table [V, 128] instead of [V, 512], plus scale_up (128->512) and scale_down (512->128) with biases
     assert wte['config']['n_embd_wte'] == 128
     assert wte['total'] == frz['total'] - 50257 * (512 - 128) + (128 * 512 + 512) + (512 * 128 + 128) == gpt_params(**MEDIUM, k=128)
     assert wte['frozen'] == MEDIUM_QK and wte['trainable'] == wte['total'] - MEDIUM_QK
@@ -120,8 +120,8 @@ def test_bench_counts_flops_and_optimizer_state_exactly():
 # ====================================================================== oelm data prepare
 def test_data_prepare_writes_a_dataset_and_rejects_a_missing_source(tmp_path):
     out, missing = tmp_path / 'ds', tmp_path / 'no-such-corpus.txt'
-    good, bad = run_all(('data', 'prepare', '--source', 'synthetic', '--out', str(out), '--vocab-size', '300',
-                         '--n-train-stories', '100', '--n-val-stories', '20', '--quiet'),
+    good, bad = run_all(('data', 'prepare', '--source', 'synthetic', '--out', str(out), '--set', 'data.vocab_size=300',
+                         '--set', 'data.n_train_stories=100', '--set', 'data.n_val_stories=20', '--quiet'),
                         ('data', 'prepare', '--source', str(missing), '--out', str(tmp_path / 'never')))
     assert good.returncode == 0, good.stderr
     for f in ('train.bin', 'val.bin', 'tokenizer.json', 'meta.json'): assert (out / f).is_file(), f
@@ -160,7 +160,7 @@ def test_the_console_script_returns_mains_exit_status():
     import oelm_nb
     v = run_oelm('--version')
     assert v.returncode == 0 and v.stdout.strip() == f'oelm_nb {oelm_nb.__version__}', v.stdout + v.stderr
-    bad = run_oelm('params', '--variant', 'gpt', '--n-head', '7')
+    bad = run_oelm('params', '--variant', 'gpt', '--set', 'model.n_head=7')
     assert 'ModelConfig.n_head=7' in usage_error(bad, 'params') and len(bad.stderr.strip().splitlines()) == 1
 
 

@@ -107,7 +107,7 @@ def test_damaged_meta_is_rewritten_by_prepare(prepared, tmp_path):
 
 # ------------------------------------------------------------------ local text sources
 def prepare_cli(source: Path, out: Path, capsys) -> tuple[int, str]:
-    code = main(['data', 'prepare', '--source', str(source), '--out', str(out), '--quiet', '--vocab-size', '300'])
+    code = main(['data', 'prepare', '--source', str(source), '--out', str(out), '--quiet', '--set', 'data.vocab_size=300'])
     return code, capsys.readouterr().err
 
 

@@ -123,9 +123,9 @@ def _make_n(*args) -> str:
 
 def test_make_setup_installs_torch_from_the_index_chosen():
     cpu = _make_n('TORCH_INDEX=https://download.pytorch.org/whl/cpu')
-    assert 'install "torch==2.13.0" --index-url "https://download.pytorch.org/whl/cpu"' in cpu
+    assert 'install --no-compile "torch==2.13.0" --index-url "https://download.pytorch.org/whl/cpu"' in cpu
     pinned = _make_n('TORCH_PIN=torch==2.13.0+cu130', 'TORCH_INDEX=https://download.pytorch.org/whl/cu130')
-    assert 'install "torch==2.13.0+cu130" --index-url "https://download.pytorch.org/whl/cu130"' in pinned
+    assert 'install --no-compile "torch==2.13.0+cu130" --index-url "https://download.pytorch.org/whl/cu130"' in pinned
     assert '--index-url' not in _make_n()  # pip's own index, as before
 
 

@@ -205,7 +205,7 @@ def test_gpt2_124m_factorized_param_counts(K, capsys):
             'attention.vo': L * 2 * (d * d + d),
             'mlp': L * (d * ff + ff + ff * d + d),
             'norm': L * 2 * 2 * d + 2 * d}
-    assert main(['params', '--preset', 'gpt2-124m', '--n-embd-wte', str(K), '--json']) == 0
+    assert main(['params', '--preset', 'gpt2-124m', '--set', f'model.n_embd_wte={K}', '--json']) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep['config']['n_embd_wte'] == K
     assert {c: row['total'] for c, row in rep['components'].items()} == want

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` r
 def wide_data(tmp_path_factory) -> Path:
     "A prepared story folder with a 2,600-token vocabulary (the tiny preset's model has 2,048)."
     d = tmp_path_factory.mktemp('vocab') / 'data'
-    res = run_oelm('data', 'prepare', '--source', 'synthetic', '--out', str(d), '--vocab-size', '2600', '--n-train-stories', '600',
-                   '--n-val-stories', '40', '--quiet')
+    res = run_oelm('data', 'prepare', '--source', 'synthetic', '--out', str(d), '--set', 'data.vocab_size=2600',
+                   '--set', 'data.n_train_stories=600', '--set', 'data.n_val_stories=40', '--quiet')
     assert res.returncode == 0, res.stderr
     assert read_json(d / 'meta.json')['vocab_size'] == 2600
     return d

@@ -5,47 +5,41 @@
 # %% ../../nbs/app/91_cli.ipynb #3f0e91f4
 from __future__ import annotations
 import argparse, json, shlex, shutil, sys, textwrap, time
-from dataclasses import fields
+import jsonargparse
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from ..base.core import ModelConfig, DataConfig, ConfigError
+jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)  # a field's docstring is its flag's help
 
 # %% auto #0
-__all__ = ['RETIRED_FLAGS', 'add_config_options', 'config_overrides', 'cmd_params', 'cmd_data_prepare', 'cmd_train',
-           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run',
-           'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'study_variants_text',
-           'add_seed_options', 'add_study_parser', 'build_parser', 'main']
+__all__ = ['SET_SECTIONS', 'RETIRED_FLAGS', 'parse_sets', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
+           'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report',
+           'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'retire_field_flags', 'study_variants_text',
+           'add_seed_options', 'StudyParser', 'add_study_parser', 'build_parser', 'main']
 
 # %% ../../nbs/app/91_cli.ipynb #ec5943c2
-def _parse_value(text: str, annotation: str):
-    "Parse a command-line string for a dataclass field annotated `annotation`."
-    if text.lower() in ('none', 'null') and 'None' in annotation: return None
-    if annotation.startswith('bool'): 
-        if text.lower() in ('1', 'true', 'yes', 'on'): return True
-        if text.lower() in ('0', 'false', 'no', 'off'): return False
-        raise argparse.ArgumentTypeError(f'expected true/false, got {text!r}')
-    if annotation.startswith('int'): return int(text)
-    if annotation.startswith('float'): return float(text)
-    if annotation.startswith('tuple'): return tuple(int(t) for t in text.split(',') if t.strip())
-    return text
+SET_SECTIONS = ('model', 'train', 'data', 'settings')
 
-# %% ../../nbs/app/91_cli.ipynb #5b5a1272
-def add_config_options(p: argparse.ArgumentParser, cls, skip=()):
-    "Add `--field-name` options for every field of dataclass `cls` (default: unset)."
-    g = p.add_argument_group(f'{cls.__name__} fields')
-    for f in fields(cls):
-        if f.name in skip: continue
-        ann = str(f.type)
-        g.add_argument('--' + f.name.replace('_', '-'), dest=f'cfg_{f.name}', default=None,
-                       metavar=ann.split(' ')[0].upper(),
-                       type=lambda t, a=ann: _parse_value(t, a), help=f'override {cls.__name__}.{f.name}')
-
-# %% ../../nbs/app/91_cli.ipynb #9f153d12
-def config_overrides(args, cls) -> dict:
-    "The `--field` options that were given, as a dict."
-    return {
-        f.name: getattr(args, f'cfg_{f.name}') for f in fields(cls) if getattr(args, f'cfg_{f.name}', None) is not None
-    }
+def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False) -> dict:
+    """`--set KEY=VALUE` pairs as {KEY: value}: the value parsed as JSON when it parses, else kept as text; KEY is
+    SECTION.FIELD with SECTION in `sections`, after a 'VARIANT-PATTERN:' scope when `scoped`."""
+    out = {}
+    for kv in pairs or []:
+        k, sep, v = kv.partition('=')
+        eg = f'{sections[0]}.FIELD=VALUE'
+        if not sep: raise ConfigError(f"--set {kv!r}: write {eg}, e.g. --set " + ('train.lr=1e-3' if 'train' in sections
+                                                                              else f'{sections[0]}.vocab_size=512'))
+        scope, _, key = k.rpartition(':') if scoped else ('', '', k)
+        if ':' in key: raise ConfigError(f"--set {kv!r}: a scope ('PATTERN:') is for `oelm run` only")
+        section, dot, name = key.partition('.')
+        if section == 'extra' and name: raise ConfigError(f"--set {kv!r}: extra.* is now settings.*; write settings.{name}")
+        if not dot or section not in sections or not name:
+            raise ConfigError(f"--set {kv!r}: the key is SECTION.FIELD with SECTION one of {', '.join(sections)} "
+                              f"(e.g. --set {sections[0]}.{name if dot else key}={v})")
+        try: out[k] = json.loads(v)
+        except json.JSONDecodeError: out[k] = v
+    return out
 
 # %% ../../nbs/app/91_cli.ipynb #88a3342b
 def cmd_params(args) -> int:
@@ -55,7 +49,8 @@ def cmd_params(args) -> int:
     # the study's own model settings of this variant
     planned = get_study('qk-freeze').variant(args.variant, args.preset).overrides
     model = {k.split('.', 1)[1]: v for k, v in planned.items() if k.startswith('model.')}
-    cfg = model_config(args.preset, **{**model, **config_overrides(args, ModelConfig)})
+    user = {k.split('.', 1)[1]: v for k, v in parse_sets(args.set, ('model',)).items()}
+    cfg = model_config(args.preset, **{**model, **user})
     rep = param_report(GPT(cfg, init_seed=0))
     if args.json:
         print(json.dumps({'preset': args.preset, 'variant': cfg.variant, 'config': cfg.to_dict(), **rep.to_dict()},
@@ -69,7 +64,8 @@ def cmd_params(args) -> int:
 # %% ../../nbs/app/91_cli.ipynb #00672be0
 def cmd_data_prepare(args) -> int:
     from oelm_nb.data.corpus import prepare_data
-    cfg = DataConfig.from_dict({'source': args.source, **config_overrides(args, DataConfig)})
+    user = {k.split('.', 1)[1]: v for k, v in parse_sets(args.set, ('data',)).items()}
+    cfg = DataConfig.from_dict({'source': args.source, **user})
     created = not Path(args.out).exists()
     try: out = prepare_data(cfg, args.out, progress=not args.quiet)
     except BaseException:
@@ -87,16 +83,6 @@ def cmd_train(args) -> int:
     from oelm_nb.train.trainer import init_distributed
     if init_distributed().is_main: print(json.dumps({k: v for k, v in summary.items() if k != 'samples'}, indent=1))
     return 0
-
-# %% ../../nbs/app/91_cli.ipynb #5148bc25
-def _overrides(pairs) -> dict:
-    out = {}
-    for kv in pairs or []:
-        k, sep, v = kv.partition('=')
-        if not sep: raise ConfigError(f"--set {kv!r}: write KEY=VALUE, e.g. --set train.lr=1e-3")
-        try: out[k] = json.loads(v)
-        except json.JSONDecodeError: out[k] = v
-    return out
 
 # %% ../../nbs/app/91_cli.ipynb #4698fdfd
 def print_batch_summary(batch_dir):
@@ -131,8 +117,9 @@ def convergence_text(batch_dir, runs) -> str:
 # %% ../../nbs/app/91_cli.ipynb #f1139743
 def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
-    options = {k: getattr(args, f'opt_{k}') for k in study.options if getattr(args, f'opt_{k}', None) is not None}
-    overrides = _overrides(args.set)
+    names = [f.name for f in fields(study.options)] if is_dataclass(study.options) else [f'opt_{k}' for k in study.options]
+    options = {n.removeprefix('opt_'): getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    overrides = parse_sets(args.set, scoped=True)
     if getattr(args, 'loggers', None):
         from oelm_nb.base.core import LOGGERS
         names = [l.strip() for l in args.loggers.split(',') if l.strip()]
@@ -284,8 +271,7 @@ def cmd_bench(args) -> int:
     from oelm_nb.lab.bench import bench, bench_table
     from oelm_nb.lab.bench import numerics_check
     import pandas as pd
-    # bare keys are model fields
-    overrides = {(k if '.' in k else f'model.{k}'): v for k, v in _overrides(args.set).items()}
+    overrides = parse_sets(args.set)
     variants = args.variants.split(',') if args.variants else None
     if args.numerics:
         t = numerics_check(args.numerics, seeds=args.seeds, variants=variants, steps=args.train_steps)
@@ -320,6 +306,16 @@ class _Retired(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS)
 
     def __call__(self, parser, namespace, values, option_string=None): parser.error(RETIRED_FLAGS[option_string])
+
+# %% ../../nbs/app/91_cli.ipynb #9f153d12
+def retire_field_flags(p: argparse.ArgumentParser, cls, section: str, skip=()):
+    "Refuse the old `--field-name` flags of dataclass `cls`, each naming the `--set SECTION.field=VALUE` that replaces it."
+    for f in fields(cls):
+        flag = '--' + f.name.replace('_', '-')
+        if f.name in skip or flag in {o for a in p._actions for o in a.option_strings}: continue
+        RETIRED_FLAGS.setdefault(flag, f"{flag} VALUE is now --set {section}.{f.name}=VALUE (one syntax for every "
+                                       "setting of every command)")
+        p.add_argument(flag, action=_Retired, help=argparse.SUPPRESS)
 
 # %% ../../nbs/app/91_cli.ipynb #d9758ff9
 def _positive(text: str) -> int:
@@ -356,10 +352,19 @@ def add_seed_options(r, study):
     r.add_argument('--max-seeds', type=_positive, default=None, metavar='N',
                    help='with --precision: the most seeds per variant, the pilot included (default: 20)')
 
+# %% ../../nbs/app/91_cli.ipynb #d821469a
+class StudyParser(jsonargparse.ArgumentParser):
+    """The parser of `oelm run STUDY` for a study whose flags are a dataclass (`Study.options`): jsonargparse derives
+    one flag per field, its type checked and its docstring the help. Under `oelm run` it parses the rest of the command
+    line whole, so a mistyped flag is an error, never ignored."""
+    def parse_known_args(self, args=None, namespace=None):
+        return argparse.Namespace(**vars(self.parse_args(args))), []
+
 # %% ../../nbs/app/91_cli.ipynb #3cfa90b6
 def add_study_parser(sub, study, presets):
     "`oelm run <study>`: the flags every study shares, then the study's own."
-    # variant names stay whole in the epilog
+    # variant names stay whole in the epilog; a study whose flags are a dataclass gets a parser that generates them
+    sub._parser_class = StudyParser if is_dataclass(study.options) else argparse.ArgumentParser
     r = sub.add_parser(study.name, help=study.description or study.name, description=study.description,
                        epilog=textwrap.fill(study_variants_text(study), 80, break_on_hyphens=False),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -378,8 +383,9 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--jobs', type=_positive, default=None, help='concurrent CPU runs when no GPUs are given '
                    '(default: 1); with --backend slurm, jobs kept in the queue at once (default: 64)')
     r.add_argument('--out', default=None, help=f'batch directory (default: runs/{study.name})')
-    r.add_argument('--set', action='append', metavar='KEY=VALUE',
-                   help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__})")
+    r.add_argument('--set', action='append', metavar='[PATTERN:]SECTION.FIELD=VALUE',
+                   help=f"override, e.g. --set train.lr=1e-3 --set settings.FIELD=VALUE ({study.settings.__name__}); "
+                   "a variant-name pattern before a colon sets it for those variants only: --set 'NAME-*:train.lr=...'")
     r.add_argument('--init-from', default=None, metavar='PATH',
                    help='start every run from these weights: a local Hugging Face GPT-2 directory '
                    'or a nanoGPT ckpt.pt (the model must have its shape; --set model.* to match)')
@@ -407,7 +413,9 @@ def add_study_parser(sub, study, presets):
                    help='wall-time limit per job, [D-]HH:MM:SS (default: 24:00:00)')
     c.add_argument('--slurm-option', action='append', default=None, metavar='KEY=VALUE',
                    help='any other sbatch option, e.g. --slurm-option account=lab (repeatable)')
-    if study.options:
+    if is_dataclass(study.options):  # one field, one flag: its type, default and help (the field's docstring)
+        r.add_class_arguments(study.options, None, as_group=True)
+    elif study.options:
         g = r.add_argument_group(f'{study.name} options')
         for flag, kw in study.options.items():
             kw = dict(kw); flags = kw.pop('flags', None) or ['--' + flag.replace('_', '-')]
@@ -415,7 +423,8 @@ def add_study_parser(sub, study, presets):
     taken = {f for a in r._actions for f in a.option_strings}
     for flag in RETIRED_FLAGS:
         if flag not in taken: r.add_argument(flag, action=_Retired)
-    r.set_defaults(fn=cmd_run); return r
+    if not is_dataclass(study.options): r.set_defaults(fn=cmd_run)  # (a StudyParser takes it from `oelm run`)
+    return r
 
 # %% ../../nbs/app/91_cli.ipynb #c69dc081
 def _add_model_commands(sub):
@@ -428,7 +437,9 @@ def _add_model_commands(sub):
                    help="a variant of the Q/K freeze study, the same names as `oelm run qk-freeze --variants` "
                    "(default: gpt)")
     q.add_argument('--json', action='store_true', help='machine-readable output')
-    add_config_options(q, ModelConfig, skip=('variant',)); q.set_defaults(fn=cmd_params)
+    q.add_argument('--set', action='append', metavar='model.FIELD=VALUE',
+                   help='a ModelConfig field, e.g. --set model.vocab_size=10000 (repeatable)')
+    retire_field_flags(q, ModelConfig, 'model'); q.set_defaults(fn=cmd_params)
 
     d = sub.add_parser('data', help='prepare data sets').add_subparsers(dest='data_command', required=True)
     dp = d.add_parser('prepare', help='write train.bin, val.bin, tokenizer.json and meta.json')
@@ -436,7 +447,9 @@ def _add_model_commands(sub):
     dp.add_argument('--out', required=True, help='output directory')
     dp.add_argument('--quiet', action='store_true')
     dp.add_argument('--verbose', action='store_true', help='print meta.json')
-    add_config_options(dp, DataConfig, skip=('source',)); dp.set_defaults(fn=cmd_data_prepare)
+    dp.add_argument('--set', action='append', metavar='data.FIELD=VALUE',
+                    help='a DataConfig field, e.g. --set data.vocab_size=10000 (repeatable)')
+    retire_field_flags(dp, DataConfig, 'data', skip=('source',)); dp.set_defaults(fn=cmd_data_prepare)
 
     t = sub.add_parser('train', help='train one run from a config.json (the entry point torchrun launches)')
     t.add_argument('--config', required=True)
@@ -451,6 +464,7 @@ def _add_batch_commands(sub):
     r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
                        description='Run a study: one papermill execution of its experiment notebook per '
                        '(variant, seed), then its report.')
+    r.set_defaults(fn=cmd_run)
     rs = r.add_subparsers(dest='study', required=True, metavar='STUDY')
     for st in studies().values(): add_study_parser(rs, st, PRESETS)
     st = sub.add_parser('status', help="the state of a batch's runs, from its run directories "
@@ -508,8 +522,8 @@ def _add_bench_command(sub):
     b.add_argument('--dtypes', default='auto',
                    help="comma-separated precisions to time, e.g. auto,float32 "
                    "(speed-up of one over the other in one run)")
-    b.add_argument('--set', action='append', metavar='KEY=VALUE',
-                   help='shape overrides, e.g. --set n_embd=256 --set n_layer=4 (bare keys are model.*)')
+    b.add_argument('--set', action='append', metavar='SECTION.FIELD=VALUE',
+                   help='overrides, e.g. --set model.n_embd=256 --set model.n_layer=4 (repeatable)')
     b.add_argument('--no-reference', action='store_true', help='do not time the nanoGPT-structured reference')
     b.add_argument('--no-memory', action='store_true',
                    help='CPU: skip the peak-RSS measurement (a fresh process per entry)')
@@ -555,6 +569,10 @@ def main(argv: list[str] | None = None) -> int:
     try: return args.fn(args)
     except (ConfigError, DataError, RunLocked) as e:
         print(f'oelm {args.command}: error: {e}', file=sys.stderr); return 2
+    except OSError as e:  # a place it cannot read or write (`--out /proc/x`, a full disk): the path and why, no traceback
+        if not e.filename: raise
+        print(f'oelm {args.command}: error: {e.filename}: {e.strerror} (choose a path this user can write, or free '
+              'space)', file=sys.stderr); return 2
     except RuntimeError as e:
         from oelm_nb.train.trainer import TrainingDiverged
         from oelm_nb.train.checkpoint import CheckpointError  # torch is imported only when a run failed

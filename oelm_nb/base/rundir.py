@@ -16,11 +16,11 @@ from filelock import FileLock, Timeout
 from .core import ConfigError
 
 # %% auto #0
-__all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'ABSENT_WHEN_DEFAULT', 'fsync_dir',
-           'write_atomic', 'write_json', 'read_json', 'RecoveryWarning', 'RunLocked', 'this_process', 'pid_alive',
-           'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env', 'watch_holder',
-           'die_with_parent', 'run_lock', 'run_name', 'parse_run_name', 'flatten', 'identity_fields', 'fingerprint',
-           'config_diff', 'describe_diff', 'RunMismatch', 'recorded_config', 'check_same_run']
+__all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'RECORD_SECTIONS', 'ABSENT_WHEN_DEFAULT',
+           'fsync_dir', 'write_atomic', 'write_json', 'read_json', 'RecoveryWarning', 'RunLocked', 'this_process',
+           'pid_alive', 'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env',
+           'watch_holder', 'die_with_parent', 'run_lock', 'run_name', 'parse_run_name', 'flatten', 'identity_fields',
+           'fingerprint', 'config_diff', 'describe_diff', 'RunMismatch', 'recorded_config', 'check_same_run']
 
 # %% ../../nbs/base/01_rundir.ipynb #5b61ccf4
 def fsync_dir(path: Path):
@@ -265,6 +265,7 @@ def parse_run_name(name: str) -> tuple[str, int] | None:
 # %% ../../nbs/base/01_rundir.ipynb #520adaa9
 VOLATILE_FIELDS = ('out_dir', 'data_dir', 'train.progress', 'train.loggers', 'train.log_every', 'train.ckpt_every',
                    'train.keep_last')
+RECORD_SECTIONS = ('origins', 'replaced')  # where each value came from: a record of the run, not its identity
 
 # %% ../../nbs/base/01_rundir.ipynb #015af143
 def flatten(d: dict, prefix: str = '') -> dict:
@@ -285,7 +286,8 @@ ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'm
 def identity_fields(config: dict) -> dict:
     "The fields of a run configuration (a `RunSpec` dict) that define its result."
     return {k: v for k, v in flatten(config).items()
-            if k not in VOLATILE_FIELDS and not (k in ABSENT_WHEN_DEFAULT and v == ABSENT_WHEN_DEFAULT[k])}
+            if k not in VOLATILE_FIELDS and k.partition('.')[0] not in RECORD_SECTIONS
+            and not (k in ABSENT_WHEN_DEFAULT and v == ABSENT_WHEN_DEFAULT[k])}
 
 # %% ../../nbs/base/01_rundir.ipynb #24fe3712
 def fingerprint(config: dict) -> str:

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/lab/52_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import json, os, shlex, shutil, socket, subprocess, sys, time
+import fnmatch, json, os, shlex, shutil, socket, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass, field
 from graphlib import TopologicalSorter, CycleError
@@ -14,7 +14,7 @@ from typing import Callable
 from ..base.core import ConfigError, TrainConfig
 from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, run_identity, COMMAND_ENV
 from ..base.rundir import write_json, read_json, run_name, parse_run_name
-from .experiment import get_study
+from .experiment import get_study, split_scope
 from ..data.corpus import prepare_data, read_meta
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
@@ -27,13 +27,13 @@ from ..base.rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env,
 __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus',
            'run_status', 'set_aside', 'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args',
            'papermill_args', 'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchResult', 'with_upstream',
-           'plan_batch', 'open_batch', 'check_memory', 'write_batch_json', 'record_outcome', 'pending_jobs',
-           'run_study', 'after_batch', 'fit_vocabulary', 'report_html', 'render_report']
+           'override_notes', 'plan_batch', 'open_batch', 'check_memory', 'write_batch_json', 'record_outcome',
+           'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'report_html', 'render_report']
 
 # %% ../../nbs/lab/52_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
     "Path of a notebook under nbs/ (source checkout) or the copy shipped in the package."
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package (this module is oelm_nb/lab/runner.py)
     for base in (here.parent / 'nbs', here / 'notebooks'):
         if (base / rel).exists(): return base / rel
     raise FileNotFoundError(f"notebook {rel} not found in {here.parent / 'nbs'} or {here / 'notebooks'}")
@@ -174,7 +174,7 @@ def check_batch_flags(seeds, steps: int | None = None, overrides: dict | None = 
         raise ConfigError(
             f"--steps {steps!r}: give a positive number of optimizer steps, or leave it out for the study's default"
         )
-    for key in overrides or {}:
+    for key in (split_scope(k)[1] for k in overrides or {}):
         if key in PLACE_KEYS: raise ConfigError(f"--set {key}=...: {key} is not set with --set; use {PLACE_KEYS[key]}")
         if key in ('model', 'train', 'data', 'settings'):
             raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
@@ -342,6 +342,25 @@ def with_upstream(plan: dict, variants: list[str]) -> list[str]:
     for v in variants: add(v)
     return out
 
+# %% ../../nbs/lab/52_runner.ipynb #7453ca52
+def override_notes(batch: Batch, names: list[str]) -> list[str]:
+    """Lines saying where a user's `--set` replaces a value a variant sets itself (a phase's own rate, say), and how to
+    address some variants only; a scope that matches none of the batch's variants is refused."""
+    scopes = [s for s in (split_scope(k)[0] for k in batch.overrides or {}) if s]
+    for s in scopes:
+        if not any(fnmatch.fnmatchcase(v, s) for v in names):
+            raise ConfigError(f"--set '{s}:...': the pattern {s!r} matches none of this batch's variants "
+                              f"({', '.join(names)})")
+    by_key = {}
+    for v in names:
+        sp = batch.spec(v)
+        for k, own in sp.replaced.items():
+            sec, _, name = k.partition('.')
+            by_key.setdefault((k, json.dumps(sp.to_dict()[sec][name])), []).append(f'{v} ({own})')
+    return [f"[oelm run] --set {k}={val} replaces the value these variants set themselves: {', '.join(vs)}; to set it for "
+            f"some variants only: --set 'PATTERN:{k}=VALUE' (e.g. '{vs[0].split(' ')[0]}:{k}=...')"
+            for (k, val), vs in by_key.items()]
+
 # %% ../../nbs/lab/52_runner.ipynb #b6de245d
 def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tuple[list[str], dict]:
     """The batch's variants (asked, or the study's default, with their upstream runs first) and the study's plan; every
@@ -355,6 +374,7 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
     for v in names:  # every variant's spec must resolve before anything trains
         try: batch.spec(v)
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
+    for line in override_notes(batch, names): log(line)
     return names, plan
 
 # %% ../../nbs/lab/52_runner.ipynb #1dc8a444

@@ -675,5 +675,5 @@ def cvfp_answers(runs) -> list[Answer]:
                           f"{GUIDELINES_AGREEMENT['cos_mean']})", seeds, budget))
     return out
 
-# %% ../../../nbs/studies/cvfp/74_report.ipynb #1bfdb1e8
+# %% ../../../nbs/studies/cvfp/74_report.ipynb #3033e832
 CVFP = dataclasses.replace(CVFP_STUDY, answers=cvfp_answers)  # what the entry point registers

@@ -596,5 +596,5 @@ def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
                   _metric_kit_answer('ACC', qs['ACC'], acc, PTS, False, budget, f'{task_label(runs)} in points'))
     return [_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget, 'best validation PPL'), acc_answer]
 
-# %% ../../../nbs/studies/mercator/84_report.ipynb #436b7f04
+# %% ../../../nbs/studies/mercator/84_report.ipynb #4afc0255
 MERCATOR = dataclasses.replace(MERCATOR_STUDY, answers=mercator_answers)  # what the entry point registers
