@@ -32,7 +32,11 @@ __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'NO_SCRIPTS', 'noteb
 
 # %% ../../nbs/lab/52_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
-    "Path of a notebook under nbs/ (source checkout) or the copy shipped in the package."
+    """Path of a notebook under nbs/ (source checkout) or the copy shipped in the package; an absolute path (a study of
+    another package names its own notebooks so) as it is."""
+    if Path(rel).is_absolute():
+        if Path(rel).exists(): return Path(rel)
+        raise FileNotFoundError(f"notebook {rel} not found")
     here = Path(__file__).resolve().parent.parent  # the package (this module is oelm_nb/lab/runner.py)
     for base in (here.parent / 'nbs', here / 'notebooks'):
         if (base / rel).exists(): return base / rel
