@@ -12,8 +12,7 @@ from __future__ import annotations
 import fcntl, json, os, shutil, time, traceback
 from pathlib import Path
 
-SMALL_CORPUS = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
-                'train.eval_batches': 2}  # cli_helpers.tiny_args sets these on the command line
+from oelm_nb.lab.experiment import SMALL_CORPUS  # noqa: E402  (cli_helpers.tiny_args sets these on the command line)
 
 
 def session_root(tmp_path_factory) -> Path:

@@ -224,7 +224,7 @@ def add_examples(docs: list[DocNb], ex_dir: Path, use_cache: bool = True, only: 
     nbs, studies, out = nbdev_config().nbs_path, eb.report_studies(), []
     for d in docs:
         study = studies.get(d.src.relative_to(nbs).as_posix()) if d.src.is_relative_to(nbs) else None
-        if d.library or study not in eb.EXAMPLES or (only is not None and study not in only): out.append(d); continue
+        if d.library or study not in eb.examples() or (only is not None and study not in only): out.append(d); continue
         try: out.append(replace(d, src=eb.report_page(study, d.src, ex_dir, use_cache, log), example=eb.describe(study)))
         except RuntimeError as e: raise DocsBuildError(str(e)) from None
     return out

@@ -27,24 +27,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SMALL_CORPUS = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
-                'train.eval_batches': 2}
-
-# study -> the batch: `oelm_nb.lab.runner.run_study` keyword arguments on top of the small corpus
-EXAMPLES: dict[str, dict] = {
-    'qk-freeze': dict(steps=30),
-    'pca': dict(steps=30, options={'ks': [8, 16]}),
-    'cvfp': dict(steps=30, options={'algorithms': ['MCDL', 'ODCM'], 'samples': [2, 4, 8, 16]},
-                 overrides={'settings.val_tokens': 600, 'settings.check_tokens': 200, 'settings.phase1_max_iterations': 3,
-                            'settings.phase1_min_iterations': 2, 'settings.speed_iterations': 3, 'settings.phase2_epochs': 2,
-                            'settings.tokens': 400}),
-    'mercator': dict(steps=30),
-}
+def examples() -> dict[str, dict]:
+    "study -> its example batch: the study's own smoke batch (`Study.smoke`, run_study keyword arguments on SMALL_CORPUS)."
+    from oelm_nb.lab.experiment import studies
+    return {name: st.smoke for name, st in studies().items() if st.smoke and st.report}
 
 
 def describe(study: str) -> str:
     "One sentence for the page: what the example batch ran."
-    ex = EXAMPLES[study]
+    ex = examples()[study]
     opts = ''.join(f", --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in ex.get('options', {}).items())
     return (f"the tiny preset, {ex['steps']} optimizer steps per run, seeds 0 and 1{opts}, on a 300-story corpus with a "
             f"300-token vocabulary")
@@ -53,7 +44,8 @@ def describe(study: str) -> str:
 def run_example(study: str, out: Path, log=print):
     "Run the example batch of `study` into `out` (runs in this process) and render its report; returns the BatchResult."
     from oelm_nb.lab.runner import run_study, execute_inline
-    ex = EXAMPLES[study]
+    from oelm_nb.lab.experiment import SMALL_CORPUS
+    ex = examples()[study]
     res = run_study(study, seeds=[0, 1], steps=ex['steps'], out_dir=out, options=ex.get('options'),
                     overrides={**SMALL_CORPUS, **ex.get('overrides', {})}, execute=execute_inline, report=True, log=log)
     if res.failed: raise RuntimeError(f"example batch {study}: run(s) {', '.join(res.failed)} did not complete; see {out}")
@@ -101,8 +93,8 @@ def report_page(study: str, report_nb: Path, ex_dir: Path, use_cache: bool = Tru
 
 
 if __name__ == '__main__':
-    if len(sys.argv) != 3 or sys.argv[1] not in EXAMPLES:
-        sys.exit(f"usage: python tools/example_batches.py STUDY OUT_DIR, STUDY one of {', '.join(EXAMPLES)}")
+    if len(sys.argv) != 3 or sys.argv[1] not in examples():
+        sys.exit(f"usage: python tools/example_batches.py STUDY OUT_DIR, STUDY one of {', '.join(examples())}")
     from oelm_nb.lab.runner import skip_slow_imports
     skip_slow_imports()  # the report page is written here (nbconvert), as `oelm run` writes it
     t0 = time.time()

@@ -1,4 +1,5 @@
-"""Refactors change no number: run four short pinned-float32 batches (one per study) and record or compare their summaries.
+"""Refactors change no number: run each study's smoke batch (`Study.smoke`, seed 0, pinned float32) and record or compare
+the runs' summaries.
 
     python tools/same_numbers.py record OUT.json [--work DIR]   # before a refactor
     python tools/same_numbers.py compare OUT.json [--work DIR]  # after it: every number within 1e-6 (relative), or exit 1
@@ -8,16 +9,30 @@ Every numeric field of every run's summary.json is compared; timings, paths and 
 import argparse, json, math, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
-SMALL = ['--set', 'train.dtype=float32', '--no-report', '--jobs', '1']
-BATCHES = {
-    'qk-freeze': ['--preset', 'tiny', '--seeds', '0', '--variants', 'gpt,oelm-freeze', '--steps', '60'],
-    'pca': ['--preset', 'tiny', '--seeds', '0', '--ks', '8', '--steps', '60'],
-    'cvfp': ['--preset', 'tiny', '--seeds', '0', '--algorithms', 'MCDL', 'ODCM', '--samples', '2', '--phase1', 'sequential',
-             '--set', 'settings.val_tokens=600', '--set', 'settings.check_tokens=200', '--set', 'settings.tokens=400',
-             '--set', 'settings.phase1_max_iterations=3', '--set', 'settings.phase1_min_iterations=2',
-             '--set', 'settings.speed_iterations=3', '--set', 'settings.phase2_epochs=2'],
-    'mercator': ['--preset', 'tiny', '--seeds', '0', '--variants', 'mercator-b0.01,mse', '--steps', '60'],
-}
+SMALL = ['--set', 'train.dtype=float32', '--seeds', '0', '--no-report', '--jobs', '1']
+
+
+def smoke_args(study) -> list[str]:
+    "The command-line arguments of a study's smoke batch (`Study.smoke` on the small corpus)."
+    import dataclasses
+    from oelm_nb.lab.experiment import SMALL_CORPUS
+    sm = study.smoke
+    args = ['--preset', 'tiny', '--steps', str(sm.get('steps', 30))]
+    for k, v in sm.get('options', {}).items():
+        flag = '--' + (k if dataclasses.is_dataclass(study.options) else k.replace('_', '-'))
+        if dataclasses.is_dataclass(study.options): args += [flag, json.dumps(v)]
+        else: args += [flag, *map(str, v if isinstance(v, list) else [v])]
+    if sm.get('variants'): args += ['--variants', ','.join(sm['variants'])]
+    for k, v in {**SMALL_CORPUS, **sm.get('overrides', {})}.items(): args += ['--set', f'{k}={json.dumps(v)}']
+    return args
+
+
+def batches() -> dict[str, list[str]]:
+    "study -> the arguments of its smoke batch, for every study that declares one (the same batches the docs run)."
+    from oelm_nb.lab.experiment import studies
+    return {name: smoke_args(st) for name, st in studies().items() if st.smoke}
+
+
 # words in a key that mark a number that differs by nature between two identical runs
 VOLATILE = ('time', 'second', 'elapsed', 'date', 'started', 'finished', 'tok_per', 'tokens_per', 'per_s', 'pid', 'host',
             'mem', 'commit', 'version', 'duration', 'wall', 'mfu', 'throughput', 'ms', 'speedup')
@@ -42,10 +57,10 @@ def numbers(obj, prefix=''):
     return out
 
 
-def run_all(work: Path):
+def run_all(work: Path, plan: dict[str, list[str]]):
     oelm = str(Path(sys.executable).with_name('oelm'))
     result = {}
-    for study, args in BATCHES.items():
+    for study, args in plan.items():
         out = work / study
         shutil.rmtree(out, ignore_errors=True)
         cmd = [oelm, 'run', study, *args, *SMALL, '--out', str(out)]
@@ -80,12 +95,14 @@ if __name__ == '__main__':
     p.add_argument('--work', type=Path, default=None, help='where the batches go (default: a temporary folder)')
     a = p.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix='same-numbers-'))
-    now = run_all(work)
+    rec = json.loads(a.file.read_text()) if a.mode == 'compare' else {}
+    plan = rec.pop('_batches', None) or batches()  # compare runs exactly the batches recorded (older records: today's)
+    now = run_all(work, plan)
     if a.mode == 'record':
-        a.file.write_text(json.dumps(now, indent=1, sort_keys=True))
+        a.file.write_text(json.dumps({'_batches': plan, **now}, indent=1, sort_keys=True))
         print(f'[same-numbers] {sum(map(len, now.values()))} numbers from {len(now)} runs -> {a.file}')
     else:
-        bad = compare(json.loads(a.file.read_text()), now)
+        bad = compare(rec, now)
         n = sum(map(len, now.values()))
         print(f'[same-numbers] {n} numbers from {len(now)} runs compared with {a.file}: '
               + ('identical to 1e-6' if not bad else f'{len(bad)} differ'))

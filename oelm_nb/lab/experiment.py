@@ -21,11 +21,12 @@ from ..model.weights import load_init_weights
 from ..base.rundir import run_lock, check_same_run, fingerprint, child_env, run_name, parse_run_name, read_json, write_json
 
 # %% auto #0
-__all__ = ['Overrides', 'STUDY_GROUP', 'STUDIES', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'LAYERS', 'COMMAND_ENV',
-           'SAMPLE_PROMPTS', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study', 'register_study',
-           'study_names', 'get_study', 'studies', 'apply_overrides', 'split_scope', 'user_overrides', 'train_settings',
-           'resolve_spec', 'utc_now', 'provenance', 'record_provenance', 'write_summary', 'generate_samples',
-           'sample_prompts', 'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run', 'run_spec']
+__all__ = ['Overrides', 'STUDY_GROUP', 'STUDIES', 'SMALL_CORPUS', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'LAYERS',
+           'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study',
+           'register_study', 'study_names', 'get_study', 'studies', 'apply_overrides', 'split_scope', 'user_overrides',
+           'train_settings', 'resolve_spec', 'utc_now', 'provenance', 'record_provenance', 'write_summary',
+           'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run',
+           'run_spec']
 
 # %% ../../nbs/lab/50_experiment.ipynb #172d917b
 @dataclass
@@ -155,10 +156,16 @@ class Study:
     # (metric, a, b), or (preset, steps, options) -> (metric, a, b): the paired relative comparison a / b - 1 that
     # `oelm run STUDY --precision` sizes (`oelm_nb.lab.precision`)
     main: tuple | Callable | None = None
+    # the study's quick batch: `run_study` keyword arguments (steps, options, overrides) on the small corpus
+    # (`SMALL_CORPUS`); the docs' example pages, `tools/same_numbers.py` and the tests run it
+    smoke: dict = field(default_factory=dict)
 
 # %% ../../nbs/lab/50_experiment.ipynb #ef5637bc
 STUDY_GROUP = 'oelm_nb.studies'  # the entry-point group a study is registered in
 STUDIES: dict[str, Study] = {}  # the studies this process has loaded or registered, by name
+# a story corpus small enough for a batch in seconds (a study's `smoke` batch, the tests' batches)
+SMALL_CORPUS = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,
+                'train.eval_batches': 2}
 
 # %% ../../nbs/lab/50_experiment.ipynb #30a6b515
 def register_study(study: Study) -> Study:

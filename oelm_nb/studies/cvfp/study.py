@@ -536,4 +536,8 @@ CVFP_STUDY = Study(
     notebook='experiments/cvfp.ipynb',
     report='reports/cvfp.ipynb',
     main=cvfp_main,
+    smoke=dict(steps=30, options={'algorithms': ['MCDL', 'ODCM'], 'samples': [2, 4, 8, 16]},
+               overrides={'settings.val_tokens': 600, 'settings.check_tokens': 200, 'settings.phase1_max_iterations': 3,
+                          'settings.phase1_min_iterations': 2, 'settings.speed_iterations': 3,
+                          'settings.phase2_epochs': 2, 'settings.tokens': 400}),
 )

@@ -531,4 +531,6 @@ MERCATOR_STUDY = Study(
                                         'nf4 = 4-bit through bitsandbytes, CUDA only)')},
     default_seeds=(0, 1),
     # the guide's default beta against the undistilled student: the comparison --precision sizes
-    main=('best_val_ppl', 'mercator-b0.01', 'no-distill'))
+    main=('best_val_ppl', 'mercator-b0.01', 'no-distill'),
+    smoke=dict(steps=30),
+)

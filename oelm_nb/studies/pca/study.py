@@ -632,4 +632,6 @@ PCA_STUDY = Study(
                         help='embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m '
                              'and gpt2-124m-1024)')},
     default_seeds=(0, 1), notebook='experiments/pca.ipynb', report='reports/pca.ipynb', answers=pca_answers,
-    main=pca_main)
+    main=pca_main,
+    smoke=dict(steps=30, options={'ks': [8, 16]}),
+)

@@ -327,4 +327,6 @@ QK_FREEZE = Study(
     report='reports/qk_freeze.ipynb',
     answers=qk_answers,
     main=('best_val_ppl', 'oelm-freeze', 'gpt'),  # H4's comparison: what --precision sizes
-    after_batch=interleaved_timing)
+    after_batch=interleaved_timing,
+    smoke=dict(steps=30),
+)
