@@ -221,11 +221,11 @@ def test_site_is_self_contained_for_offline_viewing(site):
     "No font CDN; plain .html pages (use_directory_urls: false); nbdev's links to the docs host lead inside the site."
     text, _ = page(site, 'index.html')
     assert 'fonts.googleapis' not in text
-    assert not (site / 'core').is_dir()
+    assert not (site / 'base' / 'core').is_dir()
     hosted = [p.name for p in site.rglob('*.html') if f'href="{BASE_URL}/' in p.read_text(encoding='utf-8')]
     assert not hosted, f'links to {BASE_URL} left on {hosted}'
-    assert 'href="model.html#gpt"' in page(site, 'memory.html')[0], 'a link to an API entry leads to its anchor'
-    assert 'href="model.html#gpt"' in page(site, 'export.html')[0]
+    assert 'href="../model/gpt.html#gpt"' in page(site, 'train/memory.html')[0], 'a link to an API entry leads to its anchor'
+    assert 'href="../model/gpt.html#gpt"' in page(site, 'lab/export.html')[0]
 
 
 @pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
@@ -243,8 +243,9 @@ def test_a_page_missing_from_the_nav_fails_the_build(site, tmp_path):
     "mkdocs.yml's validation (strict): a notebook page that the nav does not list stops the build, naming it."
     built = site.parent / 'build' / 'docs'  # two of the pages are enough (the nav's other entries are then reported missing too)
     shutil.copytree(built / 'stylesheets', tmp_path / 'docs' / 'stylesheets')
-    for name in ('index.ipynb', 'core.ipynb'): shutil.copy(built / name, tmp_path / 'docs' / name)
-    shutil.copy(built / 'core.ipynb', tmp_path / 'docs' / 'new_chapter.ipynb')
+    for name in ('index.ipynb', 'base/core.ipynb'):
+        (tmp_path / 'docs' / name).parent.mkdir(parents=True, exist_ok=True); shutil.copy(built / name, tmp_path / 'docs' / name)
+    shutil.copy(built / 'base' / 'core.ipynb', tmp_path / 'docs' / 'new_chapter.ipynb')
     with pytest.raises(bd.DocsBuildError, match=r'(?s)nav.*new_chapter\.ipynb'):
         bd.run_mkdocs(tmp_path / 'docs', tmp_path / 'site')
 

@@ -21,9 +21,10 @@ __all__ = ['SET_SECTIONS', 'RETIRED_FLAGS', 'parse_sets', 'cmd_params', 'cmd_dat
 # %% ../../nbs/app/91_cli.ipynb #ec5943c2
 SET_SECTIONS = ('model', 'train', 'data', 'settings')
 
-def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False) -> dict:
+def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict | None = None) -> dict:
     """`--set KEY=VALUE` pairs as {KEY: value}: the value parsed as JSON when it parses, else kept as text; KEY is
-    SECTION.FIELD with SECTION in `sections`, after a 'VARIANT-PATTERN:' scope when `scoped`."""
+    SECTION.FIELD with SECTION in `sections`, after a 'VARIANT-PATTERN:' scope when `scoped`; a key in `places` is
+    refused naming the flag that sets it."""
     out = {}
     for kv in pairs or []:
         k, sep, v = kv.partition('=')
@@ -33,6 +34,8 @@ def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False) -> dict:
         scope, _, key = k.rpartition(':') if scoped else ('', '', k)
         if ':' in key: raise ConfigError(f"--set {kv!r}: a scope ('PATTERN:') is for `oelm run` only")
         section, dot, name = key.partition('.')
+        if key in (places or {}): raise ConfigError(f"--set {key}=...: {key} is not set with --set; use {places[key]}")
+        if key in sections: raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
         if section == 'extra' and name: raise ConfigError(f"--set {kv!r}: extra.* is now settings.*; write settings.{name}")
         if not dot or section not in sections or not name:
             raise ConfigError(f"--set {kv!r}: the key is SECTION.FIELD with SECTION one of {', '.join(sections)} "
@@ -119,7 +122,8 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
     "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
     names = [f.name for f in fields(study.options)] if is_dataclass(study.options) else [f'opt_{k}' for k in study.options]
     options = {n.removeprefix('opt_'): getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    overrides = parse_sets(args.set, scoped=True)
+    from oelm_nb.lab.runner import PLACE_KEYS
+    overrides = parse_sets(args.set, scoped=True, places=PLACE_KEYS)
     if getattr(args, 'loggers', None):
         from oelm_nb.base.core import LOGGERS
         names = [l.strip() for l in args.loggers.split(',') if l.strip()]
