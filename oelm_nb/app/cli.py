@@ -431,13 +431,14 @@ def add_study_parser(sub, study, presets):
     return r
 
 # %% ../../nbs/app/91_cli.ipynb #c69dc081
-def _add_model_commands(sub):
-    "The subcommands that need no batch: `params`, `data prepare`, `train` (torchrun's entry point)."
+def _add_model_commands(sub, lazy: bool = False):
+    """The subcommands that need no batch: `params`, `data prepare`, `train` (torchrun's entry point); `lazy`: the
+    command line is another command's, so `params` is built without importing the Q/K study for its variant names."""
     from oelm_nb.model.gpt import PRESETS
-    from oelm_nb.lab.experiment import studies
+    from oelm_nb.lab.experiment import get_study
     q = sub.add_parser('params', help='parameter accounting of a preset and a Q/K study variant')
     q.add_argument('--preset', default='tiny', choices=list(PRESETS), help='default: tiny')
-    q.add_argument('--variant', default='gpt', choices=list(studies()['qk-freeze'].variants('tiny', 1000, {})),
+    q.add_argument('--variant', default='gpt', choices=None if lazy else list(get_study('qk-freeze').variants('tiny', 1000, {})),
                    help="a variant of the Q/K freeze study, the same names as `oelm run qk-freeze --variants` "
                    "(default: gpt)")
     q.add_argument('--json', action='store_true', help='machine-readable output')
@@ -461,16 +462,19 @@ def _add_model_commands(sub):
     t.set_defaults(fn=cmd_train)
 
 # %% ../../nbs/app/91_cli.ipynb #02b7a550
-def _add_batch_commands(sub):
-    "The subcommands of batches: `run STUDY`, `status`, `report`."
+def _add_batch_commands(sub, load=None):
+    """The subcommands of batches: `run STUDY`, `status`, `report`; `load`, when given, names the studies whose parsers
+    are built (the others are listed by name only, their modules not imported)."""
     from oelm_nb.model.gpt import PRESETS
-    from oelm_nb.lab.experiment import studies
+    from oelm_nb.lab.experiment import get_study, study_names
     r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
                        description='Run a study: one papermill execution of its experiment notebook per '
                        '(variant, seed), then its report.')
     r.set_defaults(fn=cmd_run)
     rs = r.add_subparsers(dest='study', required=True, metavar='STUDY')
-    for st in studies().values(): add_study_parser(rs, st, PRESETS)
+    for name in study_names():
+        if load is None or name in load: add_study_parser(rs, get_study(name), PRESETS)
+        else: rs.add_parser(name, help=f'(`oelm run {name} --help`)')
     st = sub.add_parser('status', help="the state of a batch's runs, from its run directories "
                         "(also while it runs, locally or on a cluster)")
     st.add_argument('dir', help='a batch directory (the --out of oelm run)')
@@ -552,22 +556,29 @@ def _add_doctor_command(sub):
     d.set_defaults(fn=cmd_doctor)
 
 # %% ../../nbs/app/91_cli.ipynb #8ed76529
-def build_parser() -> argparse.ArgumentParser:
-    "The `oelm` command line: one subcommand per task."
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `oelm` command line: one subcommand per task. Given the arguments, it imports only the study they name (or
+    none, for a command that is not `run`): `oelm status` need not load four studies to start."""
+    from oelm_nb.lab.experiment import study_names
     from oelm_nb import __version__
     p = argparse.ArgumentParser(prog='oelm',
                                 description='Train small GPT-style models that save trainable parameters by structure.')
     p.add_argument('--version', action='version', version=f'oelm_nb {__version__}')
     sub = p.add_subparsers(dest='command', required=True)
-    for add in (_add_model_commands, _add_batch_commands, _add_run_commands, _add_bench_command, _add_doctor_command):
-        add(sub)
+    a = [x for x in (argv or []) if not x.startswith('-')][:2]
+    load = None if argv is None or not a or (a[0] == 'run' and (len(a) < 2 or a[1] not in study_names())) else \
+        ({a[1]} if a[0] == 'run' else set())
+    _add_model_commands(sub, lazy=bool(a) and a[0] != 'params')
+    for add in (_add_run_commands, _add_bench_command, _add_doctor_command): add(sub)
+    _add_batch_commands(sub, load)
     return p
 
 # %% ../../nbs/app/91_cli.ipynb #71c699be
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `oelm` console script."
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `--detach` starts this command again
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    args.argv = argv  # as typed: `--detach` starts this command again
     from oelm_nb.data.corpus import DataError
     from oelm_nb.base.rundir import RunLocked
     try: return args.fn(args)
