@@ -13,7 +13,7 @@ import pandas as pd
 from IPython.display import HTML
 from pandas.io.formats.style import Styler
 
-from .tables import hyperparameter_table, safe_table
+from .tables import completed, hyperparameter_table, safe_table
 from .evidence import NO_DATA
 from ..base.rundir import read_json
 
@@ -46,10 +46,6 @@ def people_count(n: float) -> str:
         if abs(n) >= div: return f'{n / div:.3g}{unit}'
 
 # %% ../../nbs/report/33_page.ipynb #6c930ba7
-def _completed(runs: pd.DataFrame, variants=None) -> pd.DataFrame:
-    ok = runs[runs.status == 'completed'] if len(runs) and 'status' in runs else runs.iloc[:0]
-    return ok[ok.variant.isin(list(variants))] if variants is not None else ok
-
 def _span(values, fmt) -> str | None:
     v = sorted({float(x) for x in values if pd.notna(x)})
     if not v: return None
@@ -63,14 +59,14 @@ def budget_text(runs: pd.DataFrame, # `report.load_runs` of a batch
                 fields=BUDGET, # the summary fields that measure a run's budget, with their names
                ) -> str:
     "What one completed run trained: '1,500 steps, 3.07M tokens per run' (ranges where runs differ)."
-    ok = _completed(runs, variants)
+    ok = completed(runs, variants)
     parts = [f'{span} {name}' for col, name in fields if col in ok and (span := _span(ok[col], people_count))]
     return ', '.join(parts) + ' per run' if parts else 'budget not recorded'
 
 # %% ../../nbs/report/33_page.ipynb #4a0bda89
 def seeds_text(runs: pd.DataFrame, variants=None) -> str:
     "How many completed seeds each variant has: '3 seeds per variant', '2-3 seeds per variant', 'no completed seed'."
-    ok = _completed(runs, variants)
+    ok = completed(runs, variants)
     if not len(ok): return 'no completed seed'
     n = ok.groupby('variant').seed.nunique()
     span = str(n.min()) if n.min() == n.max() else f'{n.min()}-{n.max()}'

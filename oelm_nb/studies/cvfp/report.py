@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 import numpy as np
 import pandas as pd
-from ...report.tables import load_runs
+from ...report.tables import fmt, load_runs
 from ...base.rundir import read_json
 from ...base.metrics import read_metrics
 from .study import DIVERSITY_DESCRIPTIONS
@@ -22,7 +22,7 @@ from .study import CVFP_STUDY
 
 # %% auto #0
 __all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'CVFP_BUDGET', 'SPEED_BUDGET', 'COUNT', 'ONE_SEED',
-           'SHARED_CPU', 'CVFP', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'fmt', 'er_text',
+           'SHARED_CPU', 'CVFP', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'er_text',
            'rate_text', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table',
            'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table',
            'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts',
@@ -85,11 +85,6 @@ def cvfp_runs(runs, trained_embedding: bool | None = False,
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #624b3532
 def _na(*xs) -> bool: return any(x is None for x in xs)
-
-# %% ../../../nbs/studies/cvfp/74_report.ipynb #af8ca7f8
-def fmt(x, spec: str = '') -> str:
-    "`x` formatted with `spec`, `n/a` for None."
-    return 'n/a' if x is None else format(x, spec)
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b673cac8
 def er_text(v, d, p) -> str:

@@ -21,7 +21,7 @@ from ...model.gpt import GPT, PRESETS, model_config
 from ...train.trainer import Trainer, evaluate
 from ...train.checkpoint import load_weights
 from ...model.freeze import param_report
-from ...report.tables import compare, t_interval, interval_text
+from ...report.tables import compare, completed, t_interval, interval_text
 from ...report.evidence import Answer, Comparison, NO_DATA, exact_caveat
 from ...report.page import budget_text
 from ...model.pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_,
@@ -302,8 +302,7 @@ def with_method_k(runs: pd.DataFrame) -> pd.DataFrame:
 # %% ../../../nbs/studies/pca/65_study.ipynb #43d79a7c
 def method_means(runs: pd.DataFrame, col: str) -> pd.DataFrame:
     "Mean of `col` over completed seeds per (method, k), with the seed count `n`."
-    ok = with_method_k(runs)
-    ok = ok[ok.status == 'completed']
+    ok = completed(with_method_k(runs))
     if not len(ok) or col not in ok: return pd.DataFrame(columns=['method', 'k', col, 'n'])
     g = ok.dropna(subset=[col]).groupby(['method', 'k'], dropna=False)[col]
     return pd.concat([g.mean(), g.count().rename('n')], axis=1).reset_index()
@@ -339,7 +338,8 @@ def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
     PCA gap LoRA recovered, with its 95% t-interval over seeds (helper columns `_*`: per-seed fractions, paired seeds,
     the seeds without a gap and the mean gap, for `pca_answers`)."""
     runs = with_method_k(runs)
-    ok = runs[(runs.status == 'completed') & runs.val_loss.notna()] if 'val_loss' in runs else runs.iloc[:0]
+    ok = completed(runs)
+    ok = ok[ok.val_loss.notna()] if 'val_loss' in ok else ok.iloc[:0]
     refs = {m: _per_seed(ok, m) for m in REFERENCE_METHODS}
     rows = []
     for k in sorted({int(k) for k in runs['k'].dropna()}):
@@ -451,7 +451,7 @@ def _first(df: pd.DataFrame, col: str):
 # %% ../../../nbs/studies/pca/65_study.ipynb #8bc30581
 def params_table(runs: pd.DataFrame) -> pd.DataFrame:
     "Per (k, method): token-embedding parameters, saving vs the baseline's table, total, trainable and their share."
-    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    runs = with_method_k(runs); ok = completed(runs)
     base_emb = _first(ok[ok.method == 'baseline'], 'params_embedding')
     rows = []
     for k in sorted({int(k) for k in runs['k'].dropna()}):
@@ -469,7 +469,8 @@ def params_table(runs: pd.DataFrame) -> pd.DataFrame:
 def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per k of the completed PCA + LoRA runs: adapter parameters, rank, alpha, dropout, share of the model, fine-tuning
     steps."""
-    runs = with_method_k(runs); lr = runs[(runs.status == 'completed') & (runs.method == 'pca-lora')]
+    runs = with_method_k(runs); lr = completed(runs)
+    lr = lr[lr.method == 'pca-lora']
     cols = {}
     for k in sorted(lr.k.dropna().unique()):
         d = lr[lr.k == k]
@@ -513,7 +514,7 @@ _CURVES = (('ratio', 'cumulative explained variance', True),
 def plot_explained_variance(runs: pd.DataFrame):
     """Per baseline seed: cumulative explained variance, relative reconstruction error and mean cosine against k (ks
     marked), and their values at each k (or None)."""
-    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    runs = with_method_k(runs); ok = completed(runs)
     evs = {
         r.seed: read_json(Path(r.run_dir) / 'explained_variance.json') for r in ok[ok.method == 'baseline'].itertuples()
     }
@@ -539,7 +540,7 @@ def plot_explained_variance(runs: pd.DataFrame):
 # %% ../../../nbs/studies/pca/65_study.ipynb #583060a8
 def plot_tradeoff(runs: pd.DataFrame):
     "Validation PPL against the token-embedding parameters (left) and the trainable parameters (right), k annotated."
-    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    runs = with_method_k(runs); ok = completed(runs)
     agg = ok.groupby(['method', 'k'], dropna=False).agg(ppl=('best_val_ppl', 'mean'), emb=('params_embedding', 'first'),
                                                         trainable=('params_trainable', 'first')).reset_index()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
