@@ -21,12 +21,12 @@ from .study import MERCATOR_STUDY
 # %% auto #0
 __all__ = ['BASELINE', 'NOT_STUDENTS', 'RUN_COLUMNS', 'CAPACITY', 'TASK_LABELS', 'GUIDE', 'STAGE_COLORS', 'PCT', 'PTS',
            'ONE_SEED_NOTE', 'MERCATOR', 'with_report_columns', 'mercator_runs', 'is_student', 'student_variants',
-           'distilled_variants', 'is_mercator', 'batch_line', 'task_label', 'pass_of', 'stage_of', 'yes_no',
-           'runs_table', 'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text',
-           'protocol_text', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard',
-           'style_agreement', 'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl',
-           'vs_text', 'style_ppl', 'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer',
-           'comparisons', 'seeds_note', 'headline', 'mercator_answers']
+           'distilled_variants', 'is_mercator', 'task_label', 'pass_of', 'stage_of', 'yes_no', 'runs_table',
+           'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text', 'protocol_text',
+           'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard', 'style_agreement',
+           'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl', 'vs_text', 'style_ppl',
+           'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer', 'comparisons', 'seeds_note',
+           'headline', 'mercator_answers']
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #b36f5e5a
 BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
@@ -82,20 +82,6 @@ def is_mercator(v: str) -> bool:
     """A Mercator student: the direction loss at any beta, with logits, centered, warmed up, or at another projector
     capacity."""
     return v.startswith('mercator') or v in (CAPACITY['low'], CAPACITY['high'])
-
-# %% ../../../nbs/studies/mercator/84_report.ipynb #6d662d64
-def batch_line(batch_dir, runs: pd.DataFrame) -> str:
-    "The report's first line (Markdown): the batch directory, its models and data, variants, seeds and steps per run."
-    batch = read_json(Path(batch_dir) / 'batch.json') or {}
-    opts = batch.get('options') or {}
-    mode = (f"HF checkpoints: teacher `{opts.get('teacher')}`, student `{opts.get('student')}`, "
-            f"data `{opts.get('dataset') or 'story corpus'}`"
-            if opts.get('teacher') else f"our GPT family, preset `{batch.get('preset')}`, data `{batch.get('data')}`")
-    steps = int(runs['steps'].max()) if runs['steps'].notna().any() else 'n/a'
-    return (
-        f"**Batch** `{Path(batch_dir).resolve()}`: study `{batch.get('study')}`, {mode}; variants"
-        f" {', '.join(batch.get('variants', []))}; seeds {batch.get('seeds')}; steps per run {steps}."
-    )
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #ffa6ebd6
 TASK_LABELS = {'recall': 'recall accuracy', 'gsm8k': 'GSM8K exact-match accuracy'}
