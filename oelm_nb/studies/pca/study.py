@@ -34,7 +34,7 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
            'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
            'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references', 'best_method_per_k',
            'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff', 'load_pca_model',
-           'pca_answers', 'pca_main']
+           'pca_answers', 'plot_run', 'pca_main']
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -616,6 +616,32 @@ def pca_answers(runs: pd.DataFrame) -> list[Answer]:
     return out or [Answer('recovery', 'does PCA + LoRA recover the gap PCA-only opens, at any k?', NO_DATA,
                           method='needs completed PCA, PCA + LoRA and reference runs of a common seed')]
 
+# %% ../../../nbs/studies/pca/65_study.ipynb #5b439dd6
+def plot_run(spec: RunSpec, summary: dict):
+    "A PCA-study run's learning curves and the baseline table's explained variance and reconstruction at this run's k."
+    import matplotlib.pyplot as plt
+    from oelm_nb.base.metrics import read_metrics
+    recs = read_metrics(spec.out_dir)
+    ev = [r for r in recs if 'val_loss' in r]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    if recs:
+        ax.plot([r['step'] for r in recs], [r['train_loss'] for r in recs], label='train loss')
+        ax.plot([r['step'] for r in ev], [r['val_loss'] for r in ev], 'o-', label='val loss')
+    if summary.get('pca_val_loss') is not None: ax.plot([0], [summary['pca_val_loss']], 's', color='tab:red', label='PCA, no fine-tuning')
+    ax.set_xlabel('step'); ax.set_ylabel('loss'); ax.legend(); plt.show()
+    evj = read_json(Path(spec.out_dir) / 'explained_variance.json') or read_json(spec.upstream_dir('baseline') / 'explained_variance.json')
+    if not evj: return
+    k = summary['k']
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3))
+    for ax, (key, name) in zip(axes, (('ratio', 'cumulative explained variance'), ('relative_error', 'relative reconstruction error'),
+                                      ('mean_cosine', 'mean cosine with the original'))):
+        if key not in evj: ax.set_axis_off(); continue
+        y = np.cumsum(evj[key]) if key == 'ratio' else np.asarray(evj[key])
+        ax.plot(range(1, len(y) + 1), y)
+        ax.axvline(k, ls='--', color='gray', label=f"k = {k}: {y[k - 1]:.3f}")
+        ax.set_xlabel('k (principal directions kept)'); ax.set_ylabel(name); ax.set_ylim(0, 1.02); ax.legend()
+    plt.tight_layout()
+
 # %% ../../../nbs/studies/pca/65_study.ipynb #08737577
 def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     """The comparison `--precision` sizes: PCA + LoRA at the smallest k (the strongest compression) against
@@ -624,6 +650,7 @@ def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'best_val_ppl', f'pca-lora-k{k}', 'baseline-cont'
 
 PCA_STUDY = Study(
+    plot=plot_run,
     name='pca', settings=PCASettings, variants=pca_variants, run=pca_run, load_model=load_pca_model,
     description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, '
                 'against the baseline and the baseline continued (the PCA document)',

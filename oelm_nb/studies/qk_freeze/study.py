@@ -25,7 +25,7 @@ from ...report.page import budget_text
 __all__ = ['H1_TEXT', 'H3_TEXT', 'FORMATION_APPROX', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps',
            'qk_variants', 'h1_verdict', 'load_timing', 'h3_verdict', 'what_it_takes', 'gap_answer', 'formation_answer',
            'convergence_caveat_line', 'qk_answers', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
-           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note']
+           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note', 'plot_run']
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -314,8 +314,27 @@ def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') ->
         " verdicts below describe these models, not the log's."
     )
 
+# %% ../../../nbs/studies/qk_freeze/60_study.ipynb #b2957c54
+def plot_run(spec, # the run's `RunSpec`
+             summary: dict):
+    "A run's train and validation loss, and its recall accuracy with the chance level where it measured one."
+    import matplotlib.pyplot as plt
+    from oelm_nb.base.metrics import read_metrics
+    recs = read_metrics(spec.out_dir)
+    ev = [r for r in recs if 'val_loss' in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    axes[0].plot([r['step'] for r in recs], [r['train_loss'] for r in recs], label='train loss')
+    axes[0].plot([r['step'] for r in ev], [r['val_loss'] for r in ev], 'o-', label='val loss')
+    axes[0].set_xlabel('step'); axes[0].legend()
+    if ev and 'recall_acc' in ev[-1]:
+        axes[1].plot([r['step'] for r in ev], [r['recall_acc'] for r in ev], 'o-', color='tab:green')
+        if summary.get('recall_chance'): axes[1].axhline(summary['recall_chance'], ls='--', color='gray', label='chance')
+        axes[1].set_xlabel('step'); axes[1].set_ylabel('recall accuracy'); axes[1].legend()
+    plt.tight_layout()
+
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #d54873c0
 QK_FREEZE = Study(
+    plot=plot_run,
     name='qk-freeze',
     description='Orthogonal and frozen attention Q/K (the Q/K freeze log), with controls for initial scale: '
                 'does freezing Q/K cost accuracy?',
