@@ -555,8 +555,9 @@ def run_in_notebook(config: str = '', # the notebook's parameter: the config.jso
     if nproc > 1 and 'nproc' not in inspect.signature(st.run).parameters:
         print(f'nproc={nproc}: a {spec.study} run uses one device (the first of its GPU set)'); nproc = 1
     summary = run_spec(spec, st, progress=bool(progress), nproc=nproc)
-    print(json.dumps({k: v for k, v in summary.items() if k != 'samples'}, indent=1, default=str))
-    for s in summary.get('samples', []): print('---\n' + s)
+    texts = summary.get('samples') if isinstance(summary.get('samples'), list) else []  # generated text (CVFP's is a count)
+    print(json.dumps({k: v for k, v in summary.items() if not (k == 'samples' and texts)}, indent=1, default=str))
+    for s in texts: print('---\n' + str(s))
     return spec, summary
 
 def plot_run(spec: RunSpec, summary: dict):
