@@ -308,7 +308,11 @@ def test_empty_batch(tmp_path):
     assert cr.checks_counts([]) == {C1: (0, 0), C2: (0, 0), C3: (0, 0), C4: (0, 0)}
     assert cr.agreement_sentence([]) == 'No CVFP run recorded the fixed-point agreement.'
     assert cg.layers_sentence(tmp_path / 'bare') == cg.phase1_settings_sentence(tmp_path / 'bare') == 'No completed CVFP run.'
-    assert cr.batch_sentence(tmp_path / 'bare').endswith(': study `None`, preset `None`, data `None`, seeds None, flags none, overrides {}.')
+    from oelm_nb.report.tables import load_runs
+    from oelm_nb.report.page import batch_line  # the one batch line of every report's provenance footer
+    assert batch_line(tmp_path / 'bare', load_runs(tmp_path / 'bare')).endswith(
+        ': study `None`, preset `None`, data `None`, variants none, seeds None, flags none, overrides none; budget not recorded; '
+        '0 of 0 runs completed.')
 
 
 # ------------------------------------------------------------------ the answers through the evidence kit (issue 38)

@@ -13,9 +13,10 @@ import pytest
 from scipy import stats
 
 from oelm_nb.base.rundir import write_json
-from oelm_nb.studies.mercator.report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, batch_line, collapse_guard,
+from oelm_nb.studies.mercator.report import (BASELINE, ONE_SEED_NOTE, acc_table, agreement_table, collapse_guard,
                                      failed_runs_note, headline, mercator_answers, mercator_runs, ppl_table, protocol_text, runs_table,
                                      student_variants, style_acc, style_agreement, style_ppl, style_runs_table)
+from oelm_nb.report.page import batch_line
 from oelm_nb.studies.mercator.diagnosis import alignment, cause_sentence, mse_sentence, mse_table
 
 
@@ -221,7 +222,7 @@ def test_empty_batch(tmp_path):
     assert headline(runs) == Q + 'Cannot say: the `no-distill` baseline did not complete.'
     assert alignment(agreement_table(runs)) == ''
     assert mse_sentence(mse_table(runs)) == 'The comparison needs completed `mse` and Mercator runs.'
-    assert batch_line(out, runs).endswith('variants ; seeds [0]; steps per run n/a.')
+    assert batch_line(out, runs).endswith('variants none, seeds [0], flags none, overrides none; budget not recorded; 0 of 0 runs completed.')
 
 
 def test_single_paired_seed_of_one_variant_gives_no_interval(tmp_path):

@@ -375,7 +375,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from ..base.core import ConfigError
-from ..report.tables import load_runs, load_curves
+from ..report.tables import completed, load_runs, load_curves
 from .runner import run_study
 
 # %% ../../nbs/lab/53_bench.ipynb #6fee80aa
@@ -388,7 +388,7 @@ def numerics_table(out_dir) -> pd.DataFrame:
     runs = {d: load_runs(Path(out_dir) / d) for d in NUMERICS_DTYPES}
     rows = []
     for v in sorted(set(runs['float32'].variant) & set(runs['bfloat16'].variant)):
-        ppl = {d: runs[d][(runs[d].variant == v) & (runs[d].status == 'completed')].set_index('seed')['final_val_ppl']
+        ppl = {d: completed(runs[d], [v]).set_index('seed')['final_val_ppl']
                for d in NUMERICS_DTYPES}
         seeds = sorted(set(ppl['float32'].index) & set(ppl['bfloat16'].index))
         if not seeds: continue

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/lab/50_experiment.ipynb #1153f946
 from __future__ import annotations
-import datetime, fnmatch, json, os, platform, re, socket, subprocess, sys, warnings
+import datetime, fnmatch, inspect, json, os, platform, re, socket, subprocess, sys, warnings
 from importlib import metadata
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ __all__ = ['Overrides', 'STUDY_GROUP', 'STUDIES', 'SMALL_CORPUS', 'TRAIN_PRESETS
            'register_study', 'study_names', 'get_study', 'studies', 'apply_overrides', 'split_scope', 'user_overrides',
            'train_settings', 'resolve_spec', 'utc_now', 'provenance', 'record_provenance', 'write_summary',
            'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run',
-           'run_spec']
+           'run_spec', 'run_in_notebook', 'plot_run']
 
 # %% ../../nbs/lab/50_experiment.ipynb #172d917b
 @dataclass
@@ -159,6 +159,8 @@ class Study:
     # the study's quick batch: `run_study` keyword arguments (steps, options, overrides) on the small corpus
     # (`SMALL_CORPUS`); the docs' example pages, `tools/same_numbers.py` and the tests run it
     smoke: dict = field(default_factory=dict)
+    # (spec, summary) -> None: the figures of one finished run that its experiment notebook draws (`plot_run`)
+    plot: Callable | None = None
 
 # %% ../../nbs/lab/50_experiment.ipynb #ef5637bc
 STUDY_GROUP = 'oelm_nb.studies'  # the entry-point group a study is registered in
@@ -538,3 +540,29 @@ def run_spec(spec: RunSpec, study: Study | None = None, progress: bool | None = 
     kw = {'nproc': nproc} if nproc > 1 else {}
     with run_lock(spec.out_dir) if init_distributed(spec.train.device).is_main else nullcontext():
         return st.run(spec, progress=progress, **kw)
+
+# %% ../../nbs/lab/50_experiment.ipynb #53e276f2
+def run_in_notebook(config: str = '', # the notebook's parameter: the config.json `oelm run` wrote ('': the example)
+                    example: dict | None = None, # `resolve_spec` keyword arguments of the run made without `config`
+                    nproc: int = 1, # processes (GPUs) of this run's set: > 1 only for a study whose run takes `nproc`
+                    progress: bool = True, # show a progress bar
+                   ) -> tuple[RunSpec, dict]:
+    """An experiment notebook's run: the RunSpec at `config` (or `example`, resolved), printed, run under the run
+    directory's lock (`run_spec`) and its summary printed (samples apart); returns (spec, summary)."""
+    spec = RunSpec.load_json(config) if config else resolve_spec(**(example or {}))
+    print(json.dumps(spec.to_dict(), indent=1))
+    st, nproc = get_study(spec.study), int(nproc)
+    if nproc > 1 and 'nproc' not in inspect.signature(st.run).parameters:
+        print(f'nproc={nproc}: a {spec.study} run uses one device (the first of its GPU set)'); nproc = 1
+    summary = run_spec(spec, st, progress=bool(progress), nproc=nproc)
+    texts = summary.get('samples') if isinstance(summary.get('samples'), list) else []  # generated text (CVFP's is a count)
+    print(json.dumps({k: v for k, v in summary.items() if not (k == 'samples' and texts)}, indent=1, default=str))
+    for s in texts: print('---\n' + str(s))
+    return spec, summary
+
+def plot_run(spec: RunSpec, summary: dict):
+    "Draw a finished run's figures through its study's `plot` hook (nothing for a study without one)."
+    st = get_study(spec.study)
+    if st.plot is None: return
+    import matplotlib.pyplot as plt
+    st.plot(spec, summary); plt.show()

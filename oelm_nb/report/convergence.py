@@ -17,10 +17,18 @@ from .evidence import t_interval, paired
 
 # %% auto #0
 __all__ = ['FORMATION_MARGIN', 'FORMATION_COLUMNS', 'BUDGET_SHARES', 'CONVERGENCE_RULE', 'CONVERGENCE_COLUMNS', 'FLAGS',
-           'run_curves', 'recall_chance', 'formation_level', 'formation', 'kaplan_meier', 'formation_test',
+           'completed', 'run_curves', 'recall_chance', 'formation_level', 'formation', 'kaplan_meier', 'formation_test',
            'formation_rule', 'formation_note', 'gap_curve', 'gap_at_budget', 'gap_movement', 'budget_sentence',
            'schedule', 'annealing_areas', 'annealing_law', 'fit_annealing', 'forecast', 'budget_text', 'convergence',
            'convergence_rule_text', 'convergence_note', 'not_settled', 'convergence_caveat']
+
+# %% ../../nbs/report/31_convergence.ipynb #2f9d7bae
+def completed(runs: pd.DataFrame, # a table with `status` (and, for `variants`, `variant`) columns: `report.load_runs`
+              variants=None, # only these variants (default: all)
+             ) -> pd.DataFrame:
+    "The rows of `runs` whose status is 'completed' (no rows when it has none or no `status` column)."
+    ok = runs[runs.status == 'completed'] if len(runs) and 'status' in runs else runs.iloc[:0]
+    return ok[ok.variant.isin(list(variants))] if variants is not None else ok
 
 # %% ../../nbs/report/31_convergence.ipynb #55911273
 def run_curves(runs: pd.DataFrame) -> pd.DataFrame:
@@ -45,7 +53,7 @@ FORMATION_MARGIN = 0.20  # recall accuracy this far above chance counts as forme
 # %% ../../nbs/report/31_convergence.ipynb #6d5d3711
 def _numbers(runs: pd.DataFrame, col: str) -> pd.Series:
     "The finite values of column `col` of the completed runs (none when it is absent)."
-    ok = runs[runs.status == 'completed'] if len(runs) else runs
+    ok = completed(runs)
     v = pd.to_numeric(ok[col], errors='coerce') if col in ok else pd.Series(dtype=float)
     return v[np.isfinite(v)]
 
@@ -148,7 +156,7 @@ def formation_rule(form: pd.DataFrame) -> str:
 
 def formation_note(form: pd.DataFrame) -> str:
     "One Markdown paragraph: the level and, per variant, how many completed seeds formed the circuit and when."
-    done = form[form.status == 'completed']
+    done = completed(form)
     if not len(done) or done.text.eq('no recall evaluations').all(): return 'Recall not evaluated: no formation step.'
     parts = []
     for v, g in done.groupby('variant', sort=False):
@@ -399,7 +407,7 @@ def convergence_rule_text(rule: dict) -> str:
 
 def convergence_note(conv: pd.DataFrame) -> str:
     "One Markdown paragraph: the budget, each label with its runs (and the backtest behind forecasts), and the rule."
-    done, budget = conv[conv.status == 'completed'], conv.attrs.get('budget', 'at its budget')
+    done, budget = completed(conv), conv.attrs.get('budget', 'at its budget')
     if not len(done): return 'No completed runs: convergence not judged.'
     parts = []
     for flag in FLAGS:
@@ -410,7 +418,7 @@ def convergence_note(conv: pd.DataFrame) -> str:
 
 def not_settled(conv: pd.DataFrame, variants) -> str:
     "Which completed runs of `variants` have no plateau label, by label ('still forming: a-s1; no forecast: b-s0'); ''."
-    c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
+    c = completed(conv, variants)
     return '; '.join(f'{flag}: {_names(c.index[c.flag == flag])}' for flag in FLAGS
                      if flag != 'plateau' and (c.flag == flag).any())
 

@@ -5,7 +5,9 @@
 # %% ../../nbs/report/33_page.ipynb #aec841cb
 from __future__ import annotations
 import html
+import json
 import re
+import warnings
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -13,13 +15,15 @@ import pandas as pd
 from IPython.display import HTML
 from pandas.io.formats.style import Styler
 
-from .tables import hyperparameter_table, safe_table
+from .tables import (completed, hyperparameter_table, safe_table, safe_markdown, find_batch_dir, load_runs,
+                                   load_curves, convergence, convergence_note, provenance_table, run_links)
 from .evidence import NO_DATA
 from ..base.rundir import read_json
 
 # %% auto #0
 __all__ = ['BUDGET', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'plot_comparisons',
-           'split_no_data', 'config_diff_table', 'html_of', 'folded', 'configuration']
+           'split_no_data', 'config_diff_table', 'html_of', 'folded', 'configuration', 'open_report', 'batch_line',
+           'provenance_footer']
 
 # %% ../../nbs/report/33_page.ipynb #efb0fc55
 def code_span(text) -> str:
@@ -46,10 +50,6 @@ def people_count(n: float) -> str:
         if abs(n) >= div: return f'{n / div:.3g}{unit}'
 
 # %% ../../nbs/report/33_page.ipynb #6c930ba7
-def _completed(runs: pd.DataFrame, variants=None) -> pd.DataFrame:
-    ok = runs[runs.status == 'completed'] if len(runs) and 'status' in runs else runs.iloc[:0]
-    return ok[ok.variant.isin(list(variants))] if variants is not None else ok
-
 def _span(values, fmt) -> str | None:
     v = sorted({float(x) for x in values if pd.notna(x)})
     if not v: return None
@@ -63,14 +63,14 @@ def budget_text(runs: pd.DataFrame, # `report.load_runs` of a batch
                 fields=BUDGET, # the summary fields that measure a run's budget, with their names
                ) -> str:
     "What one completed run trained: '1,500 steps, 3.07M tokens per run' (ranges where runs differ)."
-    ok = _completed(runs, variants)
+    ok = completed(runs, variants)
     parts = [f'{span} {name}' for col, name in fields if col in ok and (span := _span(ok[col], people_count))]
     return ', '.join(parts) + ' per run' if parts else 'budget not recorded'
 
 # %% ../../nbs/report/33_page.ipynb #4a0bda89
 def seeds_text(runs: pd.DataFrame, variants=None) -> str:
     "How many completed seeds each variant has: '3 seeds per variant', '2-3 seeds per variant', 'no completed seed'."
-    ok = _completed(runs, variants)
+    ok = completed(runs, variants)
     if not len(ok): return 'no completed seed'
     n = ok.groupby('variant').seed.nunique()
     span = str(n.min()) if n.min() == n.max() else f'{n.min()}-{n.max()}'
@@ -145,3 +145,39 @@ def configuration(batch_dir, runs: pd.DataFrame | None = None) -> list:
     line = HTML(f'<p><strong>Configuration.</strong> {html.escape(said)}; every field of config.json below.</p>')
     return [line, *([safe_table(diff)] if len(diff) else []),
             folded(full, f'The full configuration: {len(full.data)} fields per variant')]
+
+# %% ../../nbs/report/33_page.ipynb #685b03cf
+def open_report(run_dir, # the report's parameter: a batch directory, absolute or relative to the project
+                study: str, # the study whose report it is (for the message when there is no batch)
+                make_target: str | None = None, # a make target that writes the batch, if there is one
+               ) -> tuple[Path, dict, pd.DataFrame]:
+    """A report's opening: the batch directory (`find_batch_dir`), its batch.json and its runs table (`load_runs`);
+    figures in the reports' theme, warnings not shown."""
+    import seaborn as sns
+    run_dir = find_batch_dir(run_dir, study, make_target)
+    warnings.filterwarnings('ignore')
+    sns.set_theme(style='whitegrid', context='notebook')
+    return run_dir, read_json(run_dir / 'batch.json') or {}, load_runs(run_dir)
+
+# %% ../../nbs/report/33_page.ipynb #ca355cf4
+def batch_line(batch_dir, runs: pd.DataFrame) -> str:
+    """The provenance footer's first line (Markdown): the batch directory and what its batch.json records, the budget of
+    one completed run and how many runs completed."""
+    b = read_json(Path(batch_dir) / 'batch.json') or {}
+    opts, over = b.get('options') or {}, b.get('overrides') or {}
+    return (f"**Batch** {code_span(Path(batch_dir).resolve())}: study {code_span(b.get('study'))}, preset "
+            f"{code_span(b.get('preset'))}, data {code_span(b.get('data'))}, variants "
+            f"{', '.join(map(str, b.get('variants') or [])) or 'none'}, seeds {b.get('seeds')}, flags "
+            f"{code_span(json.dumps(opts)) if opts else 'none'}, overrides {code_span(json.dumps(over)) if over else 'none'}; "
+            f"{budget_text(runs)}; {len(completed(runs))} of {len(runs)} runs completed.")
+
+# %% ../../nbs/report/33_page.ipynb #138e0596
+def provenance_footer(batch_dir, # the batch directory
+                      runs: pd.DataFrame, # its runs table (`load_runs`)
+                      trained: pd.DataFrame | None = None, # the runs whose convergence to state (None: no such line)
+                     ) -> list:
+    "A report's last section, *Where the numbers come from*, as the parts to display in order."
+    parts = [safe_markdown(batch_line(batch_dir, runs))]
+    if trained is not None:
+        parts.append(safe_markdown(convergence_note(convergence(trained, load_curves(batch_dir, completed(trained))))))
+    return [*parts, safe_table(provenance_table(runs)), *configuration(batch_dir, runs), run_links(batch_dir, runs)]

@@ -17,21 +17,21 @@ from ..base.rundir import read_json, parse_run_name, run_name
 from ..base.rundir import flatten
 from .evidence import (t_interval, interval_text, Comparison, paired, threshold_verdict, difference_verdict,
                               seeds_for_power, POWER, MIN_PILOT)
-from .convergence import (run_curves, formation, formation_level, formation_note, convergence, convergence_note,
+from .convergence import (completed, run_curves, formation, formation_level, formation_note, convergence, convergence_note,
                                  convergence_caveat, budget_text)
 
 # %% auto #0
 __all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root',
-           'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'mean_sd', 'people_number',
-           'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves', 'formation_comparison',
-           'formed_count', 'seeds_needed', 'seeds_command', 'read_precision', 'safe_markdown', 'safe_table',
-           'provenance_table', 'hyperparameter_table', 'run_links', 't_interval', 'interval_text', 'Comparison',
-           'paired', 'threshold_verdict', 'difference_verdict', 'formation', 'formation_level', 'formation_note',
-           'convergence', 'convergence_note', 'convergence_caveat', 'budget_text']
+           'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'fmt', 'mean_of', 'mean_sd',
+           'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
+           'formation_comparison', 'formed_count', 'seeds_needed', 'seeds_command', 'read_precision', 'safe_markdown',
+           'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links', 'completed', 't_interval',
+           'interval_text', 'Comparison', 'paired', 'threshold_verdict', 'difference_verdict', 'formation',
+           'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat', 'budget_text']
 
 # %% ../../nbs/report/32_tables.ipynb #a11c0e7e
 # re-exported: a report imports every tool from here
-_all_ = ['t_interval', 'interval_text', 'Comparison', 'paired', 'threshold_verdict', 'difference_verdict',
+_all_ = ['completed', 't_interval', 'interval_text', 'Comparison', 'paired', 'threshold_verdict', 'difference_verdict',
          'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat',
          'budget_text']
 
@@ -136,7 +136,7 @@ def load_curves(batch_dir, runs: pd.DataFrame | None = None) -> pd.DataFrame:
 # %% ../../nbs/report/32_tables.ipynb #637cf37d
 def variant_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
     "Per-variant aggregates over completed seeds, with gaps relative to `reference`."
-    ok = runs[runs.status == 'completed']
+    ok = completed(runs)
     g = ok.groupby('variant', sort=False)
     t = pd.DataFrame({'runs': runs.groupby('variant', sort=False).size(), 'completed': g.size()})
     t['completed'] = t['completed'].fillna(0).astype(int)
@@ -156,13 +156,29 @@ def compare(
     runs: pd.DataFrame, a: str, b: str, metric: str = 'best_val_ppl', relative: bool = True
 ) -> Comparison | None:
     "Paired comparison of `metric` between variants `a` and `b` over their common completed seeds."
-    ok = runs[(runs.status == 'completed') & runs.variant.isin([a, b])]
+    ok = completed(runs, [a, b])
     if metric not in ok:
         return None
     piv = ok.pivot_table(index='seed', columns='variant', values=metric)
     if a not in piv or b not in piv:
         return None
     return paired(piv[a], piv[b], metric, a, b, relative)
+
+# %% ../../nbs/report/32_tables.ipynb #eaf7c1fb
+def fmt(x, # a number; None or NaN is missing
+        spec: str = '', # a format spec: '.3f', ',.0f', '.1%' ('' : as `str` writes it)
+        missing: str = 'n/a', # what a missing value shows
+       ) -> str:
+    "`x` formatted with `spec`; `missing` for None or NaN: the one formatter of single numbers in reports."
+    return missing if x is None or (isinstance(x, (float, np.floating)) and math.isnan(x)) else format(x, spec)
+
+# %% ../../nbs/report/32_tables.ipynb #704b4d2e
+def mean_of(values, # numbers; None and NaN are left out
+            missing=None, # the result when no value is left (`np.nan` for a table cell)
+           ) -> float | None:
+    "The mean of `values` without their None and NaN, as a float; `missing` when none is left."
+    xs = [x for x in values if x is not None and not pd.isna(x)]
+    return float(np.mean(xs)) if xs else missing
 
 # %% ../../nbs/report/32_tables.ipynb #e5ca1ca6
 def mean_sd(m, s, fmt: str = '{:.3f}', scale: float = 1.0, unit: str = '', missing: str = '') -> str:
@@ -171,15 +187,13 @@ def mean_sd(m, s, fmt: str = '{:.3f}', scale: float = 1.0, unit: str = '', missi
     return fmt.format(m * scale) + unit + (f' ± {fmt.format(s * scale)}{unit}' if s is not None and pd.notna(s) else '')
 
 # %% ../../nbs/report/32_tables.ipynb #84578bee
-PEOPLE_FORMATS = {'best_val_ppl': '{:.3f}', 'val_ppl': '{:.3f}', 'recall_acc': '{:.1%}', 'tokens_per_s': '{:,.0f}',
-                  'params_trainable': '{:,.0f}', 'params_total': '{:,.0f}'}
+PEOPLE_FORMATS = {'best_val_ppl': '.3f', 'val_ppl': '.3f', 'recall_acc': '.1%', 'tokens_per_s': ',.0f',
+                  'params_trainable': ',.0f', 'params_total': ',.0f'}  # column -> its `fmt` spec
 
 # %% ../../nbs/report/32_tables.ipynb #c9f45650
 def people_number(v, column: str) -> str:
-    "`v` written for people as column `column` is (`PEOPLE_FORMATS`; text as it is); '' without a value."
-    if v is None or (isinstance(v, float) and math.isnan(v)): return ''
-    f = PEOPLE_FORMATS.get(column)
-    return f.format(v) if f and isinstance(v, (int, float, np.number)) else str(v)
+    "`v` written for people as column `column` is (`PEOPLE_FORMATS` through `fmt`; text as it is); '' without a value."
+    return fmt(v, PEOPLE_FORMATS.get(column, '') if isinstance(v, (int, float, np.number)) else '', missing='')
 
 # %% ../../nbs/report/32_tables.ipynb #9eec8cc4
 def people_table(vt: pd.DataFrame) -> pd.DataFrame:
@@ -271,7 +285,8 @@ def plot_curves(curves: pd.DataFrame, metric: str = 'val_ppl', x: str = 'step', 
 def formation_comparison(form: pd.DataFrame, # `formation` of a batch
                          a: str, b: str) -> Comparison | None:
     "Paired difference of the recall-circuit formation step (a - b, in steps) over the seeds where both formed it."
-    f = form[form.formed_step.notna() & (form.status == 'completed')]
+    f = completed(form)
+    f = f[f.formed_step.notna()]
     piv = f.pivot_table(index='seed', columns='variant', values='formed_step')
     if a not in piv or b not in piv: return None
     return paired(piv[a], piv[b], 'formation_step', a, b, relative=False)
@@ -279,7 +294,7 @@ def formation_comparison(form: pd.DataFrame, # `formation` of a batch
 # %% ../../nbs/report/32_tables.ipynb #1ca1f92b
 def formed_count(form: pd.DataFrame, variant: str) -> str:
     "'3 of 4 seeds': how many completed seeds of `variant` formed the recall circuit."
-    g = form[(form.variant == variant) & (form.status == 'completed')]
+    g = completed(form, [variant])
     return f'{int(g.formed_step.notna().sum())} of {len(g)} seeds'
 
 # %% ../../nbs/report/32_tables.ipynb #2a710312

@@ -6,8 +6,8 @@
 from __future__ import annotations
 import numpy as np
 import pandas as pd
-from ...report.tables import mean_sd
-from .report import Run, _done, _na, cvfp_runs, fmt, small_num
+from ...report.tables import fmt, mean_of, mean_sd
+from .report import Run, _done, _na, cvfp_runs, small_num
 
 # %% auto #0
 __all__ = ['GUIDELINES_EMBEDDING', 'GUIDELINES_PHASE1', 'GUIDELINES_TABLE', 'embedding_table', 'embedding_sentence',
@@ -162,11 +162,6 @@ def phase1_settings_sentence(runs) -> str:
         " the minimum iterations on (Phase 1 table: 'weights of iteration')."
     )
 
-# %% ../../../nbs/studies/cvfp/76_guidelines.ipynb #657dbb17
-def _mean(rs, k):
-    xs = [r.summary.get(k) for r in rs if r.summary.get(k) is not None]
-    return float(np.mean(xs)) if xs else None
-
 # %% ../../../nbs/studies/cvfp/76_guidelines.ipynb #4c9df1b6
 def document_table(runs, alpha: dict) -> pd.DataFrame:
     """Our MCDL and ODCM at the largest sample size (mean over seeds) with the batch's alpha, beside the New-LLM
@@ -176,7 +171,7 @@ def document_table(runs, alpha: dict) -> pd.DataFrame:
         rs = [r for r in cv if r.summary.get('algorithm') == alg]
         if rs:
             n = max(r.summary['samples'] for r in rs); rs = [r for r in rs if r.summary['samples'] == n]
-            m = lambda k: _mean(rs, k)
+            m = lambda k: mean_of(r.summary.get(k) for r in rs)
             a = alpha.get('algorithms', {}).get(alg) or {}
             o, sa = a.get('overall') or {}, a.get('seed_alpha')
             al = (
@@ -228,7 +223,7 @@ def odcm_sentence(runs) -> str:
     if not both: return 'No sample size has both MCDL and ODCM runs: no comparison.'
     out = {}
     for part in ('val', 'train'):
-        d = [(n, _mean(by[n]['ODCM'], f'{part}_er_percent'), _mean(by[n]['MCDL'], f'{part}_er_percent')) for n in both]
+        d = [(n, *(mean_of(r.summary.get(f'{part}_er_percent') for r in by[n][alg]) for alg in ('ODCM', 'MCDL'))) for n in both]
         d = [x for x in d if None not in x]
         out[part] = (
             sum(o > m for _, o, m in d),
@@ -264,7 +259,8 @@ def er_table(runs) -> pd.DataFrame:
     by = {}
     for r in cvfp_runs(runs):
         by.setdefault(r.summary['samples'], {}).setdefault(r.summary.get('algorithm'), []).append(r)
-    cell = lambda rs, k: 'n/a' if not rs or _mean(rs, k) is None else (f"{_mean(rs, k):.1f}" + ('' if len(rs) < 2 else
+    mean = lambda rs, k: mean_of(r.summary.get(k) for r in rs or [])
+    cell = lambda rs, k: 'n/a' if mean(rs, k) is None else (f"{mean(rs, k):.1f}" + ('' if len(rs) < 2 else
                          ' (' + ', '.join(fmt(r.summary.get(k), '.1f') for r in rs) + ')'))
     rows = []
     for n in sorted(by):
@@ -272,7 +268,7 @@ def er_table(runs) -> pd.DataFrame:
         for part in ('val', 'train'):
             k = f'{part}_er_percent'
             for alg in ('MCDL', 'ODCM'): row[f'{part} ER % {alg}'] = cell(d.get(alg), k)
-            o, m = (_mean(d.get('ODCM') or [], k), _mean(d.get('MCDL') or [], k))
+            o, m = mean(d.get('ODCM'), k), mean(d.get('MCDL'), k)
             row[f'{part} ER ODCM - MCDL'] = 'n/a' if _na(o, m) else f'{o - m:+.1f}'
         rows.append(row)
     return pd.DataFrame(rows).set_index('stories') if rows else pd.DataFrame()

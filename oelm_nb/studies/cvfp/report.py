@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 import numpy as np
 import pandas as pd
-from ...report.tables import load_runs
+from ...report.tables import fmt, load_runs
 from ...base.rundir import read_json
 from ...base.metrics import read_metrics
 from .study import DIVERSITY_DESCRIPTIONS
@@ -22,13 +22,12 @@ from .study import CVFP_STUDY
 
 # %% auto #0
 __all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'CVFP_BUDGET', 'SPEED_BUDGET', 'COUNT', 'ONE_SEED',
-           'SHARED_CPU', 'CVFP', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'fmt', 'er_text',
-           'rate_text', 'small_num', 'batch_sentence', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table',
-           'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table',
-           'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts',
-           'checks_summary', 'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves',
-           'phase2_curves', 'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison',
-           'cvfp_answers']
+           'SHARED_CPU', 'CVFP', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'er_text',
+           'rate_text', 'small_num', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences',
+           'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table', 'iteration_sentence',
+           'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts', 'checks_summary',
+           'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves',
+           'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison', 'cvfp_answers']
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b74e1bc8
 class Run(NamedTuple):
@@ -86,11 +85,6 @@ def cvfp_runs(runs, trained_embedding: bool | None = False,
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #624b3532
 def _na(*xs) -> bool: return any(x is None for x in xs)
 
-# %% ../../../nbs/studies/cvfp/74_report.ipynb #af8ca7f8
-def fmt(x, spec: str = '') -> str:
-    "`x` formatted with `spec`, `n/a` for None."
-    return 'n/a' if x is None else format(x, spec)
-
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b673cac8
 def er_text(v, d, p) -> str:
     "Effective rank as value/dim (percent)."
@@ -105,17 +99,6 @@ def rate_text(p, k, n) -> str:
 def small_num(x) -> str:
     "Six decimals, or three significant digits in exponent form below 1e-4."
     return 'n/a' if x is None else f'{x:.6f}' if abs(x) >= 1e-4 or x == 0 else f'{x:.3e}'
-
-# %% ../../../nbs/studies/cvfp/74_report.ipynb #d80c51ab
-def batch_sentence(batch_dir) -> str:
-    "The batch's study, preset, data, seeds, flags and overrides, from batch.json."
-    b = read_json(Path(batch_dir) / 'batch.json') or {}
-    opts = b.get('options') or {}
-    return (
-        f"**Batch** `{Path(batch_dir).resolve()}`: study `{b.get('study')}`, preset `{b.get('preset')}`, data"
-        f" `{b.get('data')}`, seeds {b.get('seeds')}, flags {json.dumps(opts) if opts else 'none'}, overrides"
-        f" {json.dumps(b.get('overrides') or {})}."
-    )
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #2c04678a
 def runs_table(runs) -> pd.DataFrame:

@@ -23,7 +23,7 @@ from .checks import phase1_evaluation, phase1_agreement
 __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP_OPTIONS',
            'CVFP_STUDY', 'CVFPSettings', 'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding',
            'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp', 'sample_schedule', 'sample_sizes', 'common_settings',
-           'cvfp_variants', 'load_cvfp_model', 'cvfp_main']
+           'cvfp_variants', 'load_cvfp_model', 'plot_run', 'cvfp_main']
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -509,6 +509,42 @@ def load_cvfp_model(spec: RunSpec, find_checkpoint):
         "that samples text; sample the batch's embedding run instead (embed-s<seed>)"
     )
 
+# %% ../../../nbs/studies/cvfp/73_study.ipynb #94c00619
+def plot_run(spec: RunSpec, summary: dict):
+    "A CVFP-study run's curves, by its kind: the embedding GPT's, Phase 1's timing, or Phase 1 and Phase 2 of a CVFP run."
+    import matplotlib.pyplot as plt
+    from oelm_nb.base.metrics import read_metrics
+    run = Path(spec.out_dir)
+    def jsonl(name): return [json.loads(l) for l in (run / name).read_text().splitlines() if l.strip()] if (run / name).exists() else []
+    if spec.settings.kind == 'embed' and summary.get('trained'):
+        recs = read_metrics(run); ev = [r for r in recs if 'val_loss' in r]
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.plot([r['step'] for r in recs], [r['train_loss'] for r in recs], label='train loss')
+        ax.plot([r['step'] for r in ev], [r['val_loss'] for r in ev], 'o-', label='val loss')
+        ax.set_xlabel('step'); ax.legend(); ax.set_title('embedding GPT'); plt.tight_layout()
+    elif spec.settings.kind == 'phase1-speed':
+        fig, ax = plt.subplots(figsize=(5, 3))
+        for name in ('sequential', 'parallel'):
+            h = jsonl(f'phase1_{name}.jsonl')
+            ax.semilogy([r['iteration'] for r in h], [r['seconds'] for r in h], 'o-', label=f"{name} ({summary[f'{name}_s']:.2f} s)")
+        ax.set_xlabel('iteration'); ax.set_ylabel('seconds'); ax.legend()
+        ax.set_title(f"Phase 1 on {summary['tokens']:,} tokens: {summary['speedup']:.1f}x"); plt.tight_layout()
+    elif spec.settings.kind == 'cvfp':
+        h = [r for r in jsonl('phase1.jsonl') if 'cvfp' in r]
+        recs = read_metrics(run); ev = [r for r in recs if 'val_ppl' in r]
+        fig, ax = plt.subplots(1, 4, figsize=(16, 3.2))
+        it = [r['iteration'] for r in h]
+        ax[0].plot(it, [r['effective_rank'] for r in h], 'o-', label='train')
+        ax[0].plot(it, [r.get('val_effective_rank') for r in h], 's-', label='validation')
+        ax[0].set_ylabel('effective rank (%)'); ax[0].legend()
+        ax[1].semilogy(it, [r['cvfp'] for r in h], 'o-'); ax[1].set_ylabel('CVFP loss (MSE)')
+        ax[2].plot(it, [100 * r['rate'] for r in h], 'o-'); ax[2].set_ylabel('converged tokens (%)')
+        for a in ax[:3]: a.set_xlabel('Phase 1 iteration'); a.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax[3].plot([r['step'] for r in recs], [r['train_loss'] for r in recs], label='train loss')
+        ax3 = ax[3].twinx(); ax3.plot([r['step'] for r in ev], [r['val_ppl'] for r in ev], 'o-', color='tab:red', label='val PPL')
+        ax[3].set_xlabel('Phase 2 step'); ax[3].set_ylabel('train loss'); ax3.set_ylabel('val PPL')
+        fig.suptitle(f"{spec.name}: {summary['train_tokens']:,} training tokens"); plt.tight_layout()
+
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #ed82c37d
 def cvfp_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     """The comparison `--precision` sizes: ODCM against MCDL in validation effective rank (%) at the largest sample
@@ -519,6 +555,7 @@ def cvfp_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'val_er_percent', f'ODCM-n{n}', f'MCDL-n{n}'
 
 CVFP_STUDY = Study(
+    plot=plot_run,
     load_model=load_cvfp_model,
     name='cvfp',
     description=(

@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 
 from .method import COLLAPSE_GAP, PASS_LINES
-from ...report.tables import compare, load_curves, log_ticks, variant_colors
-from .report import (BASELINE, CAPACITY, PCT, PTS, _mean, acc_compare, agreement_table, beats, comparisons,
-                                     completed_runs, distilled_variants, is_mercator, ppl_table, protocol_values,
+from ...report.tables import compare, completed, load_curves, mean_of, log_ticks, variant_colors
+from .report import (BASELINE, CAPACITY, PCT, PTS, acc_compare, agreement_table, beats, comparisons,
+                                     distilled_variants, is_mercator, ppl_table, protocol_values,
                                      stage_of, task_label)
 
 # %% auto #0
@@ -31,14 +31,14 @@ def mercator_variants_of(runs: pd.DataFrame) -> list[str]:
 # %% ../../../nbs/studies/mercator/85_diagnosis.ipynb #fc9aa906
 def collapse_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
     "(a): how many completed Mercator runs are collapsed; points there when more than half are."
-    m = completed_runs(runs)[lambda d: d.variant.isin(mercator_variants_of(runs)) & d.collapsed.notna()]
+    m = completed(runs)[lambda d: d.variant.isin(mercator_variants_of(runs)) & d.collapsed.notna()]
     if not len(m): return None, 'collapse: not measured (no centered cosine)'
     k = int(m.collapsed.astype(bool).sum())
     return k > len(m) / 2, f"collapse: {k} of {len(m)} Mercator runs are collapsed (raw - centered > {COLLAPSE_GAP:g})"
 
 # %% ../../../nbs/studies/mercator/85_diagnosis.ipynb #8dd3ddf7
 def _centered(runs: pd.DataFrame, v: str) -> float:
-    return _mean(completed_runs(runs)[lambda d: d.variant == v].final_kv_cos_centered)
+    return mean_of(completed(runs)[lambda d: d.variant == v].final_kv_cos_centered, np.nan)
 
 # %% ../../../nbs/studies/mercator/85_diagnosis.ipynb #ae3267f8
 def projector_check(runs: pd.DataFrame) -> tuple[bool | None, str]:
@@ -117,12 +117,12 @@ def cause_sentence(runs: pd.DataFrame, curves: pd.DataFrame | None = None) -> st
     """When no Mercator student beats no-distill: by how much the best one loses, the four measurements (a)-(d) and
     which one it points to ('' else)."""
     merc = mercator_variants_of(runs)
-    if not (completed_runs(runs).variant == BASELINE).any() or not merc: return ''
+    if not (completed(runs).variant == BASELINE).any() or not merc: return ''
     ppl, acc = comparisons(runs, merc)
     if not ppl or any(beats(c, True) for c in ppl.values()) or any(beats(c, False) for c in acc.values()): return ''
     # better in a single seed: untested, not a loss to explain
     if any(c.low is None and c.mean < 0 for c in ppl.values()): return ''
-    curves = load_curves(None, completed_runs(runs)) if curves is None else curves
+    curves = load_curves(None, completed(runs)) if curves is None else curves
     checks = [collapse_check(runs), projector_check(runs), warmup_check(runs), ce_check(runs, curves)]
     found = [name for name, (ok, _) in zip(CAUSES, checks) if ok]
     said = '; '.join(f"({k}) {t}" for k, (_, t) in zip('abcd', checks))

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from .method import STAGES, STAGE_BOUNDS, COLLAPSE_GAP, PASS_LINES, collapsed, cosine_stage, pass_label
-from ...report.tables import compare, interval_text, load_runs, log_ticks
+from ...report.tables import compare, completed, interval_text, load_runs, log_ticks, mean_of
 from ...base.rundir import read_json
 from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text
 from ...report.page import budget_text
@@ -20,13 +20,13 @@ from .study import MERCATOR_STUDY
 
 # %% auto #0
 __all__ = ['BASELINE', 'NOT_STUDENTS', 'RUN_COLUMNS', 'CAPACITY', 'TASK_LABELS', 'GUIDE', 'STAGE_COLORS', 'PCT', 'PTS',
-           'ONE_SEED_NOTE', 'MERCATOR', 'with_report_columns', 'mercator_runs', 'completed_runs', 'is_student',
-           'student_variants', 'distilled_variants', 'is_mercator', 'batch_line', 'task_label', 'pass_of', 'stage_of',
-           'yes_no', 'runs_table', 'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text',
-           'guide_text', 'protocol_text', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table',
-           'collapse_guard', 'style_agreement', 'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table',
-           'teacher_ppl', 'vs_text', 'style_ppl', 'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats',
-           'metric_answer', 'comparisons', 'seeds_note', 'headline', 'mercator_answers']
+           'ONE_SEED_NOTE', 'MERCATOR', 'with_report_columns', 'mercator_runs', 'is_student', 'student_variants',
+           'distilled_variants', 'is_mercator', 'task_label', 'pass_of', 'stage_of', 'yes_no', 'runs_table',
+           'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text', 'protocol_text',
+           'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard', 'style_agreement',
+           'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl', 'vs_text', 'style_ppl',
+           'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer', 'comparisons', 'seeds_note',
+           'headline', 'mercator_answers']
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #b36f5e5a
 BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
@@ -58,9 +58,6 @@ def mercator_runs(batch_dir) -> pd.DataFrame:
     and the collapse flag (`with_report_columns`)."""
     return with_report_columns(load_runs(batch_dir))
 
-# %% ../../../nbs/studies/mercator/84_report.ipynb #6e428021
-def completed_runs(runs: pd.DataFrame) -> pd.DataFrame: return runs[runs.status == 'completed']
-
 # %% ../../../nbs/studies/mercator/84_report.ipynb #a22c1c04
 def is_student(role, variant: str) -> bool:
     """A run is a student when its role says so; a summary without a role: when the variant is not the teacher or the
@@ -85,20 +82,6 @@ def is_mercator(v: str) -> bool:
     """A Mercator student: the direction loss at any beta, with logits, centered, warmed up, or at another projector
     capacity."""
     return v.startswith('mercator') or v in (CAPACITY['low'], CAPACITY['high'])
-
-# %% ../../../nbs/studies/mercator/84_report.ipynb #6d662d64
-def batch_line(batch_dir, runs: pd.DataFrame) -> str:
-    "The report's first line (Markdown): the batch directory, its models and data, variants, seeds and steps per run."
-    batch = read_json(Path(batch_dir) / 'batch.json') or {}
-    opts = batch.get('options') or {}
-    mode = (f"HF checkpoints: teacher `{opts.get('teacher')}`, student `{opts.get('student')}`, "
-            f"data `{opts.get('dataset') or 'story corpus'}`"
-            if opts.get('teacher') else f"our GPT family, preset `{batch.get('preset')}`, data `{batch.get('data')}`")
-    steps = int(runs['steps'].max()) if runs['steps'].notna().any() else 'n/a'
-    return (
-        f"**Batch** `{Path(batch_dir).resolve()}`: study `{batch.get('study')}`, {mode}; variants"
-        f" {', '.join(batch.get('variants', []))}; seeds {batch.get('seeds')}; steps per run {steps}."
-    )
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #ffa6ebd6
 TASK_LABELS = {'recall': 'recall accuracy', 'gsm8k': 'GSM8K exact-match accuracy'}
@@ -164,7 +147,7 @@ def _dig(d: dict, path: str):
 def protocol_values(runs: pd.DataFrame, col: str | None, path: str | None = None, variants=None) -> list:
     """The distinct values of summary column `col` over the completed students (of `variants`), else of `path` in their
     config.json."""
-    st = completed_runs(runs)[lambda d: d.variant.isin(variants or student_variants(runs))]
+    st = completed(runs)[lambda d: d.variant.isin(variants or student_variants(runs))]
     vals = st[col].dropna().tolist() if col and col in st else []
     if not vals and path:
         vals = [x for d in st.run_dir if (x := _dig(read_json(Path(d) / 'config.json') or {}, path)) is not None]
@@ -174,17 +157,14 @@ def protocol_values(runs: pd.DataFrame, col: str | None, path: str | None = None
 def _g(vals: list, unit: str = '') -> str:
     return ' / '.join(f'{v:g}' if isinstance(v, (int, float)) else str(v) for v in vals) + unit if vals else 'n/a'
 
-# %% ../../../nbs/studies/mercator/84_report.ipynb #f29ebab6
-def _mean(s: pd.Series) -> float: return float(s.mean()) if s.notna().any() else np.nan
-
 # %% ../../../nbs/studies/mercator/84_report.ipynb #d5f27b02
 def start_text(runs: pd.DataFrame) -> str:
     "Where the students start (Markdown): the pre-training's steps, PPL and recall, the HF student or initial weights."
-    ok = completed_runs(runs)
+    ok = completed(runs)
     pre = ok[(ok.role == 'pretrain') | (ok.role.isna() & (ok.variant == 'pretrain'))]
     st = ok[ok.variant.isin(student_variants(runs))]
-    sp = _mean(st.start_val_ppl if st.start_val_ppl.notna().any() else pre.best_val_ppl)
-    sa = _mean(st.start_recall_acc if st.start_recall_acc.notna().any() else pre.recall_acc)
+    sp = mean_of(st.start_val_ppl if st.start_val_ppl.notna().any() else pre.best_val_ppl, np.nan)
+    sa = mean_of(st.start_recall_acc if st.start_recall_acc.notna().any() else pre.recall_acc, np.nan)
     if len(pre):
         return ("the student is first pre-trained as a language model for "
                 f"{_g(sorted(set(pre.steps.dropna().astype(int))))} steps "
@@ -219,7 +199,7 @@ def protocol_text(runs: pd.DataFrame) -> str:
     """The protocol paragraph (Markdown): pre-training and fine-tuning steps, rates and their ratio, clip, weights,
     warm-up, the start; then the guide's."""
     pv = lambda c, p=None, **k: protocol_values(runs, c, p, **k)
-    st = completed_runs(runs)[lambda d: d.variant.isin(student_variants(runs))]
+    st = completed(runs)[lambda d: d.variant.isin(student_variants(runs))]
     lr, lrp = pv('lr_student', 'train.lr'), pv('lr_projector', 'settings.lr_projector')
     ratio = (f" ({lrp[0] / lr[0]:g}x the student's; the guide's ratio is 1e-3 / 5e-5 = 20)"
              if len(lr) == 1 and len(lrp) == 1 and lr[0] else '')
@@ -305,7 +285,7 @@ def layer_means(run_dirs) -> str:
 def agreement_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per student variant (completed seeds): seeds, raw and centered cosine, their stages, the pass label, raw -
     centered, runs collapsed, centered per layer."""
-    st = completed_runs(runs)[lambda d: d.variant.isin(student_variants(runs))]
+    st = completed(runs)[lambda d: d.variant.isin(student_variants(runs))]
     if not len(st): return pd.DataFrame()
     g = st.groupby('variant', sort=False)
     agree = pd.DataFrame(
@@ -362,7 +342,7 @@ def layer_table(runs: pd.DataFrame, key: str = 'kv_cos_centered_layers') -> pd.D
     recorded it."""
     rows = {}
     for v in student_variants(runs):
-        ls = [l for d in completed_runs(runs)[lambda d: d.variant == v].run_dir
+        ls = [l for d in completed(runs)[lambda d: d.variant == v].run_dir
               if (l := (read_json(Path(d) / 'summary.json') or {}).get(key))]
         if ls: rows[v] = pd.DataFrame(ls).mean(axis=0)
     return pd.DataFrame(rows).T.rename(columns=lambda k: f'layer {k}') if rows else pd.DataFrame()
@@ -400,7 +380,7 @@ def _vs(c) -> dict:
 def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per student variant: seeds, best val PPL, relative difference to the baseline (mean, low, high: NaN without an
     interval), paired seeds."""
-    ok, rows = completed_runs(runs), []
+    ok, rows = completed(runs), []
     for v in student_variants(runs):
         sub = ok[ok.variant == v]
         if not len(sub): continue
@@ -411,7 +391,7 @@ def ppl_table(runs: pd.DataFrame) -> pd.DataFrame:
 # %% ../../../nbs/studies/mercator/84_report.ipynb #82267de0
 def teacher_ppl(runs: pd.DataFrame) -> float:
     "The teacher's best validation PPL, mean over completed seeds (NaN without one)."
-    t = completed_runs(runs)[lambda d: d.variant == 'teacher']
+    t = completed(runs)[lambda d: d.variant == 'teacher']
     return float(t.best_val_ppl.mean()) if len(t) else np.nan
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #df5baf8b
@@ -467,7 +447,7 @@ def acc_compare(runs: pd.DataFrame, a: str, b: str):
 def acc_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per student variant: seeds, mean task accuracy, paired absolute difference to the baseline in points (mean, low,
     high), paired seeds."""
-    ok, rows = completed_runs(runs), []
+    ok, rows = completed(runs), []
     for v in student_variants(runs):
         sub = ok[(ok.variant == v) & ok.task_acc.notna()]
         if not len(sub): continue
@@ -515,7 +495,7 @@ def metric_answer(cmps: dict, what: str, fmt: str, lower_better: bool) -> str:
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #7327d508
 def _completed_variants(runs: pd.DataFrame, variants) -> list[str]:
-    return [v for v in variants if (completed_runs(runs).variant == v).any()]
+    return [v for v in variants if (completed(runs).variant == v).any()]
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #2d7686cf
 def comparisons(runs: pd.DataFrame, variants=None) -> tuple[dict, dict]:
@@ -543,13 +523,13 @@ def headline(runs: pd.DataFrame) -> str:
     """The report's answer (one Markdown sentence): does any distillation variant beat no-distill on PPL and on task
     accuracy?"""
     q = f"**Does any distillation variant beat `{BASELINE}`?**"
-    if not (completed_runs(runs).variant == BASELINE).any():
+    if not (completed(runs).variant == BASELINE).any():
         return f"{q} Cannot say: the `{BASELINE}` baseline did not complete."
     if not _completed_variants(runs, distilled_variants(runs)):
         return f"{q} Cannot say: no distilled student completed."
     ppl, acc = comparisons(runs)
     a = metric_answer(ppl, 'validation PPL', PCT, True) + seeds_note(ppl)
-    st = completed_runs(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
+    st = completed(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
     b = (f"on {task_label(runs)}, cannot tell: every student and `{BASELINE}` score 0.0% ({len(st)} runs)"
          if acc and (st == 0).all() else metric_answer(acc, task_label(runs), PTS, False))
     return f"{q} {a[0].upper()}{a[1:]}; {b}."
@@ -585,11 +565,11 @@ def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
     qs = {'PPL': f'does any distillation variant beat {BASELINE} on validation PPL?',
           'ACC': f'does any distillation variant beat {BASELINE} on {task_label(runs)}?'}
     budget = budget_text(runs, student_variants(runs))
-    why = (f'the {BASELINE} baseline did not complete' if not (completed_runs(runs).variant == BASELINE).any() else
+    why = (f'the {BASELINE} baseline did not complete' if not (completed(runs).variant == BASELINE).any() else
            'no distilled student completed' if not _completed_variants(runs, distilled_variants(runs)) else None)
     if why: return [Answer(q, text, NO_DATA, method=why, budget=budget) for q, text in qs.items()]
     ppl, acc = comparisons(runs)
-    st = completed_runs(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
+    st = completed(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
     acc_answer = (Answer('ACC', qs['ACC'], 'cannot tell', f'every student and {BASELINE} score 0.0% ({len(st)} runs)',
                          method='an accuracy of 0 everywhere compares nothing', budget=budget)
                   if acc and (st == 0).all() else

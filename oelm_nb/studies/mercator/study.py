@@ -31,7 +31,7 @@ from ...data.corpus import synthetic_splits
 # %% auto #0
 __all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR_STUDY',
            'MercatorSettings', 'teacher_model', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'task_records',
-           'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants']
+           'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants', 'plot_run']
 
 # %% ../../../nbs/studies/mercator/83_study.ipynb #01cbcafb
 ROLES = ('teacher', 'pretrain', 'student')
@@ -506,8 +506,38 @@ def mercator_variants(preset: str, steps: int, options: dict) -> dict[str, Varia
     if not hf: out['pretrain'] = Variant({**common, 'settings.role': 'pretrain'})
     return {**out, **{name: student(name) for name in STUDENTS}}
 
+# %% ../../../nbs/studies/mercator/83_study.ipynb #3ea2c17c
+def plot_run(spec: RunSpec, summary: dict):
+    "A Mercator run's losses and, for a student, its KV cosines over the guide's stages (and their final stages, printed)."
+    import matplotlib.pyplot as plt
+    from oelm_nb.base.metrics import read_metrics
+    from oelm_nb.studies.mercator.method import STAGES, STAGE_BOUNDS
+    recs = read_metrics(spec.out_dir)
+    ev = [r for r in recs if 'val_loss' in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    axes[0].plot([r['step'] for r in recs], [r['train_loss'] for r in recs], label='train loss')
+    if recs and 'ce_loss' in recs[0]: axes[0].plot([r['step'] for r in recs], [r['ce_loss'] for r in recs], label='train CE')
+    axes[0].plot([r['step'] for r in ev], [r['val_loss'] for r in ev], 'o-', label='val loss')
+    axes[0].set_xlabel('step'); axes[0].legend()
+    if recs and 'kv_cos' in recs[0]:
+        lo = [-1.0, *STAGE_BOUNDS]; hi = [*STAGE_BOUNDS, 1.0]
+        for name, a, b, c in zip(STAGES, lo, hi, ('#fde0dd', '#fee8c8', '#e5f5e0', '#c7e9c0', '#a1d99b')):
+            axes[1].axhspan(max(a, -0.2), b, color=c, alpha=0.5, lw=0)
+            axes[1].text(0.01, (max(a, -0.2) + b) / 2, name, fontsize=7, va='center', transform=axes[1].get_yaxis_transform())
+        axes[1].plot([r['step'] for r in recs], [r['kv_cos'] for r in recs], color='tab:blue', alpha=0.4, label='raw (train)')
+        axes[1].plot([r['step'] for r in recs], [r['kv_cos_centered'] for r in recs], color='tab:red', alpha=0.4, label='centered (train)')
+        axes[1].plot([r['step'] for r in ev], [r['val_kv_cos'] for r in ev], 'o-', color='tab:blue', label='raw (val)')
+        axes[1].plot([r['step'] for r in ev], [r['val_kv_cos_centered'] for r in ev], 'o-', color='tab:red', label='centered (val)')
+        axes[1].set_ylim(-0.2, 1.0); axes[1].set_xlabel('step'); axes[1].set_ylabel('KV cosine'); axes[1].legend(fontsize=8, loc='lower right')
+    else: axes[1].set_axis_off()
+    plt.tight_layout()
+    if 'final_kv_cos' in summary:
+        print(f"final KV cosine {summary['final_kv_cos']:.3f} ({cosine_stage(summary['final_kv_cos'])}), "
+              f"centered {summary['final_kv_cos_centered']:.3f} ({cosine_stage(summary['final_kv_cos_centered'])})")
+
 # %% ../../../nbs/studies/mercator/83_study.ipynb #354d740e
 MERCATOR_STUDY = Study(
+    plot=plot_run,
     name='mercator',
     description='Mercator KV-cache distillation (the Mercator guide): '
                 'a pre-trained student fine-tuned with Mercator, MSE, logit KD or nothing',

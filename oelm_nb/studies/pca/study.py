@@ -21,7 +21,7 @@ from ...model.gpt import GPT, PRESETS, model_config
 from ...train.trainer import Trainer, evaluate
 from ...train.checkpoint import load_weights
 from ...model.freeze import param_report
-from ...report.tables import compare, t_interval, interval_text
+from ...report.tables import compare, completed, t_interval, interval_text
 from ...report.evidence import Answer, Comparison, NO_DATA, exact_caveat
 from ...report.page import budget_text
 from ...model.pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_,
@@ -34,7 +34,7 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
            'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
            'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references', 'best_method_per_k',
            'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff', 'load_pca_model',
-           'pca_answers', 'pca_main']
+           'pca_answers', 'plot_run', 'pca_main']
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -302,8 +302,7 @@ def with_method_k(runs: pd.DataFrame) -> pd.DataFrame:
 # %% ../../../nbs/studies/pca/65_study.ipynb #43d79a7c
 def method_means(runs: pd.DataFrame, col: str) -> pd.DataFrame:
     "Mean of `col` over completed seeds per (method, k), with the seed count `n`."
-    ok = with_method_k(runs)
-    ok = ok[ok.status == 'completed']
+    ok = completed(with_method_k(runs))
     if not len(ok) or col not in ok: return pd.DataFrame(columns=['method', 'k', col, 'n'])
     g = ok.dropna(subset=[col]).groupby(['method', 'k'], dropna=False)[col]
     return pd.concat([g.mean(), g.count().rename('n')], axis=1).reset_index()
@@ -339,7 +338,8 @@ def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
     PCA gap LoRA recovered, with its 95% t-interval over seeds (helper columns `_*`: per-seed fractions, paired seeds,
     the seeds without a gap and the mean gap, for `pca_answers`)."""
     runs = with_method_k(runs)
-    ok = runs[(runs.status == 'completed') & runs.val_loss.notna()] if 'val_loss' in runs else runs.iloc[:0]
+    ok = completed(runs)
+    ok = ok[ok.val_loss.notna()] if 'val_loss' in ok else ok.iloc[:0]
     refs = {m: _per_seed(ok, m) for m in REFERENCE_METHODS}
     rows = []
     for k in sorted({int(k) for k in runs['k'].dropna()}):
@@ -451,7 +451,7 @@ def _first(df: pd.DataFrame, col: str):
 # %% ../../../nbs/studies/pca/65_study.ipynb #8bc30581
 def params_table(runs: pd.DataFrame) -> pd.DataFrame:
     "Per (k, method): token-embedding parameters, saving vs the baseline's table, total, trainable and their share."
-    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    runs = with_method_k(runs); ok = completed(runs)
     base_emb = _first(ok[ok.method == 'baseline'], 'params_embedding')
     rows = []
     for k in sorted({int(k) for k in runs['k'].dropna()}):
@@ -469,7 +469,8 @@ def params_table(runs: pd.DataFrame) -> pd.DataFrame:
 def lora_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per k of the completed PCA + LoRA runs: adapter parameters, rank, alpha, dropout, share of the model, fine-tuning
     steps."""
-    runs = with_method_k(runs); lr = runs[(runs.status == 'completed') & (runs.method == 'pca-lora')]
+    runs = with_method_k(runs); lr = completed(runs)
+    lr = lr[lr.method == 'pca-lora']
     cols = {}
     for k in sorted(lr.k.dropna().unique()):
         d = lr[lr.k == k]
@@ -513,7 +514,7 @@ _CURVES = (('ratio', 'cumulative explained variance', True),
 def plot_explained_variance(runs: pd.DataFrame):
     """Per baseline seed: cumulative explained variance, relative reconstruction error and mean cosine against k (ks
     marked), and their values at each k (or None)."""
-    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    runs = with_method_k(runs); ok = completed(runs)
     evs = {
         r.seed: read_json(Path(r.run_dir) / 'explained_variance.json') for r in ok[ok.method == 'baseline'].itertuples()
     }
@@ -539,7 +540,7 @@ def plot_explained_variance(runs: pd.DataFrame):
 # %% ../../../nbs/studies/pca/65_study.ipynb #583060a8
 def plot_tradeoff(runs: pd.DataFrame):
     "Validation PPL against the token-embedding parameters (left) and the trainable parameters (right), k annotated."
-    runs = with_method_k(runs); ok = runs[runs.status == 'completed']
+    runs = with_method_k(runs); ok = completed(runs)
     agg = ok.groupby(['method', 'k'], dropna=False).agg(ppl=('best_val_ppl', 'mean'), emb=('params_embedding', 'first'),
                                                         trainable=('params_trainable', 'first')).reset_index()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
@@ -615,6 +616,32 @@ def pca_answers(runs: pd.DataFrame) -> list[Answer]:
     return out or [Answer('recovery', 'does PCA + LoRA recover the gap PCA-only opens, at any k?', NO_DATA,
                           method='needs completed PCA, PCA + LoRA and reference runs of a common seed')]
 
+# %% ../../../nbs/studies/pca/65_study.ipynb #5b439dd6
+def plot_run(spec: RunSpec, summary: dict):
+    "A PCA-study run's learning curves and the baseline table's explained variance and reconstruction at this run's k."
+    import matplotlib.pyplot as plt
+    from oelm_nb.base.metrics import read_metrics
+    recs = read_metrics(spec.out_dir)
+    ev = [r for r in recs if 'val_loss' in r]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    if recs:
+        ax.plot([r['step'] for r in recs], [r['train_loss'] for r in recs], label='train loss')
+        ax.plot([r['step'] for r in ev], [r['val_loss'] for r in ev], 'o-', label='val loss')
+    if summary.get('pca_val_loss') is not None: ax.plot([0], [summary['pca_val_loss']], 's', color='tab:red', label='PCA, no fine-tuning')
+    ax.set_xlabel('step'); ax.set_ylabel('loss'); ax.legend(); plt.show()
+    evj = read_json(Path(spec.out_dir) / 'explained_variance.json') or read_json(spec.upstream_dir('baseline') / 'explained_variance.json')
+    if not evj: return
+    k = summary['k']
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3))
+    for ax, (key, name) in zip(axes, (('ratio', 'cumulative explained variance'), ('relative_error', 'relative reconstruction error'),
+                                      ('mean_cosine', 'mean cosine with the original'))):
+        if key not in evj: ax.set_axis_off(); continue
+        y = np.cumsum(evj[key]) if key == 'ratio' else np.asarray(evj[key])
+        ax.plot(range(1, len(y) + 1), y)
+        ax.axvline(k, ls='--', color='gray', label=f"k = {k}: {y[k - 1]:.3f}")
+        ax.set_xlabel('k (principal directions kept)'); ax.set_ylabel(name); ax.set_ylim(0, 1.02); ax.legend()
+    plt.tight_layout()
+
 # %% ../../../nbs/studies/pca/65_study.ipynb #08737577
 def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     """The comparison `--precision` sizes: PCA + LoRA at the smallest k (the strongest compression) against
@@ -623,6 +650,7 @@ def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'best_val_ppl', f'pca-lora-k{k}', 'baseline-cont'
 
 PCA_STUDY = Study(
+    plot=plot_run,
     name='pca', settings=PCASettings, variants=pca_variants, run=pca_run, load_model=load_pca_model,
     description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, '
                 'against the baseline and the baseline continued (the PCA document)',

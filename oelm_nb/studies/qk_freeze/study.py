@@ -13,7 +13,7 @@ from ...model.gpt import model_config
 from ...lab.bench import bench
 from ...model.freeze import param_report
 from ...model.gpt import GPT
-from ...report.tables import (compare, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
+from ...report.tables import (compare, completed, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
                             interval_text, seeds_needed, seeds_command, formation_comparison, formed_count,
                             read_precision)
 from ...report.convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
@@ -25,7 +25,7 @@ from ...report.page import budget_text
 __all__ = ['H1_TEXT', 'H3_TEXT', 'FORMATION_APPROX', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps',
            'qk_variants', 'h1_verdict', 'load_timing', 'h3_verdict', 'what_it_takes', 'gap_answer', 'formation_answer',
            'convergence_caveat_line', 'qk_answers', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
-           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note']
+           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note', 'plot_run']
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -55,7 +55,7 @@ H1_TEXT = 'oelm-freeze has >= 15% fewer trainable parameters than oelm'
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #02b8eda5
 def h1_verdict(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm') -> tuple:
     "H1 from the exact trainable-parameter counts of completed runs."
-    ok = runs[runs.status == 'completed'] if len(runs) else runs
+    ok = completed(runs)
     tr = ok.groupby('variant')['params_trainable'].first() if 'params_trainable' in ok else pd.Series(dtype=float)
     if freeze not in tr or nofreeze not in tr:
         return ('H1', H1_TEXT, 'no data', f'needs completed {freeze} and {nofreeze} runs')
@@ -155,7 +155,7 @@ def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) 
 
 def convergence_caveat_line(conv: pd.DataFrame, variants) -> str | None:
     "The one caveat on training length for every answer that rests on training: the runs' labels, counted."
-    c = conv[conv.variant.isin(list(variants)) & (conv.status == 'completed')]
+    c = completed(conv, variants)
     if not len(c): return None
     counts = ', '.join(f'{f} {int((c.flag == f).sum())}' for f in FLAGS if (c.flag == f).any())
     if (c.flag == 'plateau').all():
@@ -172,7 +172,7 @@ def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
     through the evidence kit."""
     d = _batch_dir(runs)
     if timing is None and d is not None: timing = load_timing(d)
-    curves = run_curves(runs[runs.status == 'completed']) if curves is None else curves
+    curves = run_curves(completed(runs)) if curves is None else curves
     conv, form = convergence(runs, curves), formation(runs, curves)
     budget = budget_text(runs, [freeze, nofreeze, base])
     h1, h3 = h1_verdict(runs, freeze, nofreeze), h3_verdict(timing, freeze, nofreeze)
@@ -264,7 +264,7 @@ def results_table(runs: pd.DataFrame, reference: str = 'gpt') -> pd.DataFrame:
 def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Every pair of variants with completed runs, 'later vs earlier' in batch order, paired by seed on best val PPL,
     with interval and resolvability."""
-    ok = runs[runs.status == 'completed'] if len(runs) else runs
+    ok = completed(runs)
     vs, rows = list(dict.fromkeys(ok.variant)), []
     for i, b in enumerate(vs):
         for a in vs[i + 1:]:
@@ -297,7 +297,7 @@ def tokens_per_run(preset: str, steps: int | None = None) -> int:
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #df81d809
 def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') -> str:
     "One Markdown paragraph: the runs' model size, steps and tokens against the Q/K freeze log's `reference` runs."
-    ok = runs[runs.status == 'completed'] if len(runs) else runs
+    ok = completed(runs)
     if not len(ok) or 'steps' not in ok: return 'No completed runs.'
     m, r = model_config(preset), model_config(reference)
     n_ref = param_report(GPT(r.replace(variant='gpt'), init_seed=0)).total
@@ -314,8 +314,27 @@ def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') ->
         " verdicts below describe these models, not the log's."
     )
 
+# %% ../../../nbs/studies/qk_freeze/60_study.ipynb #b2957c54
+def plot_run(spec, # the run's `RunSpec`
+             summary: dict):
+    "A run's train and validation loss, and its recall accuracy with the chance level where it measured one."
+    import matplotlib.pyplot as plt
+    from oelm_nb.base.metrics import read_metrics
+    recs = read_metrics(spec.out_dir)
+    ev = [r for r in recs if 'val_loss' in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    axes[0].plot([r['step'] for r in recs], [r['train_loss'] for r in recs], label='train loss')
+    axes[0].plot([r['step'] for r in ev], [r['val_loss'] for r in ev], 'o-', label='val loss')
+    axes[0].set_xlabel('step'); axes[0].legend()
+    if ev and 'recall_acc' in ev[-1]:
+        axes[1].plot([r['step'] for r in ev], [r['recall_acc'] for r in ev], 'o-', color='tab:green')
+        if summary.get('recall_chance'): axes[1].axhline(summary['recall_chance'], ls='--', color='gray', label='chance')
+        axes[1].set_xlabel('step'); axes[1].set_ylabel('recall accuracy'); axes[1].legend()
+    plt.tight_layout()
+
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #d54873c0
 QK_FREEZE = Study(
+    plot=plot_run,
     name='qk-freeze',
     description='Orthogonal and frozen attention Q/K (the Q/K freeze log), with controls for initial scale: '
                 'does freezing Q/K cost accuracy?',
