@@ -111,8 +111,8 @@ def print_batch_summary(batch_dir):
 def convergence_text(batch_dir, runs) -> str:
     """The report's convergence and recall-circuit notes as plain text for the console (120 columns): the budget, which
     runs had not settled and why, and when each variant formed the recall circuit."""
-    from oelm_nb.report.tables import convergence, convergence_note, formation, formation_note, load_curves
-    curves = load_curves(batch_dir, runs[runs.status == 'completed'])
+    from oelm_nb.report.tables import convergence, convergence_note, formation, formation_note, load_curves, completed
+    curves = load_curves(batch_dir, completed(runs))
     notes = [convergence_note(convergence(runs, curves)), formation_note(formation(runs, curves))]
     notes = [n for n in notes if not n.startswith('Recall not evaluated')]  # a study without recall positions
     return '\n\n'.join(textwrap.fill(n.replace('**', ''), 120) for n in notes)
