@@ -1,0 +1,50 @@
+"""The CVFP fixed-point page (nbs/reports/cvfp_fixed_point.ipynb) rendered with papermill on a tiny batch that holds the
+`embed` run: its tables are there and hold numbers computed from the batch, and the command-line tool gives the same."""
+from __future__ import annotations
+import json, os, re, subprocess, sys
+from pathlib import Path
+
+import pytest
+from shared_runs import inline_batch
+
+pytestmark = pytest.mark.slow  # an embed run of 20 steps, a papermill kernel, the tool: about 20 s (more on a loaded machine)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / 'nbs' / 'reports' / 'cvfp_fixed_point.ipynb'
+PARAMS = {'samples': 2, 'val_tokens': 300, 'iterations': 6, 'algorithms': ['MCDL'], 'curve_rows': ['default', 'settled'],
+          'study_rows': ['default'], 'phase2_epochs': 1}
+
+
+def html_tables(nb: dict) -> list[str]:
+    "The HTML tables the executed page displays, in order."
+    return [''.join(o['data']['text/html']) for c in nb['cells'] if c['cell_type'] == 'code'
+            for o in c.get('outputs', []) if '<table' in ''.join(o.get('data', {}).get('text/html', ''))]
+
+
+def test_page_computes_its_tables_from_the_batch(tmp_path):
+    batch = inline_batch(tmp_path / 'cvfp-fp', 'cvfp', variants=['embed'], steps=20)
+    assert (batch / 'embed-s0' / 'embedding.safetensors').is_file()
+    out = tmp_path / 'page.ipynb'
+    cmd = [sys.executable, '-m', 'papermill', str(PAGE), str(out), '-y', json.dumps({'run_dir': str(batch), **PARAMS}),
+           '--no-progress-bar']
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    nb = json.loads(out.read_text())
+    text = json.dumps(nb)
+    tables = html_tables(nb)
+    curves = next(t for t in tables if 'lowest mean cos' in t)
+    study = next(t for t in tables if 'val PPL before' in t)
+    for row in PARAMS['curve_rows']: assert f'>{row}<' in curves
+    numbers = lambda t: [float(x) for x in re.findall(r'>\s*(-?\d+\.\d+)\s*<', t)]
+    assert len(numbers(curves)) >= 2 * 8 and all(-1.0001 <= x <= 1.0001 for x in numbers(curves)[:2])  # mean, min cos
+    assert re.search(r'\d+\.\d{2} → \d+\.\d{2}', study), 'the validation PPL before and now'
+    assert re.search(r'\d+\.\d{4} → 1\.0000', study), "the cache now is the sequential pass: it agrees with it"
+    assert f'{PARAMS["samples"]} training stories' in text and 'curves end at the fixed point' in text
+    assert str(batch.resolve()) in text  # the batch it read is named
+    # the tool runs the same computation: its last curve record is the page's last iteration
+    t = subprocess.run([sys.executable, str(ROOT / 'tools' / 'cvfp_fixed_point.py'), 'curves', str(batch), '--samples', '2',
+                        '--iterations', '6'], capture_output=True, text=True, env=env, timeout=300)
+    assert t.returncode == 0, t.stderr[-3000:]
+    last = json.loads(t.stdout.splitlines()[-1])
+    assert last['iteration'] == 5 and f"{last['cos_mean']:.4f}" in curves
