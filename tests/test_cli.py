@@ -216,3 +216,25 @@ def test_one_meaning_per_flag_the_old_spellings_are_refused_naming_the_new(study
         assert e.value.code == 2 and new in capsys.readouterr().err
     args = build_parser().parse_args(['run', study, '--concurrent'])
     assert args.concurrent is True
+
+
+# ---------------------------------------------------------------- a study's flags: one per field of its options dataclass
+def test_study_flags_come_from_the_options_dataclass(capsys):
+    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.lab.experiment import get_study
+    parse = lambda *argv: build_parser(['run', *argv]).parse_args(['run', *argv])
+    pca, cvfp = get_study('pca'), get_study('cvfp')
+    # a list takes its values one after another (as argparse's nargs='+') or as one list: the same plan either way
+    spaced, listed = parse('pca', '--ks', '8', '16', '--seeds', '0'), parse('pca', '--ks', '[8, 16]', '--seeds', '0')
+    assert study_plan(pca, spaced)[2] == study_plan(pca, listed)[2] == {'ks': [8, 16]}
+    assert spaced.seeds == [0]  # the values stop at the next flag
+    assert study_plan(pca, parse('pca'))[2] == {}  # a field left at None was not given: the study's default applies
+    # dashes in the flag, a bool as a switch, a Literal's values checked
+    a = parse('cvfp', '--init-samples', '5', '--train-embedding', '--phase1', 'sequential')
+    assert study_plan(cvfp, a)[2] == {'init_samples': 5, 'train_embedding': True, 'phase1': 'sequential'}
+    assert study_plan(cvfp, parse('cvfp', '--train-embedding', 'false'))[2] == {'train_embedding': False}
+    for bad in (['--phase1', 'sideways'], ['--init-samples', 'many'], ['--ks', '8']):
+        with pytest.raises(SystemExit):
+            parse('cvfp', *bad)
+        err = capsys.readouterr().err
+        assert bad[0] in err or bad[0].lstrip('-').replace('-', '_') in err, err  # the error names the flag

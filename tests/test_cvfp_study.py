@@ -235,14 +235,14 @@ def test_flags_reach_the_plan_and_the_runs():
     from oelm_nb.lab.experiment import get_study
     st = get_study('cvfp')
     a = parse('--phase1', 'sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
-    assert a.opt_phase1 == 'sequential' and a.concurrent is True  # Phase 1's version and the runner's concurrency: two flags
+    assert a.phase1 == 'sequential' and a.concurrent is True  # Phase 1's version and the runner's concurrency: two flags
     variants, over, opts = study_plan(st, a)
     assert variants is None and over == {} and st.planned('tiny', 400, opts) == ['embed', 'phase1-speed', 'ODCM-n8', 'ODCM-n3']
     spec = resolve_spec('cvfp', 'ODCM-n3', 'tiny', 0, None, '/tmp/x/ODCM-n3-s0', 'synthetic', None, over, options=opts)
     cfg = spec.settings.config(spec.train.seed)
     assert (cfg.parallel, cfg.dist_reg_weight, cfg.diversity, spec.settings.samples) == (False, 0.5, 'ODCM', 3)
     b = parse('--phase1', 'parallel')
-    assert b.opt_phase1 == 'parallel' and b.concurrent is False
+    assert b.phase1 == 'parallel' and b.concurrent is False
     assert st.variant('embed', options=study_plan(st, b)[2]).overrides['settings.parallel'] is True
     assert 'settings.parallel' not in st.variant('embed', options=study_plan(st, parse())[2]).overrides  # no --phase1: parallel
     # defaults: both algorithms over init * 2^i, i < window + windows - 1

@@ -7,7 +7,7 @@ Checks compare against independent sources: the teacher's own config.json (KV wi
 map recomputed from those, perplexity as exp(loss), the safetensors files on disk.
 """
 from __future__ import annotations
-import json, math, re, shutil
+import dataclasses, json, math, re, shutil
 from pathlib import Path
 
 import pytest
@@ -158,7 +158,7 @@ def test_report_renders_when_a_run_failed(batch, tmp_path):
 # ---------------------------------------------------------------- flags and plan
 def test_plan_flags():
     st = get_study('mercator')
-    assert set(st.options) >= {'teacher', 'student', 'dataset', 'teacher_run', 'teacher_dtype'}
+    assert {f.name for f in dataclasses.fields(st.options)} == {'teacher', 'student', 'dataset', 'teacher_run', 'teacher_dtype'}
     assert mercator_common({}, 'tiny') == {}
     assert st.default_seeds == (0, 1) and len(st.planned()) == 13
     with pytest.raises(ConfigError, match='--teacher DIR and --student DIR'): st.variants('tiny', 400, {'teacher': '/x'})

@@ -14,14 +14,10 @@ SMALL = ['--set', 'train.dtype=float32', '--seeds', '0', '--no-report', '--jobs'
 
 def smoke_args(study) -> list[str]:
     "The command-line arguments of a study's smoke batch (`Study.smoke` on the small corpus)."
-    import dataclasses
     from oelm_nb.lab.experiment import SMALL_CORPUS
     sm = study.smoke
     args = ['--preset', 'tiny', '--steps', str(sm.get('steps', 30))]
-    for k, v in sm.get('options', {}).items():
-        flag = '--' + (k if dataclasses.is_dataclass(study.options) else k.replace('_', '-'))
-        if dataclasses.is_dataclass(study.options): args += [flag, json.dumps(v)]
-        else: args += [flag, *map(str, v if isinstance(v, list) else [v])]
+    for k, v in sm.get('options', {}).items(): args += ['--' + k.replace('_', '-'), json.dumps(v)]  # one options field
     if sm.get('variants'): args += ['--variants', ','.join(sm['variants'])]
     for k, v in {**SMALL_CORPUS, **sm.get('overrides', {})}.items(): args += ['--set', f'{k}={json.dumps(v)}']
     return args

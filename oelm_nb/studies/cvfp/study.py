@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json, time
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 import numpy as np
 import torch
@@ -20,9 +21,9 @@ from ...data.corpus import prepare_data, load_split
 from .checks import phase1_evaluation, phase1_agreement
 
 # %% auto #0
-__all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP_OPTIONS',
-           'CVFP_STUDY', 'CVFPSettings', 'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding',
-           'embed_run', 'cvfp_run', 'speed_run', 'run_cvfp', 'sample_schedule', 'sample_sizes', 'common_settings',
+__all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP_STUDY',
+           'CVFPSettings', 'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding', 'embed_run',
+           'cvfp_run', 'speed_run', 'run_cvfp', 'CVFPOptions', 'sample_schedule', 'sample_sizes', 'common_settings',
            'cvfp_variants', 'load_cvfp_model', 'plot_run', 'cvfp_main']
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #ae03a7e7
@@ -395,26 +396,30 @@ DIVERSITY_DESCRIPTIONS = {
 PHASE1_VERSIONS = ('parallel', 'sequential')
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #d2d4df8f
-CVFP_OPTIONS = {
-    'algorithms': dict(nargs='+', metavar='ALG',
-                       help=f'diversity losses to compare (default: MCDL ODCM; known: {", ".join(DIVERSITY_LOSSES)})'),
-    'samples': dict(nargs='+', type=int, metavar='N',
-                    help='training stories per run (default: --init-samples x --multiplier^i)'),
-    'init_samples': dict(type=int, metavar='N', help='first sample size (default: 20 on the tiny preset, else 50)'),
-    'multiplier': dict(type=float, metavar='M', help='sample-size multiplier (default 2)'),
-    'window_size': dict(type=int, metavar='K', help='points per alpha window (default 4)'),
-    'num_windows': dict(type=int, metavar='K', help='alpha windows (default 2)'),
-    'dist_reg_weight': dict(type=float, metavar='W', help='diversity share w of the Phase 1 loss (default 0.9)'),
-    'phase1': dict(choices=PHASE1_VERSIONS,
-                   help="Phase 1's version: parallel (default; token i reads the last iteration's context i-1) "
-                        "or sequential"),
-    'embeddings': dict(metavar='PATH',
-                       help='take the embedding from a run directory, a local HF model directory or a .safetensors '
-                            'file instead of training a GPT'),
-    'train_embedding': dict(flags=['--train-embedding'], action='store_const', const=True,
-                            help='also run each algorithm and sample size with the tied embedding trained in Phase 2 '
-                                 '(variants ALG-nN-train-emb)'),
-}
+@dataclass
+class CVFPOptions:
+    "The flags of `oelm run cvfp`; a flag left out (None) takes the default its help names."
+    algorithms: list[str] | None = None
+    "diversity losses to compare (default: MCDL ODCM; known: MCDL, ODCM, ODCM-cov)"
+    samples: list[int] | None = None
+    "training stories per run (default: --init-samples x --multiplier^i)"
+    init_samples: int | None = None
+    "first sample size (default: 20 on the tiny preset, else 50)"
+    multiplier: float | None = None
+    "sample-size multiplier (default 2)"
+    window_size: int | None = None
+    "points per alpha window (default 4)"
+    num_windows: int | None = None
+    "alpha windows (default 2)"
+    dist_reg_weight: float | None = None
+    "diversity share w of the Phase 1 loss (default 0.9)"
+    phase1: Literal[PHASE1_VERSIONS] | None = None
+    "Phase 1's version: parallel (default; token i reads the last iteration's context i-1) or sequential"
+    embeddings: str | None = None
+    """take the embedding from a run directory, a local HF model directory or a .safetensors file instead of training
+    a GPT"""
+    train_embedding: bool | None = None
+    "also run each algorithm and sample size with the tied embedding trained in Phase 2 (variants ALG-nN-train-emb)"
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #a4ba1f80
 def sample_schedule(init: int = 50, multiplier: float = 2.0, n: int = 5) -> list[int]:
@@ -568,7 +573,7 @@ CVFP_STUDY = Study(
     # the embedding GPT: the tiny preset's recipe with fewer steps (about a minute on one CPU thread)
     train={**TRAIN_PRESETS, 'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 400}},
     data=DATA_PRESETS,
-    options=CVFP_OPTIONS,
+    options=CVFPOptions,
     default_seeds=(0, 1),
     notebook='experiments/cvfp.ipynb',
     report='reports/cvfp.ipynb',

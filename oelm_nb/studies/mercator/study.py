@@ -6,6 +6,7 @@
 from __future__ import annotations
 import math
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 import torch
 from torch import nn
@@ -31,7 +32,8 @@ from ...data.corpus import synthetic_splits
 # %% auto #0
 __all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR_STUDY',
            'MercatorSettings', 'teacher_model', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'task_records',
-           'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants', 'plot_run']
+           'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants', 'plot_run',
+           'MercatorOptions']
 
 # %% ../../../nbs/studies/mercator/83_study.ipynb #01cbcafb
 ROLES = ('teacher', 'pretrain', 'student')
@@ -535,6 +537,23 @@ def plot_run(spec: RunSpec, summary: dict):
         print(f"final KV cosine {summary['final_kv_cos']:.3f} ({cosine_stage(summary['final_kv_cos'])}), "
               f"centered {summary['final_kv_cos_centered']:.3f} ({cosine_stage(summary['final_kv_cos_centered'])})")
 
+# %% ../../../nbs/studies/mercator/83_study.ipynb #6f8183ea
+@dataclass
+class MercatorOptions:
+    "The flags of `oelm run mercator`: HF mode's checkpoints and data, or a teacher run of our own family."
+    teacher: str | None = None
+    "HF mode: local checkpoint directory of the teacher (e.g. Qwen2.5-1.5B-Instruct); with --student"
+    student: str | None = None
+    "HF mode: local checkpoint directory of the student (e.g. Qwen2.5-0.5B)"
+    dataset: str | None = None
+    """HF mode: HF datasets name[:config] in the local cache (e.g. openai/gsm8k:main) or a local .jsonl/.txt
+    (default: the story corpus' text)"""
+    teacher_run: str | None = None
+    "distil from this finished teacher run of our family instead of training one"
+    teacher_dtype: Literal[TEACHER_DTYPES] | None = None
+    """HF mode: teacher weights (default auto: bfloat16 on CUDA, float32 elsewhere; nf4 = 4-bit through bitsandbytes,
+    CUDA only)"""
+
 # %% ../../../nbs/studies/mercator/83_study.ipynb #354d740e
 MERCATOR_STUDY = Study(
     plot=plot_run,
@@ -547,18 +566,7 @@ MERCATOR_STUDY = Study(
     train=MERCATOR_TRAIN,
     data=DATA_PRESETS,
     notebook='experiments/mercator.ipynb', report='reports/mercator.ipynb',
-    options={'teacher': dict(metavar='DIR', help='HF mode: local checkpoint directory of the teacher '
-                                                 '(e.g. Qwen2.5-1.5B-Instruct); with --student'),
-             'student': dict(metavar='DIR',
-                             help='HF mode: local checkpoint directory of the student (e.g. Qwen2.5-0.5B)'),
-             'dataset': dict(metavar='NAME|FILE', help="HF mode: HF datasets name[:config] in the local cache "
-                                                       "(e.g. openai/gsm8k:main) or a local .jsonl/.txt "
-                                                       "(default: the story corpus' text)"),
-             'teacher_run': dict(metavar='RUN_DIR',
-                                 help='distil from this finished teacher run of our family instead of training one'),
-             'teacher_dtype': dict(choices=TEACHER_DTYPES,
-                                   help='HF mode: teacher weights (default auto: bfloat16 on CUDA, float32 elsewhere; '
-                                        'nf4 = 4-bit through bitsandbytes, CUDA only)')},
+    options=MercatorOptions,
     default_seeds=(0, 1),
     # the guide's default beta against the undistilled student: the comparison --precision sizes
     main=('best_val_ppl', 'mercator-b0.01', 'no-distill'),

@@ -34,7 +34,7 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
            'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
            'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references', 'best_method_per_k',
            'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff', 'load_pca_model',
-           'pca_answers', 'plot_run', 'pca_main']
+           'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -642,6 +642,13 @@ def plot_run(spec: RunSpec, summary: dict):
         ax.set_xlabel('k (principal directions kept)'); ax.set_ylabel(name); ax.set_ylim(0, 1.02); ax.legend()
     plt.tight_layout()
 
+# %% ../../../nbs/studies/pca/65_study.ipynb #33c47e12
+@dataclass
+class PCAOptions:
+    "The flags of `oelm run pca`."
+    ks: list[int] | None = None
+    "embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m and gpt2-124m-1024)"
+
 # %% ../../../nbs/studies/pca/65_study.ipynb #08737577
 def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     """The comparison `--precision` sizes: PCA + LoRA at the smallest k (the strongest compression) against
@@ -656,9 +663,7 @@ PCA_STUDY = Study(
                 'against the baseline and the baseline continued (the PCA document)',
     train={**TRAIN_PRESETS, **{p: {**TRAIN_PRESETS[p], 'dtype': 'float16'} for p in ('gpt2-124m', 'gpt2-124m-1024')}},
     data=DATA_PRESETS,
-    options={'ks': dict(type=int, nargs='+', metavar='K',
-                        help='embedding widths k (default: 8 16 32 48 for tiny, 64 128 256 512 for gpt2-124m '
-                             'and gpt2-124m-1024)')},
+    options=PCAOptions,
     default_seeds=(0, 1), notebook='experiments/pca.ipynb', report='reports/pca.ipynb', answers=pca_answers,
     main=pca_main,
     smoke=dict(steps=30, options={'ks': [8, 16]}),
