@@ -20,7 +20,8 @@ __all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FI
            'fsync_dir', 'write_atomic', 'write_json', 'read_json', 'RecoveryWarning', 'RunLocked', 'this_process',
            'pid_alive', 'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env',
            'watch_holder', 'die_with_parent', 'run_lock', 'run_name', 'parse_run_name', 'flatten', 'identity_fields',
-           'fingerprint', 'config_diff', 'describe_diff', 'RunMismatch', 'recorded_config', 'check_same_run']
+           'fingerprint', 'config_diff', 'describe_diff', 'RunMismatch', 'recorded_config', 'record_config',
+           'check_same_run']
 
 # %% ../../nbs/base/01_rundir.ipynb #5b61ccf4
 def fsync_dir(path: Path):
@@ -316,6 +317,15 @@ def recorded_config(run_dir) -> dict | None:
     "The configuration a run directory was trained with (its config.json), or None."
     c = read_json(Path(run_dir) / 'config.json')
     return c if isinstance(c, dict) else None
+
+# %% ../../nbs/base/01_rundir.ipynb #9b72ecb8
+def record_config(run_dir, config: dict) -> Path:
+    """Write the run's config.json once, by whoever opens the run first (`oelm run`'s runner before the notebook
+    starts, else `start_run`, else a Trainer used on its own); a later opener of the same run leaves it as it is (one of
+    another configuration was refused before that: `check_same_run`). Returns its path."""
+    path = Path(run_dir) / 'config.json'
+    if recorded_config(run_dir) is None: write_json(path, config)
+    return path
 
 # %% ../../nbs/base/01_rundir.ipynb #fb0c485b
 def check_same_run(run_dir, config: dict, fix: str = 'use another out_dir, or move the directory away to train afresh'):

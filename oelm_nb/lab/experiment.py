@@ -18,7 +18,7 @@ from ..model.gpt import GPT, PRESETS, model_config
 from ..train.trainer import Trainer, init_distributed
 from ..data.corpus import prepare_data, load_split, load_tokenizer, read_meta, data_codec, DataError, TokenData
 from ..model.weights import load_init_weights
-from ..base.rundir import run_lock, check_same_run, fingerprint, child_env, run_name, parse_run_name, read_json, write_json
+from ..base.rundir import record_config, run_lock, check_same_run, fingerprint, child_env, run_name, parse_run_name, read_json, write_json
 
 # %% auto #0
 __all__ = ['Overrides', 'PlanVariants', 'RunOne', 'Answers', 'AfterBatch', 'LoadModel', 'MainComparison', 'PlotRun',
@@ -464,7 +464,7 @@ def start_run(spec: RunSpec, before_config: Callable | None = None) -> Path:
     check_same_run(run_dir, spec.to_dict())  # resume only into the same configuration
     record_provenance(run_dir)  # which code, where, started when
     if before_config: before_config()
-    spec.save_json(run_dir / 'config.json')
+    record_config(run_dir, spec.to_dict())  # (already there when `oelm run` started the run)
     return run_dir
 
 # %% ../../nbs/lab/50_experiment.ipynb #719f365e
@@ -526,7 +526,7 @@ def launch_run(spec: RunSpec, nproc: int = 1, progress: bool | None = None) -> d
     run_dir = Path(spec.out_dir)
     check_same_run(run_dir, spec.to_dict())
     prepare_data(spec.data, spec.resolved_data_dir, progress=False)
-    spec.save_json(run_dir / 'config.json')
+    record_config(run_dir, spec.to_dict())
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
            '-m', 'oelm_nb.app.cli', 'train', '--config', str(run_dir / 'config.json')]
     res = subprocess.run(cmd, cwd=run_dir, capture_output=True, text=True, env=child_env())

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..base.core import ConfigError, TrainConfig
 from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, run_identity, COMMAND_ENV
-from ..base.rundir import write_json, read_json, run_name, parse_run_name
+from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
 from .experiment import get_study, split_scope
 from ..data.corpus import prepare_data, read_meta
 from ..train.checkpoint import list_checkpoints
@@ -223,8 +223,7 @@ def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, thread
 def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     # the notebook's summary is not final until papermill is done
     (job.run_dir / '.running').write_text(str(os.getpid()))
-    config = job.run_dir / 'config.json'  # the run, resolved once: the notebook's one description of it
-    write_json(config, batch.spec(job.variant, job.seed).to_dict())
+    config = record_config(job.run_dir, batch.spec(job.variant, job.seed).to_dict())  # the notebook reads it
     params = dict(config=str(config.resolve()), nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(batch.study).notebook)
     nb_out = job.run_dir / nb_in.name

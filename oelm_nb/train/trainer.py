@@ -23,7 +23,7 @@ from ..model.device import set_seed, pick_device, autocast_dtype, autocast, prec
 from ..model.freeze import UnfreezeSchedule, param_report
 from ..model.gpt import GPT
 from ..data.corpus import TokenData, batch as make_batch
-from ..base.rundir import config_diff, describe_diff, fingerprint, recorded_config, write_json, RunMismatch
+from ..base.rundir import config_diff, describe_diff, fingerprint, record_config, recorded_config, RunMismatch
 from .checkpoint import (CheckpointError, save_checkpoint, list_checkpoints, read_checkpoint, set_aside,
                                       prune_checkpoints, clean_leftovers, _point, _optimizer_from_flat, _set_rng_state)
 from ..base.metrics import MetricsLog
@@ -574,7 +574,7 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
     if self.out_dir and self.dist.is_main:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         # a trainer used on its own records what it trains (a study's run wrote its config.json already)
-        if recorded_config(self.out_dir) is None: write_json(self.out_dir / 'config.json', self.config)
+        record_config(self.out_dir, self.config)
     log = MetricsLog(self.out_dir if self.dist.is_main else None, cfg.loggers, self.run_name, self.run_config)
     log.truncate_after(self.step)  # a restart (with or without a checkpoint) never duplicates records
     if self.dist.is_main:
