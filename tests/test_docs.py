@@ -96,9 +96,10 @@ def test_notebooks_are_discovered():
     assert names[0] == 'index.ipynb', 'index.ipynb is the home page'
     numbers = [bd.chapter_number(d.src) for d in LIB_NBS[1:]]
     assert len(numbers) >= 2 and numbers == sorted(numbers) and len(set(numbers)) == len(numbers), 'one number per chapter'
+    folders = bd.sections(LIB_NBS[1:], ROOT / 'nbs')  # raises for a chapter outside the package folders
+    assert list(folders)[:2] == ['base', 'data'] and list(folders)[-1] == 'app', folders  # in reading order
     for d in LIB_NBS[1:]:
         folder = d.src.parent.relative_to(ROOT / 'nbs').as_posix()
-        assert folder in bd.SECTIONS, f'{d.src.name}: a chapter lives in a package folder of nbs/ ({list(bd.SECTIONS)})'
         mod = re.search(r'#\|\s*default_exp\s+([\w.]+)', d.src.read_text()).group(1)
         assert mod.rsplit('.', 1)[0].replace('.', '/') == folder, f'{d.src}: exports {mod}, not a module of {folder}'
     assert {d.html for d in LIB_NBS} >= {'index.html', 'model/gpt.html'}, 'pages named as nbdev names them (23_gpt -> gpt)'
@@ -138,7 +139,7 @@ def test_mkdocs_yml_lists_every_notebook_and_matches_settings():
     conf = yaml_load((ROOT / 'mkdocs.yml').read_text())
     entry = lambda d: {'Home' if d.dest == 'index.ipynb' else _title(d): d.dest}
     expected = [entry(LIB_NBS[0])]
-    for folder, title in bd.SECTIONS.items():
+    for folder, title in bd.sections(LIB_NBS[1:], ROOT / 'nbs').items():
         expected.append({title: [entry(d) for d in LIB_NBS[1:] if d.src.parent.relative_to(ROOT / 'nbs').as_posix() == folder]})
     for section in dict.fromkeys(d.dest.split('/')[0] for d in DOCS if not d.library):
         expected.append({section.title(): [entry(d) for d in DOCS if not d.library and d.dest.split('/')[0] == section]})
@@ -407,3 +408,13 @@ def test_site_links_made_internal(tmp_path):
     assert relative_404(tmp_path, '/site/') == 2
     p404 = (tmp_path / '404.html').read_text()
     assert 'href="./assets/main.css"' in p404 and '"/site/assets' not in p404 and '<base href="/site/">' in p404
+
+
+def test_a_new_study_folder_gets_its_docs_section(tmp_path):
+    "A study's chapters in nbs/studies/NAME/ are a section of the docs without editing tools/build_docs.py."
+    nbs = tmp_path / 'nbs'
+    chapter = lambda rel: bd.DocNb(nbs / rel, rel, True)
+    got = bd.sections([chapter('app/91_cli.ipynb'), chapter('base/00_core.ipynb'), chapter('studies/toy/95_study.ipynb')], nbs)
+    assert got == {'base': bd.SECTIONS['base'], 'app': 'Application', 'studies/toy': 'Study: toy'}  # by chapter number
+    with pytest.raises(KeyError, match='package folder'):
+        bd.sections([chapter('misc/99_notes.ipynb')], nbs)

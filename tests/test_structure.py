@@ -39,6 +39,8 @@ def test_the_contract_holds_and_states_the_design(tmp_path):
     ('oelm_nb.report.heavy', 'from oelm_nb.train import memory\n', 'The package layers'),  # siblings
     ('oelm_nb.lab.knows_a_study', 'from oelm_nb.studies.qk_freeze import study\n', 'The package layers'),
     ('oelm_nb.studies.pca.peek', 'from oelm_nb.studies.cvfp import method\n', 'Each study knows no other study'),
+    # a new study is in the contract without editing it (`oelm_nb.studies.*`)
+    ('oelm_nb.studies.toy', 'from oelm_nb.studies.pca import study\n', 'Each study knows no other study'),
     ('oelm_nb.studies.cvfp.upward', 'pass\n', None),
 ])
 def test_each_contract_catches_its_break(tmp_path, module, code, broken):

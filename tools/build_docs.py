@@ -71,11 +71,24 @@ def chapter_number(nb: Path) -> int:
     m = re.match(r'(\d+)', nb.name)
     return int(m.group(1)) if m else -1
 
-# the docs' sections: one per package folder of nbs/, in reading order (mkdocs.yml's nav, checked by tests/test_docs.py)
+# the docs' sections: one per package folder of nbs/ (mkdocs.yml's nav, checked by tests/test_docs.py); a study's folder
+# not named here is headed 'Study: <folder>'
 SECTIONS = {'base': 'Base: configurations, run directories, metrics', 'data': 'Data', 'model': 'Model',
             'report': 'Reports and evidence', 'train': 'Training', 'lab': 'The lab: studies, batches, tools',
             'studies/qk_freeze': 'Study: Q/K freeze', 'studies/pca': 'Study: PCA embeddings', 'studies/cvfp': 'Study: CVFP',
             'studies/mercator': 'Study: Mercator', 'app': 'Application'}
+
+def sections(chapters: list[DocNb], nbs: Path) -> dict[str, str]:
+    """{folder: heading} of the library chapters' package folders, in reading order (each folder where its first
+    chapter's number puts it); a folder that is neither in SECTIONS nor a study's raises."""
+    out = {}
+    for d in sorted(chapters, key=lambda d: chapter_number(d.src)):
+        folder = d.src.parent.relative_to(nbs).as_posix()
+        if folder in out or folder == '.': continue
+        if folder in SECTIONS: out[folder] = SECTIONS[folder]
+        elif folder.startswith('studies/') and folder.count('/') == 1: out[folder] = 'Study: ' + folder.split('/')[1]
+        else: raise KeyError(f'{d.src}: a chapter lives in a package folder of nbs/ ({", ".join(SECTIONS)} or studies/NAME)')
+    return out
 
 # ---------------------------------------------------------------------------------------------- nbdev, one notebook
 def run_test_nb(fn: Path):
