@@ -92,7 +92,10 @@ if __name__ == '__main__':
     a = p.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix='same-numbers-'))
     rec = json.loads(a.file.read_text()) if a.mode == 'compare' else {}
-    plan = rec.pop('_batches', None) or batches()  # compare runs exactly the batches recorded (older records: today's)
+    if a.mode == 'compare' and '_batches' not in rec:  # today's batches would compare other runs than the record's
+        sys.exit(f'{a.file} records no batches (an older tool wrote it): compare with the tool that recorded it, or '
+                 'record again before the change')
+    plan = rec.pop('_batches', None) or batches()  # compare runs exactly the batches recorded
     now = run_all(work, plan)
     if a.mode == 'record':
         a.file.write_text(json.dumps({'_batches': plan, **now}, indent=1, sort_keys=True))
@@ -103,4 +106,7 @@ if __name__ == '__main__':
         print(f'[same-numbers] {n} numbers from {len(now)} runs compared with {a.file}: '
               + ('identical to 1e-6' if not bad else f'{len(bad)} differ'))
         for line in bad[:50]: print('  ', line)
+        if len(bad) > 50:
+            runs = sorted({line.split(':')[0] for line in bad})
+            print(f'   ... and {len(bad) - 50} more; runs that differ: {", ".join(runs)}')
         sys.exit(1 if bad else 0)
