@@ -233,8 +233,12 @@ def test_study_flags_come_from_the_options_dataclass(capsys):
     a = parse('cvfp', '--init-samples', '5', '--train-embedding', '--phase1', 'sequential')
     assert study_plan(cvfp, a)[2] == {'init_samples': 5, 'train_embedding': True, 'phase1': 'sequential'}
     assert study_plan(cvfp, parse('cvfp', '--train-embedding', 'false'))[2] == {'train_embedding': False}
-    for bad in (['--phase1', 'sideways'], ['--init-samples', 'many'], ['--ks', '8']):
+    for bad, said in ((['--phase1', 'sideways'], '--phase1 sideways: expected one of parallel, sequential'),
+                      (['--init-samples', 'many'], '--init-samples many: expected int'),
+                      (['--ks', '8'], 'unrecognized arguments: --ks')):  # a flag of another study
         with pytest.raises(SystemExit):
             parse('cvfp', *bad)
-        err = capsys.readouterr().err
-        assert bad[0] in err or bad[0].lstrip('-').replace('-', '_') in err, err  # the error names the flag
+        assert said in capsys.readouterr().err  # one line: the flag as written, the value, what it accepts
+    with pytest.raises(SystemExit):
+        parse('pca', '--ks', '8', 'x')
+    assert "--ks [8, 'x']: expected a list of int" in capsys.readouterr().err

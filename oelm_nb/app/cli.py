@@ -4,7 +4,7 @@
 
 # %% ../../nbs/app/91_cli.ipynb #3f0e91f4
 from __future__ import annotations
-import argparse, json, shlex, shutil, sys, textwrap, time, types, typing
+import argparse, json, re, shlex, shutil, sys, textwrap, time, types, typing
 import jsonargparse
 from dataclasses import fields
 from pathlib import Path
@@ -16,7 +16,8 @@ jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)  # 
 __all__ = ['SET_SECTIONS', 'RETIRED_FLAGS', 'parse_sets', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
            'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report',
            'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'retire_field_flags', 'study_variants_text',
-           'add_seed_options', 'option_shapes', 'with_lists', 'StudyParser', 'add_study_parser', 'build_parser', 'main']
+           'add_seed_options', 'option_shapes', 'with_lists', 'flag_error', 'StudyParser', 'add_study_parser',
+           'build_parser', 'main']
 
 # %% ../../nbs/app/91_cli.ipynb #ec5943c2
 SET_SECTIONS = ('model', 'train', 'data', 'settings')
@@ -386,6 +387,23 @@ def with_lists(argv: list[str], shapes: dict[str, str]) -> list[str]:
     return out
 
 
+# %% ../../nbs/app/91_cli.ipynb #197d8076
+def flag_error(message: str) -> str:
+    """jsonargparse's message for a value of the wrong type, in one line that names the flag as it is written, the value
+    and what it accepts; other messages as they are."""
+    key = re.match(r'Parser key "(\w+)"', message)
+    given = re.search(r'Given value: (.*)', message)
+    if not (key and given): return message
+    want = []
+    for t in re.findall(r'Expected a (.*?)(?:\. Got value:.*)?$', message, flags=re.M):
+        if 'NoneType' in t: continue
+        t = re.sub(r"<class '(\w+)'>", r'\1', t)
+        t = re.sub(r'typing\.Literal\[(.*)\]', lambda m: 'one of ' + m.group(1).replace("'", ''), t)
+        want.append(t)
+    flag, value = '--' + key.group(1).replace('_', '-'), given.group(1)
+    kind = ' or '.join(dict.fromkeys(want)) or 'another value'
+    return f"{flag} {value}: expected {'a list of ' + kind if value.startswith('[') else kind}"
+
 # %% ../../nbs/app/91_cli.ipynb #d821469a
 class StudyParser(jsonargparse.ArgumentParser):
     """The parser of `oelm run STUDY`: the flags every study shares, then one flag per field of the study's options
@@ -407,6 +425,9 @@ class StudyParser(jsonargparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         return argparse.Namespace(**vars(self.parse_args(with_lists(args, getattr(self, '_shapes', {}))))), []
+
+    def error(self, message, ex=None):
+        return super().error(flag_error(message), ex)
 
 # %% ../../nbs/app/91_cli.ipynb #3cfa90b6
 def add_study_parser(sub, study, presets):
