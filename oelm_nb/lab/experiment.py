@@ -25,9 +25,9 @@ __all__ = ['Overrides', 'PlanVariants', 'RunOne', 'Answers', 'AfterBatch', 'Load
            'STUDY_GROUP', 'STUDIES', 'SMALL_CORPUS', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'LAYERS',
            'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study',
            'register_study', 'study_names', 'get_study', 'studies', 'apply_overrides', 'split_scope', 'user_overrides',
-           'train_settings', 'resolve_spec', 'utc_now', 'provenance', 'record_provenance', 'write_summary',
-           'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run', 'train_run', 'launch_run',
-           'run_spec', 'run_in_notebook', 'plot_run']
+           'train_settings', 'planned_steps', 'resolve_spec', 'utc_now', 'provenance', 'record_provenance',
+           'write_summary', 'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run',
+           'train_run', 'launch_run', 'run_spec', 'run_in_notebook', 'plot_run']
 
 # %% ../../nbs/lab/50_experiment.ipynb #172d917b
 @dataclass
@@ -317,6 +317,11 @@ def train_settings(study: Study, preset: str, seed: int, steps: int | None = Non
         train['log_every'] = min(train.get('log_every', 10), max(1, steps // 30))
     return train
 
+# %% ../../nbs/lab/50_experiment.ipynb #3bdea062
+def planned_steps(train: dict) -> int:
+    "The step count a study's variants are planned for: that of its run's `train_settings` (TrainConfig's default)."
+    return train.get('max_steps', TrainConfig().max_steps)
+
 # %% ../../nbs/lab/50_experiment.ipynb #b18424f3
 def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze', preset: str = 'tiny', seed: int = 0,
                  steps: int | None = None, out_dir: str = 'runs/demo', data: str = 'synthetic',
@@ -326,7 +331,7 @@ def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze',
     st = get_study(study) if isinstance(study, str) else study
     if preset not in PRESETS: raise ConfigError(f"unknown preset {preset!r}; choose from {list(PRESETS)}")
     train = train_settings(st, preset, seed, steps)
-    var = st.variant(variant, preset, train.get('max_steps', TrainConfig().max_steps), options)
+    var = st.variant(variant, preset, planned_steps(train), options)
     mdict = model_config(preset).to_dict()
     # prepared data
     if data_vocab is None and data_dir and any((Path(data_dir) / f).exists() for f in ('meta.json', 'meta.pkl')):

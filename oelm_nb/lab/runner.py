@@ -11,8 +11,8 @@ from graphlib import TopologicalSorter, CycleError
 from pathlib import Path
 from typing import Callable
 
-from ..base.core import ConfigError, TrainConfig
-from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, run_identity, COMMAND_ENV
+from ..base.core import ConfigError
+from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, planned_steps, run_identity, COMMAND_ENV
 from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
 from .experiment import get_study, split_scope
 from ..data.corpus import prepare_data, read_meta
@@ -126,9 +126,7 @@ class Batch:
     @property
     def plan_steps(self) -> int:
         "The step count the study's variants are planned for."
-        return train_settings(get_study(self.study), self.preset, 0, self.steps).get(
-            'max_steps', TrainConfig().max_steps
-        )
+        return planned_steps(train_settings(get_study(self.study), self.preset, 0, self.steps))
 
     def plan(self) -> dict:
         "The study's variants for these flags: name -> Variant."
