@@ -125,7 +125,8 @@ def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_a
     The job asks for 2 GPUs: it trains through torchrun inside the job (here on the CPU, with gloo, as the local GPU-set test does)."""
     monkeypatch.setenv('OELM_GPU_SETS_ON_CPU', '1')
     out = tmp_path / 're'
-    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), '--no-report', *tiny_args(80), '--set', 'train.log_every=1',
+    # long enough that the rerun, started on a loaded machine, still finds the job training
+    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), '--no-report', *tiny_args(240), '--set', 'train.log_every=1',
             *LOCAL, '--gpus-per-run', '2')
     driver = subprocess.Popen(oelm_cmd(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: (out / 'gpt-s0' / 'job.json').exists() and (out / 'gpt-s0' / 'metrics.jsonl').exists(), what='gpt-s0 to train')
@@ -138,7 +139,7 @@ def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_a
     assert f'gpt-s0: job {job_id} completed it' in again.stdout and 'submitted as' not in again.stdout
     assert read_json(out / 'gpt-s0' / 'job.json')['job_id'] == job_id and read_json(out / 'batch.json')['jobs'] == {'gpt-s0': job_id}
     steps = [json.loads(l)['step'] for l in (out / 'gpt-s0' / 'metrics.jsonl').read_text().splitlines() if l.strip()]
-    assert steps == sorted(set(steps)) and steps[-1] == 80, 'one job wrote the run, once'
+    assert steps == sorted(set(steps)) and steps[-1] == 240, 'one job wrote the run, once'
     assert read_json(out / 'gpt-s0' / 'summary.json')['world_size'] == 2 and (out / 'gpt-s0' / 'torchrun.log').exists()
 
 
