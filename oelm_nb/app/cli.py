@@ -413,13 +413,14 @@ class StudyParser(jsonargparse.ArgumentParser):
     (`--train-embedding`, or `--train-embedding false`). Under `oelm run` it parses the rest of the command line whole,
     so a mistyped flag is an error, never ignored."""
     def add_class_arguments(self, cls, *args, **kwargs):
-        known = set(map(id, self._actions))
+        known, shapes = set(map(id, self._actions)), option_shapes(cls)
         out = super().add_class_arguments(cls, *args, **kwargs)
         for act in [a for a in self._actions if id(a) not in known]:  # the fields' flags, spelt with dashes
             for s in act.option_strings: self._option_string_actions.pop(s, None)
             act.option_strings = [s.replace('_', '-') for s in act.option_strings]
             self._option_string_actions.update(dict.fromkeys(act.option_strings, act))
-        self._shapes = {**getattr(self, '_shapes', {}), **option_shapes(cls)}
+            if any(shapes.get(s) == 'bool' for s in act.option_strings): act.metavar = '{true,false}'  # (None: not given)
+        self._shapes = {**getattr(self, '_shapes', {}), **shapes}
         return out
 
     def parse_known_args(self, args=None, namespace=None):
