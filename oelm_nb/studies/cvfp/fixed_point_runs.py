@@ -19,9 +19,9 @@ from .method import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, context_scan, effe
 from .study import first_stories, select_val_tokens
 
 # %% auto #0
-__all__ = ['ROWS', 'BatchTokens', 'batch_tokens', 'widen', 'row_config', 'block_gain', 'phase1_curves', 'measure_curves',
-           'last_iteration_table', 'curves_summary', 'study_run', 'measure_study_runs', 'study_runs_table',
-           'study_runs_summary']
+__all__ = ['ROWS', 'BatchTokens', 'batch_tokens', 'widen', 'row_config', 'block_gain', 'phase1_curves', 'grid_models',
+           'measure_curves', 'last_iteration_table', 'curves_summary', 'study_run', 'measure_study_runs',
+           'study_runs_table', 'study_runs_summary']
 
 # %% ../../../nbs/studies/cvfp/77_fixed_point_runs.ipynb #fa8fdd5a
 @dataclass
@@ -120,6 +120,17 @@ def phase1_curves(m: CVFPModel, # a fresh model: Phase 1 trains its ContextBlock
                        gain=block_gain(block, e, previous, start))
         yield rec
 
+# %% ../../../nbs/studies/cvfp/77_fixed_point_runs.ipynb #df6ec534
+def grid_models(tokens: BatchTokens, rows, algorithms, widths, random_embedding: bool = False, **config):
+    """({'row', 'algorithm', 'width'}, a fresh CVFPModel) for each width, algorithm and row, in that order: the grid
+    both measurements walk; `config` goes to `row_config` (phase2_epochs, CVFPConfig fields)."""
+    for width in widths:
+        emb = widen(tokens.embedding, width, random_embedding)
+        for alg in algorithms:
+            for row in rows:
+                model = CVFPModel(row_config(emb, alg, row, **config), emb)
+                yield {'row': row, 'algorithm': alg, 'width': width}, model
+
 # %% ../../../nbs/studies/cvfp/77_fixed_point_runs.ipynb #9c699f5a
 def measure_curves(tokens: BatchTokens,
                    rows=('default',), # keys of ROWS
@@ -131,17 +142,13 @@ def measure_curves(tokens: BatchTokens,
                    log=None, # called with a line per curve
                   ) -> pd.DataFrame:
     "Phase 1's curves (`phase1_curves`) for each width, algorithm and row: one line per learning iteration."
-    out = []
-    for width in widths:
-        emb = widen(tokens.embedding, width, random_embedding)
-        for alg in algorithms:
-            for row in rows:
-                t = time.perf_counter()
-                m = CVFPModel(row_config(emb, alg, row, **(fields or {})), emb)
-                head = {'row': row, 'algorithm': alg, 'width': width,
-                        'embedding': 'random' if random_embedding else 'trained'}
-                out += [{**head, **r} for r in phase1_curves(m, tokens.ids, iterations) if r['iteration']]
-                if log: log(f'{row}, {alg}, width {width}: {iterations} iterations in {time.perf_counter() - t:.1f} s')
+    out, t = [], time.perf_counter()
+    for head, m in grid_models(tokens, rows, algorithms, widths, random_embedding, **(fields or {})):
+        head = {**head, 'embedding': 'random' if random_embedding else 'trained'}
+        out += [{**head, **r} for r in phase1_curves(m, tokens.ids, iterations) if r['iteration']]
+        if log: log(f"{head['row']}, {head['algorithm']}, width {head['width']}: {iterations} iterations in "
+                    f"{time.perf_counter() - t:.1f} s")
+        t = time.perf_counter()
     return pd.DataFrame(out)
 
 # %% ../../../nbs/studies/cvfp/77_fixed_point_runs.ipynb #a0bd264d
@@ -243,14 +250,11 @@ def measure_study_runs(tokens: BatchTokens,
                       ) -> pd.DataFrame:
     "`study_run` for each width, algorithm and row: one line each, the agreements flattened ('agreement.cos_mean')."
     out = []
-    for width in widths:
-        emb = widen(tokens.embedding, width, random_embedding)
-        for alg in algorithms:
-            for row in rows:
-                r = study_run(CVFPModel(row_config(emb, alg, row, phase2_epochs, **(fields or {})), emb), tokens.ids,
-                              tokens.val_ids)
-                out.append({'row': row, 'algorithm': alg, 'width': width, **_flat(r)})
-                if log: log(f"{row}, {alg}, width {width}: study run in {r['wall_s']:.1f} s")
+    for head, m in grid_models(tokens, rows, algorithms, widths, random_embedding, phase2_epochs=phase2_epochs,
+                               **(fields or {})):
+        r = study_run(m, tokens.ids, tokens.val_ids)
+        out.append({**head, **_flat(r)})
+        if log: log(f"{head['row']}, {head['algorithm']}, width {head['width']}: study run in {r['wall_s']:.1f} s")
     return pd.DataFrame(out)
 
 # %% ../../../nbs/studies/cvfp/77_fixed_point_runs.ipynb #04865a65
