@@ -30,6 +30,19 @@ def oelm_main(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(['oelm', *args], rc, out.getvalue(), err.getvalue())
 
 
+def oelm_inline(*args: str) -> subprocess.CompletedProcess:
+    """`oelm ARGS` in this process, as `oelm_main`, with every run of a batch trained in-process (`runner.execute_inline`
+    in place of one papermill execution each; the report, unless --no-report, is still rendered by papermill). For tests
+    whose subject is what `oelm run` decides, writes and prints; the notebook and the process boundary have their own
+    tests (test_runner's batch, test_rundir, test_cluster). One run at a time: runs in threads of one process would share
+    torch's global random state."""
+    from unittest import mock
+    from oelm_nb.lab import runner
+    assert '--jobs' not in args and '--gpus' not in args, 'an in-process batch trains one run at a time on the CPU'
+    with mock.patch.object(runner, 'execute_run', runner.execute_inline):
+        return oelm_main(*args)
+
+
 def tiny_args(steps: int = 4) -> list[str]:
     "`oelm run` flags for seconds-long runs: `steps` optimizer steps on a 300-story corpus with a 300-token vocabulary."
     from shared_runs import SMALL_CORPUS

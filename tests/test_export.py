@@ -5,7 +5,7 @@ import json, math
 from pathlib import Path
 import pytest
 import torch
-from cli_helpers import oelm_main, run_oelm, tiny_args
+from cli_helpers import oelm_main, oelm_inline, tiny_args
 from shared_runs import qk_freeze_batch, pca_batch, completed, inline_batch
 from oelm_nb.lab.sample import load_run_model, run_codec
 
@@ -178,14 +178,14 @@ def test_a_run_starts_from_an_exported_nanogpt_checkpoint(run, tmp_path):
     out = tmp_path / 'batch'
     common = ('run', 'qk-freeze', '--variants', 'oelm-freeze', '--seeds', '1', '--no-report', *tiny_args(2),
               '--set', 'data.n_train_stories=300', '--data', str(run.parent / 'data'))
-    res = run_oelm(*common, '--out', str(out), '--init-from', str(tmp_path / 'nano' / 'ckpt.pt'))
+    res = oelm_inline(*common, '--out', str(out), '--init-from', str(tmp_path / 'nano' / 'ckpt.pt'))  # the run in-process
     assert res.returncode == 0, res.stderr[-2000:]
     cfg = json.loads((out / 'oelm-freeze-s1' / 'config.json').read_text())
     assert cfg['train']['init_from'] == str((tmp_path / 'nano' / 'ckpt.pt').resolve())
     trained = json.loads((run / 'summary.json').read_text())['final_train_loss']
     started, uniform = first_train_loss(out / 'oelm-freeze-s1'), math.log(cfg['model']['vocab_size'])  # a fresh init starts near ln V
     assert started < uniform - 0.3 and abs(started - trained) < 0.5, (started, uniform, trained)  # it begins where the source ended
-    res = run_oelm(*common, '--out', str(tmp_path / 'x'), '--init-from', str(tmp_path / 'missing.pt'))
+    res = oelm_main(*common, '--out', str(tmp_path / 'x'), '--init-from', str(tmp_path / 'missing.pt'))
     assert res.returncode == 2 and 'no such file or directory' in res.stderr
 
 

@@ -179,20 +179,20 @@ def test_missing_dir_and_offline_hub_names_fail_clearly(tmp_path, monkeypatch):
 
 def test_cli_teacher_flag_errors_before_anything_runs(tmp_path):
     out = tmp_path / 'b'
-    r = oelm('run', 'mercator', '--teacher', str(tmp_path / 'missing'), '--student', str(tmp_path / 'missing2'), '--out', str(out), timeout=120)
+    r = oelm_main('run', 'mercator', '--teacher', str(tmp_path / 'missing'), '--student', str(tmp_path / 'missing2'), '--out', str(out))
     assert r.returncode == 2 and 'oelm run: error: --teacher' in r.stderr and 'huggingface-cli download' in r.stderr
     assert not out.exists()
-    r = oelm('run', 'mercator', '--dataset', 'openai/gsm8k:main', '--out', str(out), timeout=120)
+    r = oelm_main('run', 'mercator', '--dataset', 'openai/gsm8k:main', '--out', str(out))
     assert r.returncode == 2 and '--data FILE' in r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='checks the CPU refusal of a 4-bit teacher')
 def test_nf4_teacher_is_refused_on_cpu_before_anything_runs(tmp_path):
     out = tmp_path / 'b'
-    r = oelm('run', 'mercator', '--teacher', str(tmp_path / 't'), '--student', str(tmp_path / 's'), '--teacher-dtype', 'nf4', '--out', str(out), timeout=120)
+    r = oelm_main('run', 'mercator', '--teacher', str(tmp_path / 't'), '--student', str(tmp_path / 's'), '--teacher-dtype', 'nf4', '--out', str(out))
     assert r.returncode == 2 and 'nf4' in r.stderr and 'needs a CUDA GPU' in r.stderr and '--teacher-dtype bfloat16' in r.stderr
     assert not out.exists()
-    r = oelm('run', 'mercator', '--teacher-dtype', 'nf4', '--out', str(out), timeout=120)
+    r = oelm_main('run', 'mercator', '--teacher-dtype', 'nf4', '--out', str(out))
     assert r.returncode == 2 and 'is for HF checkpoints' in r.stderr
 
 

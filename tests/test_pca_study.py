@@ -80,7 +80,7 @@ def test_lowrank_with_the_models_own_init_is_the_plain_training_run(tmp_path):
 def test_k_beyond_the_width_is_a_clear_error():
     with pytest.raises(ConfigError, match=r'--ks 80: k must be an integer in 1\.\.n_embd=64'): pca_variants('tiny', 500, {'ks': [8, 80]})
     with pytest.raises(ConfigError, match='n_embd=64'): resolve_spec('pca', 'pca-lora-k80', 'tiny', 0, options={'ks': [80]})
-    res = oelm('run', 'pca', '--ks', '8', '80', '--out', '/nonexistent/never-written', timeout=120)
+    res = oelm_main('run', 'pca', '--ks', '8', '80', '--out', '/nonexistent/never-written')
     assert res.returncode == 2 and 'n_embd=64' in res.stderr and 'Traceback' not in res.stderr
     assert not Path('/nonexistent/never-written').exists()
 

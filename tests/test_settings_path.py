@@ -56,8 +56,10 @@ def test_the_batch_says_what_a_user_value_replaces(tmp_path):
         plan_batch(Batch('pca', tmp_path, steps=40, options={'ks': [8]}, overrides={'lora-*:train.lr': 3e-3}))
 
 
-def oelm(*args, cwd=None):
-    return subprocess.run([str(Path(sys.executable).with_name('oelm')), *args], capture_output=True, text=True, cwd=cwd)
+def oelm(*args):
+    "`oelm ARGS` in this process (its exit status and output; the console script itself: test_cli)."
+    from cli_helpers import oelm_main
+    return oelm_main(*args)
 
 
 def test_every_command_takes_the_one_set_syntax():

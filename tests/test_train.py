@@ -12,6 +12,7 @@ import importlib.util, json, math, os, re, shutil, signal, subprocess, sys, text
 from pathlib import Path
 
 import pytest
+from cli_helpers import oelm_main
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -107,6 +108,7 @@ def test_bf16_runs_are_bitwise_reproducible_with_fp32_weights_state_and_loss(tmp
 def test_native_bf16_is_detected_but_auto_stays_fp32_on_cpu(monkeypatch, caps, speedup, native):
     import oelm_nb.model.device as core
     monkeypatch.setattr(torch._C._cpu, '_get_cpu_capability', lambda: caps)
+    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: True)  # oneDNN's own bf16 support: whatever this CPU has
     monkeypatch.setattr(core, 'bf16_matmul_speedup', lambda *a, **k: speedup)
     core.cpu_has_native_bf16.cache_clear()
     try:
@@ -411,8 +413,8 @@ def test_load_weights_mismatch_names_the_file(tmp_path):
 
 # ====================================================================== 6. bad configs through the CLI
 def run_cli(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'oelm_nb.app.cli', *args], cwd=cwd, env=SUB_ENV, capture_output=True,
-                          text=True, timeout=120)
+    "`oelm ARGS` in this process (the subject is the command's one-line error; the console script's exit status: test_cli)."
+    return oelm_main(*args)
 
 def one_error_line(res: subprocess.CompletedProcess, command: str) -> str:
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
