@@ -5,7 +5,7 @@ import json, os, pickle
 from pathlib import Path
 import numpy as np
 import pytest
-from cli_helpers import oelm_main, run_oelm, read_json
+from cli_helpers import oelm_main, oelm_inline, read_json
 
 TEXT = ('First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n'
         'First Citizen:\nYou are all resolved rather to die than to famish?\n\n') * 60
@@ -20,11 +20,10 @@ def char_folder(root: Path) -> Path:
     return root
 
 
-@pytest.mark.slow
 def test_a_character_level_folder_trains_and_samples_characters(tmp_path):
     data = char_folder(tmp_path / 'shakespeare_char')
     out = tmp_path / 'batch'
-    res = run_oelm('run', 'qk-freeze', '--data', str(data), '--variants', 'gpt', '--seeds', '0', '--steps', '8', '--no-report',
+    res = oelm_inline('run', 'qk-freeze', '--data', str(data), '--variants', 'gpt', '--seeds', '0', '--steps', '8', '--no-report',
                    '--out', str(out), '--set', 'model.block_size=64', '--set', 'train.eval_batches=2', '--set', 'train.eval_every=4')
     assert res.returncode == 0, res.stderr[-2000:]
     s = read_json(out / 'gpt-s0' / 'summary.json')
@@ -46,7 +45,7 @@ def test_a_meta_pkl_that_refers_to_code_is_refused_and_nothing_runs(tmp_path):
     data = char_folder(tmp_path / 'evil')
     marker = tmp_path / 'pwned'
     with open(data / 'meta.pkl', 'wb') as f: pickle.dump({'vocab_size': 40, 'hook': Marker(str(marker))}, f)
-    res = run_oelm('run', 'qk-freeze', '--data', str(data), '--variants', 'gpt', '--seeds', '0', '--steps', '2', '--no-report',
+    res = oelm_main('run', 'qk-freeze', '--data', str(data), '--variants', 'gpt', '--seeds', '0', '--steps', '2', '--no-report',
                    '--out', str(tmp_path / 'batch'))
     assert res.returncode == 2, res.stderr
     assert 'meta.pkl was not read' in res.stderr and 'refers to posix.mkdir' in res.stderr, res.stderr

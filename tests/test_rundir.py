@@ -9,7 +9,7 @@ import psutil
 import pytest
 from oelm_nb.studies.qk_freeze.study import QK_TRAIN
 import torch
-from cli_helpers import TIMEOUT, oelm_cmd as oelm, run_oelm, read_json, tiny_args
+from cli_helpers import TIMEOUT, oelm_cmd as oelm, oelm_inline, run_oelm, read_json, tiny_args
 
 from oelm_nb.lab.experiment import resolve_spec, prepare_run
 from oelm_nb.base.rundir import parse_run_name
@@ -83,17 +83,18 @@ def test_a_second_oelm_run_on_one_out_is_refused_naming_the_holder(contested):
 
 def test_resume_or_skip_with_another_configuration_is_refused_and_restart_sets_aside(contested):
     out, args, *_ = contested
-    res = run_oelm(*args, '--set', 'train.lr=0.5')
+    # the rules of resume, skip and --restart, in-process (the process boundary is the fixture's, above)
+    res = oelm_inline(*args, '--set', 'train.lr=0.5')
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"gpt-s0: train.lr: {QK_TRAIN['tiny']['lr']} -> 0.5" in res.stderr and '--restart' in res.stderr, res.stderr
     assert len(read_json(out / 'batch.json')['invocations']) == 1
 
-    same = run_oelm(*args)  # the same configuration again: skipped, and recorded as another invocation
+    same = oelm_inline(*args)  # the same configuration again: skipped, and recorded as another invocation
     assert same.returncode == 0 and 'gpt-s0: already completed, skipped' in same.stdout, same.stdout + same.stderr
     b = read_json(out / 'batch.json')
     assert len(b['invocations']) == 2 and b['invocations'][-1]['statuses'] == {'gpt-s0': 'completed'}
 
-    fresh = run_oelm(*args, '--set', 'train.lr=0.004', '--restart', '--steps', '8')  # a short retrain is enough here
+    fresh = oelm_inline(*args, '--set', 'train.lr=0.004', '--restart', '--steps', '8')  # a short retrain is enough here
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert 'gpt-s0: --restart, moved to gpt-s0.replaced-1' in fresh.stdout
     assert read_json(out / 'gpt-s0.replaced-1' / 'config.json')['train']['lr'] == QK_TRAIN['tiny']['lr']  # the old run is kept
@@ -137,7 +138,7 @@ def test_killing_oelm_alone_stops_its_trainer_and_a_rerun_continues_cleanly(tmp_
     time.sleep(2)
     assert metric_steps(run)[-1] == stopped_at, 'something still writes the run after its runner was killed'
 
-    res = run_oelm(*args)
+    res = oelm_inline(*args)  # the kill was the process boundary; the resume is the runner's rule, here in-process
     assert res.returncode == 0, res.stdout + res.stderr
     assert 'oelm-s0: resumed from step' in res.stdout, res.stdout
     assert_steps_clean(out, 60)

@@ -277,6 +277,7 @@ def execute_inline(job: Job, batch: Batch, gpu_set: list[str] | None = None, thr
         write_json(job.run_dir / 'summary.json', {'status': 'failed', **identity,
                                                  'error': err, 'wall_time_s': time.time() - t0})
         log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}'); return 'failed'
+    (job.run_dir / '.running').unlink(missing_ok=True)  # an earlier notebook's marker: this execution finished the run
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
     return run_status(job.run_dir)
 
