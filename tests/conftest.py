@@ -33,6 +33,14 @@ torch.set_num_threads(int(os.environ.get('OELM_TEST_THREADS', '1')))
 for _v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'): os.environ.setdefault(_v, os.environ.get('OELM_TEST_THREADS', '1'))
 
 
+# ---------------------------------------------------------------- the toy study
+# tests/ holds a study registered as a lab would register one (tests/toy_study, tests/toy_study-0.1.dist-info): pytest
+# puts tests/ on sys.path, and the processes the tests start (oelm, papermill kernels) get it on PYTHONPATH, so the toy is
+# a registered study everywhere in a test session and the "every study" tests cover it without naming it.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ['PYTHONPATH'] = os.pathsep.join(p for p in (_TESTS, os.environ.get('PYTHONPATH')) if p)
+
+
 def pytest_configure(config):
     config.addinivalue_line('markers', 'slow: takes more than a few seconds (deselect with -m "not slow")')
     config.addinivalue_line('markers', 'cuda: needs a CUDA GPU (skipped where none is present)')

@@ -12,6 +12,7 @@ import json, subprocess
 import numpy as np
 import pytest
 from cli_helpers import oelm_main, run_oelm
+from oelm_nb.lab.experiment import study_names
 
 
 def run_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
@@ -207,7 +208,7 @@ def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path)
     assert r.returncode == 2 and "unknown ['tensorbord']" in r.stderr and not (tmp_path / 'b').exists()
 
 
-@pytest.mark.parametrize('study', ['qk-freeze', 'pca', 'cvfp', 'mercator'])
+@pytest.mark.parametrize('study', study_names())  # every registered study, the toy of tests/toy_study too
 def test_one_meaning_per_flag_the_old_spellings_are_refused_naming_the_new(study, capsys):
     "`--parallel` meant 'GPU sets at once' in three studies and 'Phase 1's parallel version' in CVFP: refused everywhere."
     from oelm_nb.app.cli import build_parser

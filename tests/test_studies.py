@@ -12,7 +12,7 @@ from oelm_nb.base.core import ConfigError
 from oelm_nb.lab.experiment import resolve_spec
 from oelm_nb.base.rundir import parse_run_name, run_name
 from oelm_nb.report.tables import compare, load_runs
-from oelm_nb.lab.experiment import studies, get_study
+from oelm_nb.lab.experiment import studies, get_study, study_names
 from oelm_nb.studies.qk_freeze.study import hypotheses
 from oelm_nb.studies.pca.study import ppl_table, recovery_table, recovery_verdict, pca_answers
 from oelm_nb.report.evidence import Answer
@@ -187,9 +187,14 @@ def test_pca_answers_one_seed_says_so(tmp_path):
     assert [(x.verdict, x.method) for x in none] == [('no data', 'needs completed PCA, PCA + LoRA and reference runs of a common seed')]
 
 
-def test_every_study_answers_through_the_kit():
-    assert {n: s.answers.__name__ for n, s in studies().items()} == {
-        'qk-freeze': 'qk_answers', 'pca': 'pca_answers', 'cvfp': 'cvfp_answers', 'mercator': 'mercator_answers'}
+@pytest.mark.parametrize('study', study_names())  # every registered study (tests/toy_study among them)
+def test_every_study_answers_through_the_kit(study, tmp_path):
+    "Each study answers its questions itself (`Study.answers`), as evidence.Answer rows, even for a batch with no run."
+    st = get_study(study)
+    assert callable(st.answers), f'{study}: no answers: `oelm run` would print none and answers.json would be empty'
+    assert sum(s.answers is st.answers for s in studies().values()) == 1, f'{study} shares another study\'s answers'
+    empty = st.answers(load_runs(fake_batch(tmp_path, study, {})))
+    assert empty and all(isinstance(a, Answer) for a in empty), empty
 
 
 def test_registered_pca_study_answers(tmp_path):

@@ -339,7 +339,7 @@ def recovery_table(runs: pd.DataFrame) -> pd.DataFrame:
     the seeds without a gap and the mean gap, for `pca_answers`)."""
     runs = with_method_k(runs)
     ok = completed(runs)
-    ok = ok[ok.val_loss.notna()] if 'val_loss' in ok else ok.iloc[:0]
+    ok = ok[ok.val_loss.notna()] if 'val_loss' in ok else ok.iloc[:0].assign(val_loss=pd.Series(dtype=float))
     refs = {m: _per_seed(ok, m) for m in REFERENCE_METHODS}
     rows = []
     for k in sorted({int(k) for k in runs['k'].dropna()}):
