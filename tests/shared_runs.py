@@ -1,9 +1,13 @@
 """Batches the suites share: each trained once per pytest session, in this process, and only read by the tests.
 
 A papermill execution costs seconds of kernel start-up before its first step; `oelm_nb.lab.runner.execute_inline` runs a
-batch's runs in-process with the same run directories, summaries and report. Each study keeps exactly one papermill
-batch end to end in its own suite (qk-freeze: test_runner; pca: test_cluster; cvfp: test_cvfp_study; mercator: the
-HF-mode batch of test_mercator_study); every test that only reads runs, reports, exports or verdicts uses a batch from here.
+batch's runs in-process with the same run directories, summaries and report. The process boundaries (papermill, the
+`oelm` console script, kill and resume, detach, the lock's holder, torchrun, SLURM's local executor) are the subject of a
+small named set of tests: test_runner (the papermill batch of the shared experiment notebook, kill and resume, torchrun),
+test_rundir (the lock's holder, killing the runner alone), test_cluster (the local executor, detach and attach) and
+test_cli (the console script). Every study's experiment notebook is the same three-cell skeleton (test_skeletons) over
+`run_in_notebook` and `plot_run`, which those batches and test_skeletons execute. Every other test that trains calls the
+library, and every test that only reads runs, reports, exports or verdicts uses a batch from here.
 
 Under pytest-xdist the workers of one session share each batch through a lock file in the session's base temporary
 folder: the first worker to ask trains it, the others wait and read. A test that changes a batch works on a copy.

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_helpers import TIMEOUT, oelm_cmd as oelm, read_json, read_jsonl, html_text, tiny_args
+from cli_helpers import oelm_inline, read_json, read_jsonl, html_text, tiny_args
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -35,8 +35,9 @@ def batch(tmp_path_factory):
     with open(root / 'oelm-cvfp-batch.lock', 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            res = subprocess.run(oelm('run', 'cvfp', '--algorithms', 'MCDL', '--samples', *map(str, (*SAMPLES, TOO_MANY)), '--phase1', 'sequential',
-                                      '--seeds', '0', '--jobs', '2', '--out', str(out), *TINY, *SMALL_CVFP), capture_output=True, text=True, timeout=TIMEOUT)
+            # the runs in-process (the study's flags, plan, runs and report are under test; the papermill batch: test_runner)
+            res = oelm_inline('run', 'cvfp', '--algorithms', 'MCDL', '--samples', *map(str, (*SAMPLES, TOO_MANY)), '--phase1', 'sequential',
+                              '--seeds', '0', '--out', str(out), *TINY, *SMALL_CVFP)
             done.write_text(json.dumps({'rc': res.returncode, 'stdout': res.stdout, 'stderr': res.stderr}))
         r = read_json(done)
     return out, r['rc'], r['stdout'], r['stderr']

@@ -20,7 +20,7 @@ from oelm_nb.lab.experiment import get_study
 from oelm_nb.studies.mercator.method import cosine_stage, layer_map, pass_label
 from oelm_nb.studies.mercator.study import mercator_common, mercator_run, MercatorSettings
 from oelm_nb.studies.mercator.hf import resolve_checkpoint, resolve_dataset, load_texts, load_records
-from cli_helpers import oelm_main, run_oelm as oelm, read_json, html_text
+from cli_helpers import oelm_main, oelm_inline, read_json, html_text
 from shared_runs import shared_batch, completed
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
@@ -31,7 +31,7 @@ STUDENTS = ('mercator-b0.01', 'logit-kd', 'no-distill')
 @pytest.fixture(scope='module')
 def batch(tmp_path_factory):
     """The students mercator-b0.01, logit-kd and no-distill with the runs they need, seed 0, 6 steps, and the report: trained in-process
-    once per session (tests/shared_runs.py); the study's papermill batch end to end is the HF-mode test below."""
+    once per session (tests/shared_runs.py); the HF-mode batch below goes through `oelm run` (in-process runs, the report by papermill)."""
     out, rec = shared_batch(tmp_path_factory, 'shared-mercator', 'mercator', variants=list(STUDENTS), steps=6, report=True)
     return completed((out, rec)), '\n'.join(rec['log'])
 
@@ -266,7 +266,7 @@ def test_hf_mode_teacher_and_student_runs(tmp_path):
 
 
 def test_hf_mode_batch_through_the_cli_reports_gsm8k_accuracy(tmp_path):
-    "`oelm run mercator --teacher --student --dataset` end to end (papermill runs, report) on tiny Qwen2 checkpoints and a GSM8K-format file."
+    "`oelm run mercator --teacher --student --dataset` end to end (runs in-process, the report by papermill) on tiny Qwen2 checkpoints and a GSM8K-format file."
     pytest.importorskip('transformers')
     from oelm_nb.studies.mercator.gsm8k import write_gsm8k_sample
     data = write_gsm8k_sample(tmp_path / 'gsm8k.jsonl', 40, seed=2)
@@ -276,7 +276,7 @@ def test_hf_mode_batch_through_the_cli_reports_gsm8k_accuracy(tmp_path):
     _qwen2(t_dir, 2, 4, 2, 8, 32, len(tok) + 16, 0); _qwen2(s_dir, 1, 2, 1, 8, 16, len(tok) + 16, 1)
     tok.save_pretrained(t_dir); tok.save_pretrained(s_dir)
     out = tmp_path / 'batch'
-    r = oelm('run', 'mercator', '--teacher', str(t_dir), '--student', str(s_dir), '--dataset', str(data), '--variants', 'no-distill,mercator-b0.01',
+    r = oelm_inline('run', 'mercator', '--teacher', str(t_dir), '--student', str(s_dir), '--dataset', str(data), '--variants', 'no-distill,mercator-b0.01',
              '--seeds', '0', '--steps', '2', '--out', str(out), '--set', 'train.grad_accum=1', '--set', 'train.eval_batches=1',
              '--set', 'settings.task_eval=2', '--set', 'settings.max_new_tokens=4', '--set', 'data.val_fraction=0.1', '--set', 'train.device=cpu')
     assert r.returncode == 0, r.stdout + r.stderr

@@ -17,7 +17,7 @@ from oelm_nb.lab.experiment import resolve_spec
 from oelm_nb.lab.experiment import get_study
 from oelm_nb.model.pca import LORA_TARGETS
 from oelm_nb.studies.pca.study import pca_variants
-from cli_helpers import oelm_main, run_oelm as oelm, read_json, html_text, tiny_args
+from cli_helpers import oelm_main, oelm_inline, read_json, html_text, tiny_args
 from shared_runs import pca_batch, completed, PCA_KS
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
@@ -291,7 +291,7 @@ def test_pca_lora_run_is_reproducible(batch, tmp_path):
     shutil.copytree(out / 'baseline-s0', again / 'baseline-s0', symlinks=True)
     shutil.copytree(out / 'data', again / 'data')
     shutil.copy(out / 'batch.json', again / 'batch.json')
-    r2 = oelm('run', 'pca', '--variants', 'pca-lora-k16', '--seeds', '0', '--jobs', '2', '--no-report', '--out', str(again), *TINY)
+    r2 = oelm_inline('run', 'pca', '--variants', 'pca-lora-k16', '--seeds', '0', '--no-report', '--out', str(again), *TINY)
     assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-2000:]
     assert 'baseline-s0: already completed' in r2.stdout
     first, second = read_json(out / 'pca-lora-k16-s0' / 'summary.json'), read_json(again / 'pca-lora-k16-s0' / 'summary.json')
