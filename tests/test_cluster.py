@@ -146,7 +146,8 @@ def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_a
 # ====================================================================== --detach
 def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path):
     out = tmp_path / 'det'
-    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), *tiny_args(40))  # still training when attached
+    # still training when attached; no report (rendering one is not what detaching is about: test_runner renders it)
+    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(40))
     term = subprocess.Popen(oelm_cmd(*args, '--detach'), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stdout, stderr = term.communicate(timeout=120)
     assert term.returncode == 0, stdout + stderr
@@ -160,6 +161,6 @@ def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert 'is being run in the background by' in attached.stdout
     assert 'gpt-s0: already completed, skipped' in attached.stdout
-    assert (out / 'report.html').exists() and '1/1 runs completed' in attached.stdout
+    assert '1/1 runs completed' in attached.stdout
     assert 'gpt-s0: completed' in (out / 'batch.log').read_text()
     assert not is_alive(holder)

@@ -75,20 +75,24 @@ def test_lab_server_starts_and_saving_without_an_edit_changes_nothing(project):
         except subprocess.TimeoutExpired: proc.kill()
 
 
-def test_report_notebook_runs_from_its_own_folder(project, tmp_path_factory):
-    """papermill with the working directory JupyterLab uses (the notebook's folder) and the notebook's own run_dir; the batch
-    is a copy of the session's shared Q/K freeze batch (tests/shared_runs.py) where `make run` puts its batch."""
+def test_report_notebook_runs_from_its_own_folder(project, tmp_path_factory, monkeypatch):
+    """The report's opening (`open_report`, its first call) from the working directory JupyterLab uses (the notebook's
+    folder) with the notebook's own run_dir, in-process; the batch is a copy of the session's shared Q/K freeze batch
+    (tests/shared_runs.py) where `make run` puts its batch. Then papermill in that folder without a batch: the clear message."""
+    from oelm_nb.report.page import open_report
     copy_batch(qk_freeze_batch(tmp_path_factory), project / 'runs' / 'qk-freeze', 'checkpoints')
     reports = project / 'nbs' / 'reports'
-    env = {k: v for k, v in os.environ.items() if k != 'OELM_PROJECT'}
-    r = subprocess.run([str(BIN / 'papermill'), 'qk_freeze.ipynb', 'out.ipynb', '--cwd', str(reports), '--no-progress-bar'],
-                       cwd=reports, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads((reports / 'out.ipynb').read_text())
-    text = json.dumps(out)
-    assert str((project / 'runs' / 'qk-freeze').resolve()) in text  # the batch was found under the project root
+    nb = json.loads((reports / 'qk_freeze.ipynb').read_text())
+    run_dir = next(''.join(c['source']) for c in nb['cells'] if 'parameters' in c['metadata'].get('tags', []))
+    ns: dict = {}; exec(run_dir, ns)  # the notebook's own default, `runs/qk-freeze`
+    monkeypatch.delenv('OELM_PROJECT', raising=False)
+    monkeypatch.chdir(reports)
+    found, batch, runs = open_report(ns['run_dir'], 'qk-freeze', 'run')
+    assert found == (project / 'runs' / 'qk-freeze').resolve() and batch['study'] == 'qk-freeze'  # found under the project root
+    assert set(runs.variant) == {'gpt', 'oelm-freeze'} and (runs.status == 'completed').all()
     # without a batch: a clear message saying what to run
     shutil.rmtree(project / 'runs')
+    env = {k: v for k, v in os.environ.items() if k != 'OELM_PROJECT'}
     r = subprocess.run([str(BIN / 'papermill'), 'qk_freeze.ipynb', 'out2.ipynb', '--cwd', str(reports), '--no-progress-bar'],
                        cwd=reports, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode != 0 and 'Run `make run` (or `oelm run qk-freeze`) first' in r.stderr
