@@ -107,9 +107,12 @@ PYTHONS_DIR ?= /tmp/oelm-pythons
 test-pythons:
 	@PYTHONS="$(PYTHONS)" PYTHONS_DIR="$(PYTHONS_DIR)" TORCH_PIN="$(TORCH_PIN)" TORCH_INDEX="$(TORCH_INDEX)" bash tools/test_pythons.sh
 
-# The developer's inner loop (under 2 minutes): the notebook checks and the unit-level tests; tests marked `slow`
-# (batches, papermill, processes end to end) are left to `make test`.
-test-fast: $(STAMP) layers nbtest
+# The developer's inner loop (under 2 minutes): the layer contract, the checks of the notebooks changed since the last
+# commit (git status; all of them: `make nbtest`), and the tests not marked `slow` (batches, papermill, processes end to
+# end are left to `make test`).
+test-fast: $(STAMP) layers
+	@echo "[test-fast] notebook checks of the notebooks changed since the last commit"
+	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py --check-only --changed --jobs 2
 	@echo "[test-fast] pytest, tests marked slow left out"
 	@$(BIN)/python -m pytest -n 2 --dist worksteal -q -m "not slow" --durations=5 tests
 	@echo "[test-fast] all checks passed (make test runs everything)"

@@ -397,11 +397,21 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
 def run_stage1(docs, proc_dir, jobs=2, use_cache=True, execute='all', quiet=False):  # the name tools/build_readme.py calls
     return process_notebooks(docs, Path(proc_dir), jobs, use_cache, quiet)
 
+def changed_notebooks(docs: list[DocNb]) -> list[DocNb]:
+    "Those of `docs` that git reports as changed since the last commit, or new (`make test-fast`: the chapters being edited)."
+    r = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=all', '--', 'nbs'], cwd=ROOT, capture_output=True,
+                       text=True)
+    if r.returncode: return docs  # not a git checkout: every notebook
+    paths = {(ROOT / line[3:].split(' -> ')[-1].strip('"')).resolve() for line in r.stdout.splitlines()}
+    return [d for d in docs if d.src.resolve() in paths]
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--check-only', action='store_true', help="only step 1, the notebook check of `make test` (`make nbtest`)")
     ap.add_argument('--jobs', type=int, default=min(2, os.cpu_count() or 1), help='notebooks handled in parallel')
     ap.add_argument('--no-cache', action='store_true', help='run every notebook again')
+    ap.add_argument('--changed', action='store_true', help='with --check-only: only the notebooks changed since the last '
+                    'commit, or new (git status; `make test-fast`); `make test` checks them all')
     ap.add_argument('--no-examples', action='store_true', help='report pages as saved, not executed on example batches')
     ap.add_argument('--no-check-links', action='store_true', help='skip the internal link check')
     ap.add_argument('--site-dir', help='where the site goes (default: settings.ini doc_path)')
@@ -411,6 +421,9 @@ def main(argv=None) -> int:
         if not a.check_only: build(a.site_dir, a.build_dir, a.jobs, not a.no_cache, not a.no_check_links, not a.no_examples)
         else:
             t0, docs = time.time(), [d for d in discover() if d.library]
+            if a.changed:
+                docs = changed_notebooks(docs)
+                log(f"{len(docs)} notebook(s) changed since the last commit (--changed; `make nbtest` checks every one)")
             process_notebooks(docs, Path(a.build_dir or ROOT / '_mkdocs').resolve() / 'proc', a.jobs, not a.no_cache)
             log(f"{len(docs)} notebook(s) pass nbdev's test_nb ({time.time() - t0:.0f}s)")
     except DocsBuildError as e:
