@@ -24,6 +24,8 @@ unexport PYTHONDONTWRITEBYTECODE
 # pip warns about every missing local mirror folder; keep the real errors visible
 PIPFILTER := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 RUN_OUT ?= runs/qk-freeze
+# when this make started: `make test` prints its total
+MAKE_T0 := $(shell date +%s)
 
 .PHONY: all setup run test test-pythons test-fast sync-check readme-check layers nbtest nbdev-test pytest docs readme lab loggers clean
 
@@ -69,7 +71,7 @@ run: $(RUN_STAMP)
 
 # Notebooks clean and exported in sync, the layer contract, then the notebooks' own checks, then pytest.
 test: $(STAMP) sync-check readme-check layers nbtest pytest
-	@echo "[test] all checks passed"
+	@echo "[test] all checks passed in $$(( $$(date +%s) - $(MAKE_T0) )) s (set-up included when this make ran it)"
 
 sync-check: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" bash tools/check_sync.sh
@@ -115,7 +117,7 @@ test-fast: $(STAMP) layers
 	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py --check-only --changed --jobs 2
 	@echo "[test-fast] pytest, tests marked slow left out"
 	@$(BIN)/python -m pytest -n 2 --dist worksteal -q -m "not slow" --durations=5 tests
-	@echo "[test-fast] all checks passed (make test runs everything)"
+	@echo "[test-fast] all checks passed in $$(( $$(date +%s) - $(MAKE_T0) )) s (make test runs everything)"
 
 # README.md is generated from nbs/index.ipynb (executed, as nbdev_readme would render it with Quarto).
 readme-check: $(STAMP)
