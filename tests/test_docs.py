@@ -213,7 +213,8 @@ def test_report_page_is_executed_on_an_example_batch(site, study):
     summaries = [json.loads(p.read_text()) for p in batch.glob('*-s[0-9]*/summary.json')]
     assert len(summaries) >= 4 and all(s['status'] == 'completed' for s in summaries)
     assert {s['seed'] for s in summaries} == {0, 1}
-    others = [r for r, st in eb.report_studies().items() if st not in EXAMPLE_STUDIES]
+    # the site shows the reports under nbs/ (a study registered from elsewhere, like tests/toy_study, has its own)
+    others = [r for r, st in eb.report_studies().items() if st not in EXAMPLE_STUDIES and not Path(r).is_absolute()]
     for r in others: assert 'Not executed for this site' in (site / r.replace('.ipynb', '.html')).read_text()  # shown as saved
 
 

@@ -54,7 +54,7 @@ def procs_mentioning(path: Path) -> list[int]:
 
 
 # ====================================================================== two writers, one batch
-CONTESTED_STEPS = 80  # the second `oelm run` is refused about 2 s after the first took its run's lock; the run takes 4x that
+CONTESTED_STEPS = 40  # the second `oelm run` is refused about 2 s after the first took its run's lock; the run takes longer than that
 
 
 @pytest.fixture(scope='module')
