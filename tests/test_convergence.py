@@ -159,13 +159,8 @@ def test_formation_keeps_censored_runs(tmp_path):
     assert c.per_seed == {0: float(steps['oelm-freeze-s0'] - steps['gpt-s0'])} and not c.relative
 
 
-def test_the_log_rank_test_against_an_independent_computation():
-    "The log-rank chi-square written out (observed - expected over the risk sets), against formation_test's p-value."
-    from scipy import stats
-    times = {'a': [300, 500, 1800, 1800], 'b': [200, 300, 400, 700]}
-    events = {'a': [True, True, False, False], 'b': [True, True, True, True]}
-    form = pd.DataFrame([{'variant': v, 'time': t, 'event': e} for v in 'ab' for t, e in zip(times[v], events[v])])
-    p = formation_test(form, 'a', 'b')['p']
+def logrank_by_hand(times: dict, events: dict) -> float:
+    "Z = (O - E) / sqrt(V) of group 'a', written out over the distinct event times (risk sets, hypergeometric V)."
     ts = sorted({t for v in 'ab' for t, e in zip(times[v], events[v]) if e})
     o_e, var = 0.0, 0.0
     for t in ts:
@@ -174,19 +169,110 @@ def test_the_log_rank_test_against_an_independent_computation():
         n, dt = sum(at_risk.values()), sum(d.values())
         o_e += d['a'] - dt * at_risk['a'] / n
         var += dt * (at_risk['a'] / n) * (1 - at_risk['a'] / n) * (n - dt) / max(n - 1, 1)
-    assert p == pytest.approx(stats.chi2.sf(o_e ** 2 / var, 1), rel=1e-6)
-    assert formation_test(form, 'a', 'b')['earlier'] == 'b'
+    return o_e / math.sqrt(var) if var > 0 else 0.0
 
 
-def test_the_log_rank_test_holds_its_level():
-    "No difference between the variants (4 + 4 runs, some censored): it rejects at 5% in at most about 5% of batches."
-    rng = np.random.default_rng(7)
-    rejections = 0
-    for _ in range(500):
-        t = rng.exponential(1000, 8).round(-2) + 100
-        f = pd.DataFrame({'variant': ['a'] * 4 + ['b'] * 4, 'time': np.minimum(t, 1800), 'event': t <= 1800})
-        rejections += (formation_test(f, 'a', 'b')['p'] or 1.0) < 0.05
-    assert rejections / 500 < 0.08
+def test_the_log_rank_statistic_against_an_independent_computation():
+    "The log-rank statistic written out, against the kit's Z and the large-sample p it keeps for comparison."
+    from scipy import stats
+    from oelm_nb.report.convergence import logrank_z
+    times = {'a': [300, 500, 1800, 1800], 'b': [200, 300, 400, 700]}
+    events = {'a': [True, True, False, False], 'b': [True, True, True, True]}
+    form = pd.DataFrame([{'variant': v, 'seed': i, 'time': t, 'event': e} for v in 'ab'
+                         for i, (t, e) in enumerate(zip(times[v], events[v]))])
+    z = logrank_by_hand(times, events)
+    assert logrank_z(times['a'] + times['b'], events['a'] + events['b'], [[True] * 4 + [False] * 4])[0] == pytest.approx(z)
+    t = formation_test(form, 'a', 'b')
+    assert t['p_logrank'] == pytest.approx(stats.chi2.sf(z ** 2, 1), rel=1e-6) and t['earlier'] == 'b'
+
+
+# The reference batch of issue 46 (a make-run of 6afd783): R1 gpt 3 of 4 formed, oelm-freeze none (censored at 1,800,
+# after every event); R2 oelm 4 of 4, oelm-freeze none. Expected exact p-values, counted by hand:
+#   unpaired (C(8, 4) = 70 splits): R1 the 3 events all in one group, 5 + 5 splits -> 10/70 = 0.143;
+#                                   R2 the 4 events all in one group, 1 + 1 splits -> 2/70 = 0.029
+#   within seed (2^4 = 16 swaps):   R1 seeds 0-2 all swapped or none, seed 3 either way -> 4/16 = 0.25;
+#                                   R2 all four swapped or none -> 2/16 = 0.125
+REFERENCE = [  # (question, gpt-or-oelm formation steps (None: censored at 1,800), unpaired p, within-seed p)
+    ('R1', [300, 500, 700, None], 10 / 70, 4 / 16),
+    ('R2', [300, 500, 700, 900], 2 / 70, 2 / 16)]
+
+
+@pytest.mark.parametrize('rid, steps, unpaired, within', REFERENCE)
+def test_the_exact_formation_test_reproduces_the_reference_p_values(rid, steps, unpaired, within):
+    import itertools
+    t = [1800] * 4 + [s or 1800 for s in steps]
+    e = [False] * 4 + [s is not None for s in steps]
+    form = pd.DataFrame({'variant': ['oelm-freeze'] * 4 + ['gpt'] * 4, 'seed': [0, 1, 2, 3] * 2, 'time': t, 'event': e,
+                         'last_step': 1800})
+    # the same p-values by brute force here: every split of the 8 runs, and every swap within a seed
+    obs = abs(logrank_by_hand({'a': t[:4], 'b': t[4:]}, {'a': e[:4], 'b': e[4:]}))
+    def z(idx):
+        rest = [i for i in range(8) if i not in idx]
+        return abs(logrank_by_hand({'a': [t[i] for i in idx], 'b': [t[i] for i in rest]},
+                                   {'a': [e[i] for i in idx], 'b': [e[i] for i in rest]}))
+    splits = [z(c) for c in itertools.combinations(range(8), 4)]
+    swaps = [z([s + 4 * k for s, k in enumerate(flip)]) for flip in itertools.product([0, 1], repeat=4)]
+    assert np.mean([x >= obs - 1e-9 for x in splits]) == pytest.approx(unpaired)
+    assert np.mean([x >= obs - 1e-9 for x in swaps]) == pytest.approx(within)
+    got, got_u = formation_test(form, 'oelm-freeze', 'gpt'), formation_test(form, 'oelm-freeze', 'gpt', paired=False)
+    assert (got['p'], got['relabellings'], got['design']) == (pytest.approx(within), 16, 'within seed')
+    assert (got_u['p'], got_u['relabellings']) == (pytest.approx(unpaired), 70)
+    assert got['floor'] == pytest.approx(within) and got['only_more_often'] and got['earlier'] == 'gpt'
+    assert got['p_logrank'] < 0.05  # what the large-sample approximation claimed
+
+
+def test_formation_answers_claim_no_order_the_censoring_does_not_show(tmp_path):
+    "R1/R2 on a written batch: counts within the budget, the exact test named, no 'earlier', the floor's caveat."
+    from oelm_nb.studies.qk_freeze.study import formation_answer
+    at = {0: 0.1, 1: 0.17, 2: 0.23, 3: None}  # gpt formed it at steps 300, 500, 700; never in seed 3
+    root = write(tmp_path / 'b', {**{('gpt', s): {'val_loss': SETTLED, 'recall_acc': jump(j)} for s, j in at.items()},
+                                  **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(None)} for s in at}})
+    form = formation(load_runs(root))
+    a = formation_answer('R1', form, 'oelm-freeze', 'gpt', 'at 3,000 steps')
+    assert a.verdict == 'no resolvable difference' and 'earlier' not in a.verdict
+    assert a.estimate.startswith('formed within 3,000 steps: oelm-freeze 0 of 4 vs gpt 3 of 4')
+    assert 'exact permutation test of the log-rank statistic over 16 relabellings within seed' in a.method
+    assert a.p == 0.25 and a.n == 8 and 'p = 0.25' in a.method
+    assert any('the exact test cannot go below p = 0.25' in c for c in a.caveats)
+    assert not any('large-sample' in c for c in a.caveats)
+
+
+def test_with_enough_seeds_censoring_after_every_event_says_more_often_not_earlier(tmp_path):
+    from oelm_nb.studies.qk_freeze.study import formation_answer
+    root = write(tmp_path / 'b', {**{('gpt', s): {'val_loss': SETTLED, 'recall_acc': jump(0.1 + 0.02 * s)}
+                                     for s in range(6)},
+                                  **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(None)} for s in range(6)}})
+    a = formation_answer('R1', formation(load_runs(root)), 'oelm-freeze', 'gpt', '')
+    assert a.verdict == 'gpt formed it more often within 3,000 steps' and a.p == pytest.approx(2 / 64)
+    # one oelm-freeze run formed it late, amid no other event: the order is now in the data
+    root2 = write(tmp_path / 'c', {**{('gpt', s): {'val_loss': SETTLED, 'recall_acc': jump(0.1 + 0.02 * s)}
+                                      for s in range(6)},
+                                   **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(0.8 if s == 0 else None)}
+                                      for s in range(6)}})
+    assert formation_answer('R1', formation(load_runs(root2)), 'oelm-freeze', 'gpt', '').verdict == 'gpt earlier'
+
+
+def check_level(pvalues, times, events, size: float) -> dict:
+    "The share of null batches with p <= 0.05, within 1.5 points of the test's attainable size (both sides)."
+    rate = float((np.asarray(pvalues(times, events)) <= 0.05).mean())
+    return {'rate': rate, 'ok': abs(rate - size) <= 0.015}
+
+
+def test_the_exact_test_holds_its_level_and_a_constant_p_fails():
+    """10,000 null batches (both variants from one distribution, continuous times): paired by seed, 8 seeds (128
+    distinct |Z|, size 6/128), and unpaired, 4 + 4 runs (35 distinct, size 2/70, a quarter censored)."""
+    from oelm_nb.report.convergence import exact_logrank
+    rng = np.random.default_rng(46)
+    t8 = rng.exponential(1000, (10_000, 16))
+    paired_p = lambda t, e: np.concatenate([exact_logrank(t[i:i + 2500], e[i:i + 2500], np.r_[[True] * 8, [False] * 8],
+                                                          np.r_[0:8, 0:8])['p'] for i in range(0, len(t), 2500)])
+    right, wrong = (check_level(f, t8, np.ones_like(t8, bool), 6 / 128) for f in (paired_p, lambda t, e: np.ones(len(t))))
+    t4 = rng.exponential(1000, (10_000, 8))
+    cens = np.where(rng.random(t4.shape) < 0.25, rng.uniform(0, 1, t4.shape) * t4, t4)  # a quarter censored earlier
+    unpaired_p = lambda t, e: exact_logrank(t, e, np.r_[[True] * 4, [False] * 4])['p']
+    right_u = check_level(unpaired_p, cens, cens == t4, 2 / 70)
+    print(f'exact log-rank level: paired {right}, unpaired {right_u}, constant p = 1 {wrong}')
+    assert right['ok'] and right_u['ok'] and not wrong['ok'], (right, right_u, wrong)
 
 
 # ====================================================================== the gap over the budget
@@ -271,7 +357,8 @@ def test_an_unresolved_answer_says_what_it_would_take(tmp_path):
     assert any(f"{n} seeds would give 80% power to resolve 5%" in c for c in a['H2'].caveats)
     assert any('optional stopping' in c for c in a['H2'].caveats)
     # every seed formed it at the same step in every variant: no difference
-    assert a['R1'].verdict == 'no resolvable difference' and a['R1'].estimate.startswith('formed: oelm-freeze 4 of 4, gpt 4 of 4')
+    assert a['R1'].verdict == 'no resolvable difference'
+    assert a['R1'].estimate.startswith('formed within 3,000 steps: oelm-freeze 4 of 4 vs gpt 4 of 4')
     for x in a.values():  # H1 counts parameters, H3 times steps: neither rests on how far the runs trained
         assert any(c.startswith('of 12 runs') for c in x.caveats) == (x.qid not in ('H1', 'H3') and x.verdict != 'no data'), x
 

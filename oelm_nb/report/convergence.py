@@ -16,10 +16,11 @@ from ..base.metrics import read_metrics
 from .evidence import t_interval, paired
 
 # %% auto #0
-__all__ = ['FORMATION_MARGIN', 'FORMATION_COLUMNS', 'BUDGET_SHARES', 'CONVERGENCE_RULE', 'CONVERGENCE_COLUMNS', 'FLAGS',
-           'completed', 'run_curves', 'recall_chance', 'formation_level', 'formation', 'kaplan_meier', 'formation_test',
-           'formation_rule', 'formation_note', 'gap_curve', 'gap_at_budget', 'gap_movement', 'budget_sentence',
-           'schedule', 'annealing_areas', 'annealing_law', 'fit_annealing', 'forecast', 'budget_text', 'convergence',
+__all__ = ['FORMATION_MARGIN', 'FORMATION_COLUMNS', 'EXACT_RELABELLINGS', 'BUDGET_SHARES', 'CONVERGENCE_RULE',
+           'CONVERGENCE_COLUMNS', 'FLAGS', 'completed', 'run_curves', 'recall_chance', 'formation_level', 'formation',
+           'kaplan_meier', 'logrank_z', 'relabellings', 'exact_logrank', 'formation_test', 'formation_rule',
+           'formation_note', 'gap_curve', 'gap_at_budget', 'gap_movement', 'budget_sentence', 'schedule',
+           'annealing_areas', 'annealing_law', 'fit_annealing', 'forecast', 'budget_text', 'convergence',
            'convergence_rule_text', 'convergence_note', 'not_settled', 'convergence_caveat']
 
 # %% ../../nbs/report/31_convergence.ipynb #2f9d7bae
@@ -128,18 +129,85 @@ def kaplan_meier(form: pd.DataFrame) -> pd.DataFrame:
                          for q, p in zip(sf.quantiles, sf.probabilities)]
     return pd.DataFrame(rows, columns=['variant', 'step', 'not_formed', 'runs'])
 
-def formation_test(form: pd.DataFrame, a: str, b: str) -> dict | None:
-    """The log-rank test of `a`'s formation steps against `b`'s (censored runs kept): p-value, formed counts and which
-    formed earlier; None without judged runs of both, or without any event."""
+
+# %% ../../nbs/report/31_convergence.ipynb #c214315f
+def logrank_z(time, # (..., N) each run's time: the step it formed the circuit, or its last step where censored
+              event, # (..., N) True where the run formed it at `time`, False where it was censored there
+              labels, # (P, N) booleans, one labelling per row: True marks group `a`
+             ) -> np.ndarray:
+    """The log-rank statistic Z = (O - E) / sqrt(V) of group `a` under each labelling (tied events as the log-rank
+    test takes them), shape (..., P); 0 where V is 0 (no run of one group at risk at any event)."""
+    t, e = np.asarray(time, float), np.asarray(event, bool)
+    R = (t[..., None, :] >= t[..., :, None]).astype(float)  # [k, j]: run j is at risk at run k's time
+    D = (e[..., None, :] & (t[..., None, :] == t[..., :, None])).astype(float)  # run j formed it at run k's time
+    n, d = R.sum(-1), D.sum(-1)
+    w = np.where(e, 1 / np.maximum(d, 1), 0.0)  # each distinct event time once: its d tied event runs share it
+    L = np.asarray(labels, float).T  # (N, P)
+    share = (R @ L) / n[..., None]  # (..., K, P): group a's share of the risk set at each run's time
+    oe = ((D @ L - d[..., None] * share) * w[..., None]).sum(-2)
+    v = (share * (1 - share) * (w * d * (n - d) / np.maximum(n - 1, 1))[..., None]).sum(-2)
+    return np.where(v > 1e-12, oe / np.sqrt(np.maximum(v, 1e-12)), 0.0)
+
+# %% ../../nbs/report/31_convergence.ipynb #f363efe5
+EXACT_RELABELLINGS = 100_000  # up to this many relabellings the permutation test enumerates every one
+
+def relabellings(in_a, # (N,) booleans: the observed labelling (True: group `a`)
+                 strata=None, # (N,) a stratum per run (its seed, for runs paired by seed); None: one stratum
+                 resamples: int = 20_000, seed: int = 0) -> tuple[np.ndarray, bool]:
+    """Every labelling that keeps the count of group `a` in each stratum, the observed one first, and True; beyond
+    `EXACT_RELABELLINGS`, the observed one and `resamples` random ones, and False."""
+    from itertools import combinations, product
+    in_a = np.asarray(in_a, bool)
+    strata = np.zeros(len(in_a), int) if strata is None else pd.factorize(np.asarray(strata))[0]
+    groups = [np.flatnonzero(strata == s) for s in np.unique(strata)]
+    total = math.prod(math.comb(len(g), int(in_a[g].sum())) for g in groups)
+    if total <= EXACT_RELABELLINGS:
+        rows = np.zeros((total, len(in_a)), bool)
+        for i, pick in enumerate(product(*[combinations(g.tolist(), int(in_a[g].sum())) for g in groups])):
+            rows[i, [j for p in pick for j in p]] = True
+        obs = int(np.flatnonzero((rows == in_a).all(1))[0])
+        return np.r_[rows[[obs]], np.delete(rows, obs, 0)], True
+    rows, rng = np.repeat(in_a[None], resamples + 1, 0), np.random.default_rng(seed)
+    for g in groups: rows[1:, g] = rng.permuted(rows[1:, g], axis=1)
+    return rows, False
+
+def exact_logrank(time, event, # (..., N): as `logrank_z`
+                  in_a, strata=None, # as `relabellings`
+                  resamples: int = 20_000, seed: int = 0) -> dict:
+    """The permutation test of the log-rank statistic: the two-sided p (the share of relabellings with |Z| at least
+    the observed one), the floor (the smallest p these runs allow), the observed Z and the relabellings used."""
+    rows, exact = relabellings(in_a, strata, resamples, seed)
+    z = np.abs(logrank_z(time, event, rows))
+    tol = 1e-9 * np.maximum(1.0, z.max(-1, keepdims=True))
+    return {'p': (z >= z[..., :1] - tol).mean(-1), 'floor': (z >= z.max(-1, keepdims=True) - tol).mean(-1),
+            'z': logrank_z(time, event, rows[:1])[..., 0], 'relabellings': len(rows), 'exact': exact}
+
+# %% ../../nbs/report/31_convergence.ipynb #d2ce4d2e
+def formation_test(form: pd.DataFrame, # `formation` of a batch
+                   a: str, b: str,
+                   paired: bool = True, # relabel within seed (the runs are paired by seed); False: over all runs
+                  ) -> dict | None:
+    """The exact permutation test of `a`'s formation steps against `b`'s (`exact_logrank`, censored runs kept): formed
+    counts, p, its floor, the side ahead (`earlier`) and whether the other side was all censored after every event
+    (`only_more_often`); p None when neither formed it; None without judged runs of both."""
     from scipy import stats
     ga, gb = (form[(form.variant == v) & form.time.notna()] for v in (a, b))
     if not len(ga) or not len(gb): return None
-    ea, eb = int(ga.event.astype(bool).sum()), int(gb.event.astype(bool).sum())
-    out = {'formed_a': ea, 'runs_a': len(ga), 'formed_b': eb, 'runs_b': len(gb), 'p': None, 'earlier': None}
+    g = pd.concat([ga, gb])
+    t, ev, in_a = g.time.to_numpy(float), g.event.astype(bool).to_numpy(), np.r_[[True] * len(ga), [False] * len(gb)]
+    ea, eb = int(ev[in_a].sum()), int(ev[~in_a].sum())
+    last = g.last_step.dropna() if 'last_step' in g else g.time
+    out = {'formed_a': ea, 'runs_a': len(ga), 'formed_b': eb, 'runs_b': len(gb), 'p': None, 'floor': None,
+           'p_logrank': None, 'design': 'within seed' if paired else 'unpaired', 'relabellings': 0, 'exact': True,
+           'earlier': None, 'only_more_often': False, 'steps': (int(last.min()), int(last.max()))}
     if ea + eb == 0: return out
-    res = stats.logrank(_censored(ga), _censored(gb))
-    # the statistic is negative when `a` forms it less often than expected under no difference: `b` is earlier
-    out['p'], out['earlier'] = float(res.pvalue), (b if res.statistic < 0 else a) if res.statistic != 0 else None
+    r = exact_logrank(t, ev, in_a, g.seed.to_numpy() if paired else None)
+    ahead = (b if r['z'] < 0 else a) if r['z'] != 0 else None
+    behind = ~in_a if ahead == a else in_a
+    p_lr = float(stats.logrank(_censored(ga), _censored(gb)).pvalue) if r['z'] != 0 else None  # for comparison only
+    out.update(p=float(r['p']), floor=float(r['floor']), relabellings=r['relabellings'], exact=r['exact'],
+               p_logrank=p_lr, earlier=ahead,
+               only_more_often=ahead is not None and not ev[behind].any() and t[behind].min() >= t[ev].max())
     return out
 
 # %% ../../nbs/report/31_convergence.ipynb #6a6363e1

@@ -11,12 +11,22 @@ import numpy as np
 import pandas as pd
 
 # %% auto #0
-__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NO_DATA', 't_interval', 'signflip_p', 'smallest_signflip_p', 'Comparison',
-           'interval_text', 'paired', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power', 'stein_size',
-           'simulate_stein', 'Answer', 'shared_caveats', 'answers_frame', 'answers_footer', 'answers_text',
-           'answers_json', 'threshold_verdict', 'difference_verdict', 'exact_caveat', 'method_text']
+__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 't_bounds', 't_interval', 'signflip_pvalues', 'signflip_p',
+           'smallest_signflip_p', 'Comparison', 'interval_text', 'paired', 'bimodal_gaps', 'bimodal_mean',
+           'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power', 'stein_size', 'simulate_stein', 'Answer',
+           'shared_caveats', 'answers_frame', 'answers_footer', 'answers_text', 'answers_json', 'threshold_verdict',
+           'difference_verdict', 'exact_caveat', 'method_text']
 
 # %% ../../nbs/report/30_evidence.ipynb #7c618333
+def t_bounds(d, # (..., n) paired differences, one batch per row
+             confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    "Mean and t-interval of each row: mean -+ t_{(1+c)/2, n-1} s / sqrt(n) (arrays over the leading axes)."
+    from scipy import stats
+    d = np.asarray(d, dtype=float)
+    n, m = d.shape[-1], d.mean(-1)
+    h = stats.t.ppf((1 + confidence) / 2, n - 1) * d.std(-1, ddof=1) / math.sqrt(n)
+    return m, m - h, m + h
+
 def t_interval(values, confidence: float = 0.95) -> tuple[float, float | None, float | None]:
     """Mean and t-interval of paired per-seed values (NaNs dropped): (mean, None, None) with one value, (nan, None,
     None) with none."""
@@ -24,26 +34,39 @@ def t_interval(values, confidence: float = 0.95) -> tuple[float, float | None, f
     if not len(v): return math.nan, None, None
     m = float(v.mean())
     if len(v) < 2: return m, None, None
-    if np.all(v == v[0]): return m, m, m  # no spread: the interval is the point (scipy would warn about precision)
-    from scipy import stats
-    ci = stats.ttest_1samp(v, 0.0).confidence_interval(confidence)
-    return m, float(ci.low), float(ci.high)
+    if np.all(v == v[0]): return m, m, m  # no spread: the interval is the point
+    _, lo, hi = t_bounds(v, confidence)
+    return m, float(lo), float(hi)
 
 # %% ../../nbs/report/30_evidence.ipynb #cdfbaddb
 EXACT_UP_TO = 16  # seeds up to which the sign-flip test enumerates every sign pattern
+
+def signflip_pvalues(d, # (..., n) differences minus the null, one batch per row; n <= EXACT_UP_TO
+                     alternative: str = 'two-sided') -> np.ndarray:
+    "The exact sign-flip p-value of each row: the share of the 2^n sign patterns whose mean is as extreme."
+    from itertools import product
+    d = np.asarray(d, dtype=float)
+    if d.shape[-1] > EXACT_UP_TO: raise ValueError(f'{d.shape[-1]} differences: enumerate at most {EXACT_UP_TO}')
+    flips = d @ np.array(list(product([1.0, -1.0], repeat=d.shape[-1]))).T / d.shape[-1]  # (..., 2^n), observed 1st
+    tol = 1e-12 * np.maximum(1.0, np.abs(flips).max(-1, keepdims=True))
+    obs = flips[..., :1]
+    hit = {'two-sided': np.abs(flips) >= np.abs(obs) - tol, 'greater': flips >= obs - tol,
+           'less': flips <= obs + tol}[alternative]
+    return hit.mean(-1)
 
 def signflip_p(diffs, # paired per-seed differences on the test's scale
                null: float = 0.0, # the value the mean difference is tested against
                alternative: str = 'two-sided', # or 'greater' / 'less': the mean is above / below `null`
               ) -> float | None:
-    "The sign-flip (paired permutation) test's p-value of mean(diffs) = `null`; None with fewer than 2 differences."
+    """The sign-flip (paired permutation) test's p-value of mean(diffs) = `null`: exact up to `EXACT_UP_TO`
+    differences, 20,000 random patterns beyond; None with fewer than 2 differences."""
     d = np.asarray([x for x in diffs if pd.notna(x)], dtype=float) - null
     if len(d) < 2: return None
     if np.all(d == 0): return 1.0
+    if len(d) <= EXACT_UP_TO: return float(signflip_pvalues(d, alternative))
     from scipy import stats
-    exact = len(d) <= EXACT_UP_TO
     r = stats.permutation_test((d,), np.mean, permutation_type='samples', alternative=alternative, vectorized=True,
-                               n_resamples=np.inf if exact else 20_000, rng=np.random.default_rng(0))
+                               n_resamples=20_000, rng=np.random.default_rng(0))
     return float(r.pvalue)
 
 def smallest_signflip_p(n: int, alternative: str = 'two-sided') -> float:
@@ -121,18 +144,31 @@ def paired(a: pd.Series, b: pd.Series, # per-seed values (index: seed) of the tw
                       relative, dict(zip(seeds, map(float, d))), confidence)
 
 # %% ../../nbs/report/30_evidence.ipynb #b2ebb325
+def bimodal_gaps(rng, size, # a numpy Generator and the shape to draw
+                 share: float = 0.75, # the share of seeds in the upper mode
+                 modes: tuple = (math.log(1.35), math.log(1.057)), sd: float = 0.05) -> np.ndarray:
+    """Log gaps from a 3:1 mix of two normals (shaped like a per-seed gap that depends on whether one side formed a
+    circuit): `share` of them around `modes[0]`, the rest around `modes[1]`, each with spread `sd`."""
+    up = rng.random(size) < share
+    return np.where(up, modes[0], modes[1]) + rng.normal(0.0, sd, size)
+
+def bimodal_mean(share: float = 0.75, modes: tuple = (math.log(1.35), math.log(1.057))) -> float:
+    "The true mean log gap of `bimodal_gaps`."
+    return share * modes[0] + (1 - share) * modes[1]
+
 def simulate_coverage(n: int, # seeds per batch
                       batches: int = 4000, gap: float = 0.05, sd: float = 0.08, seed: int = 0,
-                      confidence: float = 0.95) -> float:
-    """Share of `batches` synthetic paired batches (normal log differences with mean log(1 + gap) and sd `sd`) whose
-    `paired` interval contains the true ratio - 1."""
+                      confidence: float = 0.95,
+                      draw=None, # draw(rng, shape) -> log gaps with true mean log(1 + gap) (default: normal, `sd`)
+                     ) -> float:
+    """Share of `batches` synthetic paired batches (log differences with mean log(1 + gap): normal with sd `sd`, or
+    from `draw`) whose `paired` interval contains the true ratio - 1."""
     rng = np.random.default_rng(seed)
     b = np.exp(rng.normal(1.5, 0.2, size=(batches, n)))
-    a = b * np.exp(rng.normal(math.log1p(gap), sd, size=(batches, n)))
-    from scipy import stats
-    d = np.log(a) - np.log(b)
-    h = stats.t.ppf((1 + confidence) / 2, n - 1) * d.std(axis=1, ddof=1) / math.sqrt(n)
-    lo, hi = np.expm1(d.mean(axis=1) - h), np.expm1(d.mean(axis=1) + h)
+    d = rng.normal(math.log1p(gap), sd, size=(batches, n)) if draw is None else draw(rng, (batches, n))
+    a = b * np.exp(d)
+    _, lo, hi = t_bounds(np.log(a) - np.log(b), confidence)
+    lo, hi = np.expm1(lo), np.expm1(hi)
     c0 = paired(pd.Series(a[0]), pd.Series(b[0]), confidence=confidence)  # the same interval as `paired` gives
     assert math.isclose(c0.low, lo[0]) and math.isclose(c0.high, hi[0])
     return float(((lo <= gap) & (gap <= hi)).mean())
@@ -175,12 +211,14 @@ def simulate_power(n: int, delta: float, sd: float, batches: int = 4000, seed: i
 # %% ../../nbs/report/30_evidence.ipynb #889e417d
 MIN_PILOT = 5  # the default pilot of a Stein design: with 5 seeds it oversamples about 2x against a known spread
 
-def stein_size(s0: float, n0: int, half_width: float, confidence: float = 0.95, cap: int | None = None) -> int:
-    "Stein's N = max(n0, ceil((t_{(1+c)/2, n0-1} s0 / d)^2)), at most `cap` (None: no cap)."
+def stein_size(s0, # the pilot's standard deviation (or an array of them, one per pilot)
+               n0: int, half_width: float, confidence: float = 0.95, cap: int | None = None):
+    "Stein's N = max(n0, ceil((t_{(1+c)/2, n0-1} s0 / d)^2)), at most `cap` (None: no cap); an array for an array."
     from scipy import stats
     t = stats.t.ppf((1 + confidence) / 2, n0 - 1)
-    n = max(n0, math.ceil((t * s0 / half_width) ** 2))
-    return int(n if cap is None else min(cap, n))
+    n = np.maximum(n0, np.ceil((t * np.asarray(s0, dtype=float) / half_width) ** 2))
+    n = n if cap is None else np.minimum(cap, n)
+    return int(n) if np.ndim(n) == 0 else n.astype(int)
 
 def simulate_stein(n0: int = MIN_PILOT, half_width: float = 0.03, sd: float = 0.06, batches: int = 4000,
                    seed: int = 0, confidence: float = 0.95, cap: int | None = None) -> tuple[float, float]:
@@ -197,6 +235,15 @@ def simulate_stein(n0: int = MIN_PILOT, half_width: float = 0.03, sd: float = 0.
     return hits / batches, float(np.mean(ns))
 
 # %% ../../nbs/report/30_evidence.ipynb #845e71b8
+def _number(x, integer: bool = False):
+    "A finite number for JSON (an int where `integer`), else None: NaN and infinities are not JSON."
+    if x is None or isinstance(x, bool): return None
+    try: x = float(x)
+    except (TypeError, ValueError): return None
+    return (int(x) if integer else x) if math.isfinite(x) else None
+
+NUMBERS = ('value', 'low', 'high', 'p', 'n')  # an answer's numbers; answers.json writes `value` as `estimate`
+
 @dataclass
 class Answer:
     "A study's answer to one question, with the evidence a reviewer needs to check it."
@@ -209,17 +256,33 @@ class Answer:
     seeds: str = '' # the seeds it rests on: '4 paired seeds'
     budget: str = '' # what one run trained: '1,800 steps, 1.84M tokens per run'
     caveats: list = field(default_factory=list) # what the answer rests on, each a sentence
-    def to_dict(self) -> dict: return asdict(self)
+    value: float | None = None # the estimate as a number, on the shown scale (0.031 for '+3.1%'); None: none
+    low: float | None = None # its interval's ends as numbers (None: no interval)
+    high: float | None = None
+    p: float | None = None # the p-value the method reports (None: no test)
+    n: int | None = None # the seeds (or runs) the answer rests on
+    def to_dict(self) -> dict:
+        """answers.json's record: `estimate`, `low`, `high`, `p` and `n` as JSON numbers (or null), the text beside
+        them (`estimate_text`, `interval`, ...)."""
+        d = asdict(self)
+        nums = {'estimate': _number(self.value), 'low': _number(self.low), 'high': _number(self.high),
+                'p': _number(self.p), 'n': _number(self.n, integer=True)}
+        return {k: d[k] for k in ('qid', 'question', 'verdict')} | nums | {'estimate_text': self.estimate} | {
+            k: d[k] for k in ('interval', 'method', 'seeds', 'budget', 'caveats')}
     @classmethod
     def from_dict(cls, d: dict) -> 'Answer':
-        "An answer from `to_dict`'s output (answers.json is data: only the known fields, as text)."
+        "An answer from `to_dict`'s output (answers.json is data: known fields only, text as text, numbers checked)."
         if not isinstance(d, dict): raise ValueError(f'an answer is a JSON object, not {type(d).__name__}')
-        txt = {k: str(d.get(k, '')) for k in ('qid', 'question', 'verdict', 'estimate', 'interval', 'method', 'seeds',
-                                               'budget')}
+        txt = {k: str(d.get(k, '')) for k in ('qid', 'question', 'verdict', 'interval', 'method', 'seeds', 'budget')}
+        est = d.get('estimate')
+        text = d.get('estimate_text', est if isinstance(est, str) else '')  # an answers.json before numbers: text
         cav = d.get('caveats') or []
-        return cls(**txt, caveats=[str(c) for c in cav] if isinstance(cav, list) else [str(cav)])
+        return cls(**txt, estimate=str(text), caveats=[str(c) for c in cav] if isinstance(cav, list) else [str(cav)],
+                   value=_number(est), low=_number(d.get('low')), high=_number(d.get('high')),
+                   p=_number(d.get('p')), n=_number(d.get('n'), integer=True))
 
 NO_DATA = 'no data'
+
 
 # %% ../../nbs/report/30_evidence.ipynb #f73562a7
 def shared_caveats(answers: list[Answer]) -> list[str]:

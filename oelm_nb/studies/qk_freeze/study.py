@@ -22,10 +22,10 @@ from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, answe
 from ...report.page import budget_text
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'FORMATION_APPROX', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps',
-           'qk_variants', 'h1_verdict', 'load_timing', 'h3_verdict', 'what_it_takes', 'gap_answer', 'formation_answer',
-           'convergence_caveat_line', 'qk_answers', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text',
-           'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note', 'plot_run']
+__all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict',
+           'load_timing', 'h3_verdict', 'what_it_takes', 'gap_answer', 'formation_answer', 'convergence_caveat_line',
+           'qk_answers', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text', 'results_table',
+           'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note', 'plot_run']
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -131,27 +131,41 @@ def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, bat
     if verdict.startswith('inconclusive'): caveats.append(what_it_takes(c, limit, batch_dir, main))
     if curves is not None and len(curves): caveats.append(f'{a} vs {b} over the budget: {budget_sentence(curves, a, b)}')
     return Answer(qid, question, verdict, _pct(c.mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
-                  method_text(c, limit, design), _seeds(c), budget, caveats)
+                  method_text(c, limit, design), _seeds(c), budget, caveats, value=c.mean, low=lo, high=hi,
+                  p=c.p_value(limit), n=c.n)
 
-FORMATION_APPROX = ('log-rank p-values rest on a large-sample approximation: with a few runs per variant read them '
-                    'as rough')
+def _steps(t: dict) -> str:
+    lo, hi = t['steps']
+    return f'{lo:,}' if lo == hi else f'{lo:,}-{hi:,}'
 
 def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) -> Answer:
-    "R1/R2: whether `a` forms the recall circuit when `b` does: counts, the log-rank test with censored runs kept."
+    """R1/R2: whether `a` forms the recall circuit as early as `b`: counts within the budget and the exact permutation
+    test of the log-rank statistic within seed (censored runs kept); 'earlier' only where censoring allows it."""
     question = f'{a} forms the recall circuit as early as {b}'
     t = formation_test(form, a, b)
     if t is None: return Answer(qid=rid, question=question, verdict=NO_DATA, method=f'needs completed {a} and {b} runs '
                                 'with recall evaluations')
-    counts = f"formed: {a} {t['formed_a']} of {t['runs_a']}, {b} {t['formed_b']} of {t['runs_b']}"
+    n = t['runs_a'] + t['runs_b']
+    counts = (f"formed within {_steps(t)} steps: {a} {t['formed_a']} of {t['runs_a']} vs {b} {t['formed_b']} of "
+              f"{t['runs_b']}")
     c = formation_comparison(form, a, b)
     step = f"; paired step difference where both formed it {c.text('{:+,.0f}')}" if c and c.n else ''
-    if t['p'] is None: verdict = 'neither formed it'
-    else: verdict = f"{t['earlier']} earlier" if t['p'] < 0.05 and t['earlier'] else 'no resolvable difference'
-    method = 'log-rank test, runs that never formed it censored at their last evaluation' + (
-        f"; p = {t['p']:.3g}" if t['p'] is not None else '')
-    n = t['runs_a'] + t['runs_b']
-    return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget,
-                  [f'formed = {formation_rule(form)}', FORMATION_APPROX])
+    caveats = [f'formed = {formation_rule(form)}']
+    if t['p'] is None:
+        return Answer(rid, question, 'neither formed it', counts, method='no event: nothing to test', seeds=f'{n} runs',
+                      budget=budget, caveats=caveats, n=n)
+    if t['p'] > 0.05: verdict = 'no resolvable difference'
+    elif t['only_more_often']: verdict = f"{t['earlier']} formed it more often within {_steps(t)} steps"
+    else: verdict = f"{t['earlier']} earlier"
+    how = f"{t['relabellings']:,} relabellings " + (
+        'within seed (the design pairs runs by seed)' if t['design'] == 'within seed' else 'of all runs')
+    if not t['exact']: how = how.replace('relabellings', 'random relabellings', 1)
+    method = (f"exact permutation test of the log-rank statistic over {how}, runs that never formed it censored at "
+              f"their last evaluation; p = {t['p']:.3g}")
+    if t['floor'] > 0.05:
+        caveats.append(f"with these runs the exact test cannot go below p = {t['floor']:.3g} ({t['relabellings']:,} "
+                       f"{t['design']} relabellings): no formation difference can reach 5%")
+    return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget, caveats, p=t['p'], n=n)
 
 def convergence_caveat_line(conv: pd.DataFrame, variants) -> str | None:
     "The one caveat on training length for every answer that rests on training: the runs' labels, counted."
