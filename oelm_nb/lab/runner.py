@@ -28,7 +28,8 @@ __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'NO_SCRIPTS', 'noteb
            'run_status', 'set_aside', 'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args',
            'papermill_args', 'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchResult', 'with_upstream',
            'override_notes', 'plan_batch', 'open_batch', 'check_memory', 'write_batch_json', 'record_outcome',
-           'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'report_html', 'render_report']
+           'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'report_html', 'write_answers',
+           'render_report']
 
 # %% ../../nbs/lab/52_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -595,9 +596,20 @@ def report_html(notebook: Path) -> str:
                             exclude_raw=True)
     return exporter.from_filename(str(notebook))[0]
 
+# %% ../../nbs/lab/52_runner.ipynb #82ff7420
+def write_answers(batch_dir: str | Path, study: Study) -> Path | None:
+    """The study's answers on the batch's runs (`Study.answers`, through the evidence kit) written to
+    <batch_dir>/answers.json; None, and nothing written, when the study has none or the batch no runs."""
+    from ..report.tables import load_runs
+    from ..report.evidence import answers_json
+    runs = load_runs(batch_dir)
+    if not study.answers or runs.empty: return None
+    write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(study.answers(runs))})
+    return Path(batch_dir) / 'answers.json'
+
 # %% ../../nbs/lab/52_runner.ipynb #75390e19
 def render_report(run_dir: str | Path, study: str | None = None, log=print) -> Path:
-    "Execute the study's report notebook on `run_dir` and write report.ipynb and report.html there."
+    "Execute the study's report notebook on `run_dir`, write report.ipynb and report.html there, and answers.json."
     run_dir = Path(run_dir).resolve()
     batch = read_json(run_dir / 'batch.json') or {}
     st = get_study(study or batch.get('study', 'qk-freeze'))
@@ -610,5 +622,6 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
         )
     page = run_dir / 'report.html'  # defence in depth behind the escaping: the page runs no script at all
     page.write_text(report_html(nb_out).replace('<head>', '<head>\n' + NO_SCRIPTS, 1), encoding='utf-8')
+    write_answers(run_dir, st)  # the same runs and code as the page: the two agree
     log(f'[oelm run] report: {run_dir / "report.html"}')
     return run_dir / 'report.html'
