@@ -54,6 +54,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ---------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True, scope='session')
+def _reports_in_process():
+    """Reports rendered in a test process (`oelm_main('report', ...)`, `render_report`, in-process batches) execute their
+    notebook in a fork of that process instead of a papermill kernel (`shared_runs.execute_report_inline`): same notebook,
+    same page, seconds less each. `oelm` started as a process renders through papermill, as a user's does."""
+    from oelm_nb.lab import runner
+    from shared_runs import execute_report_inline
+    with pytest.MonkeyPatch.context() as mp:  # session-wide: the batches of module and session fixtures too
+        mp.setattr(runner, 'execute_report', execute_report_inline)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch():
     "Every test starts from the same global RNG state (tests that need other seeds set them)."

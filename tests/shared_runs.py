@@ -42,8 +42,11 @@ def _train(study: str, out: Path, kwargs: dict) -> dict:
     lines, t0 = [], time.time()
     kwargs = {'seeds': [0], 'report': False, **kwargs}
     kwargs['overrides'] = {**SMALL_CORPUS, **kwargs.get('overrides', {})}
+    from unittest import mock
+    from oelm_nb.lab import runner
     try:
-        res = run_study(study, out_dir=out, execute=execute_inline, log=lines.append, **kwargs)
+        with mock.patch.object(runner, 'execute_report', execute_report_inline):  # session fixtures come before conftest's
+            res = run_study(study, out_dir=out, execute=execute_inline, log=lines.append, **kwargs)
         return {'log': lines, 'failed': list(res.failed), 'error': None, 'seconds': time.time() - t0}
     except Exception as e:
         return {'log': lines, 'failed': [], 'error': f'{type(e).__name__}: {e}\n{traceback.format_exc()}', 'seconds': time.time() - t0}
@@ -83,3 +86,37 @@ def pca_batch(tmp_path_factory) -> tuple[Path, dict]:
     "The PCA study's whole matrix at ks 16 and 64, seeds 0 and 1, 4 baseline steps in float32, with its report."
     return shared_batch(tmp_path_factory, 'shared-pca', 'pca', seeds=[0, 1], steps=4, options={'ks': list(PCA_KS)},
                         overrides={'train.dtype': 'float32'}, report=True)
+
+
+# ---------------------------------------------------------------------------------------------- reports, in-process
+def execute_report_inline(nb_in: Path, nb_out: Path, run_dir: Path) -> str | None:
+    """`oelm_nb.lab.runner.execute_report` without a kernel: the report notebook executed by execnb's CaptureShell (the
+    in-process shell nbdev_test uses) in a child forked from this process, so the libraries this test process imported
+    are not imported again (a papermill kernel spends about 6 of its 12 s on imports) and nothing the report sets (the
+    matplotlib backend, seaborn's theme, IPython's shell) reaches the next test. The parameter `run_dir` is injected after
+    the cell tagged `parameters`, as papermill injects it. The conftest puts this in place for every in-process render;
+    `oelm` started as a process (test_runner's batch, test_lab) still renders through papermill."""
+    import multiprocessing as mp
+    child = mp.get_context('fork').Process(target=_report_child, args=(str(nb_in), str(nb_out), str(run_dir)))
+    child.start(); child.join()
+    if child.exitcode == 0: return None
+    from oelm_nb.lab.runner import _error_from_notebook
+    return _error_from_notebook(Path(nb_out)) or f'the report process ended with exit code {child.exitcode}'
+
+
+def _report_child(nb_in: str, nb_out: str, run_dir: str):
+    ok = False
+    try:
+        from execnb.nbio import read_nb, write_nb, mk_cell
+        from execnb.shell import CaptureShell
+        os.chdir(run_dir)
+        nb = read_nb(nb_in)
+        at = next(i for i, c in enumerate(nb.cells) if 'parameters' in c.get('metadata', {}).get('tags', []))
+        nb.cells.insert(at + 1, mk_cell(f'# Parameters\nrun_dir = {run_dir!r}\n'))
+        shell = CaptureShell(mpl_format='png')
+        try: shell.run_all(nb, exc_stop=True)
+        except BaseException: pass  # the error is in the cell's outputs, as papermill leaves it
+        else: ok = shell.exc is None
+        write_nb(nb, nb_out)
+    finally:
+        os._exit(0 if ok else 1)  # no atexit handlers of the test process in the child

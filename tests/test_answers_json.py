@@ -1,7 +1,7 @@
 """answers.json holds numbers as numbers and `oelm report` rewrites it with report.html (issue 46): a Q/K freeze batch
 written by hand, its report rendered with the notebook execution stubbed (the page is not what is tested here)."""
 from __future__ import annotations
-import json, math, subprocess
+import json, math
 
 import numpy as np
 
@@ -29,7 +29,7 @@ def test_oelm_report_rewrites_answers_json_with_numbers(tmp_path, monkeypatch):
     from oelm_nb.lab import runner
     root = qk_batch(tmp_path / 'b')
     (root / 'answers.json').write_text(json.dumps({'study': 'qk-freeze', 'answers': [{'qid': 'H2', 'estimate': '+9%'}]}))
-    monkeypatch.setattr(runner.subprocess, 'run', lambda *a, **k: subprocess.CompletedProcess(a, 0, '', ''))
+    monkeypatch.setattr(runner, 'execute_report', lambda nb_in, nb_out, run_dir: None)  # the notebook's step: not the subject
     monkeypatch.setattr(runner, 'report_html', lambda nb: '<html><head></head><body></body></html>')
     runner.render_report(root, log=lambda *a: None)
     stored = json.loads((root / 'answers.json').read_text())

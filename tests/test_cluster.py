@@ -10,7 +10,7 @@ import pytest
 from oelm_nb.lab.cluster import ClusterConfig, sbatch_script, slurm_parameters, time_minutes
 from oelm_nb.base.core import ConfigError
 from oelm_nb.base.rundir import read_holder, is_alive
-from cli_helpers import oelm_main, run_oelm, oelm_cmd, read_json, tiny_args
+from cli_helpers import oelm_main, oelm_cmd, read_json, tiny_args
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -69,7 +69,7 @@ def test_pca_batch_on_the_local_executor_upstream_failure_status_and_rerun(tmp_p
     bad.mkdir(parents=True)
     (bad / 'meta.json').write_text('{"step": 1, "tokens": ')
     args = ('run', 'pca', '--ks', '8', '--variants', 'pca-k8', '--seeds', '1', '--jobs', '2', '--out', str(out), '--no-report', *TINY, *LOCAL)
-    res = run_oelm(*args)
+    res = oelm_main(*args)  # the driver in-process: the jobs, submitit's local processes, are the subject
     assert res.returncode == 1, res.stdout + res.stderr
     assert 'FAILED runs: baseline-s1, pca-k8-s1' in res.stderr
     st = {d: read_json(out / d / 'summary.json') for d in ('baseline-s1', 'pca-k8-s1')}
@@ -84,7 +84,7 @@ def test_pca_batch_on_the_local_executor_upstream_failure_status_and_rerun(tmp_p
     assert lines['baseline-s1'][1:3] == ['failed', jobs['baseline-s1']] and lines['pca-k8-s1'][1:3] == ['blocked', '-']
     print(status.stdout)
 
-    again = run_oelm(*args)  # the corrupt run is set aside and trained afresh; its dependent run now
+    again = oelm_main(*args)  # the corrupt run is set aside and trained afresh; its dependent run now
     assert again.returncode == 0, again.stdout + again.stderr
     assert all(read_json(out / d / 'summary.json')['status'] == 'completed' for d in ('baseline-s1', 'pca-k8-s1'))
     jobs = read_json(out / 'batch.json')['jobs']
@@ -131,7 +131,7 @@ def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_a
     job_id = read_json(out / 'gpt-s0' / 'job.json')['job_id']
     driver.kill(); driver.wait()
     assert not (out / 'gpt-s0' / 'summary.json').exists() and is_alive(read_holder(out / 'gpt-s0')), 'the job outlives its driver'
-    again = run_oelm(*args)
+    again = oelm_main(*args)  # the killed driver was the process boundary; the rerun's decision is in-process
     assert again.returncode == 0, again.stdout + again.stderr
     assert f'gpt-s0: job {job_id} from an earlier `oelm run` still trains it' in again.stdout
     assert f'gpt-s0: job {job_id} completed it' in again.stdout and 'submitted as' not in again.stdout
@@ -155,7 +155,7 @@ def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path
     wait_for(lambda: (h := read_holder(out)) is not None and h.get('detached'), 60, 'the detached batch to take its lock')
     holder = read_holder(out)
     assert is_alive(holder) and holder['pid'] != term.pid
-    attached = run_oelm(*args)  # the same command, attached: follows the batch, then reports as usual
+    attached = oelm_main(*args)  # the same command, attached (in-process): follows the batch, then reports as usual
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert 'is being run in the background by' in attached.stdout
     assert 'gpt-s0: already completed, skipped' in attached.stdout

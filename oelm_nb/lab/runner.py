@@ -29,7 +29,7 @@ __all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'NO_SCRIPTS', 'noteb
            'papermill_args', 'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchResult', 'with_upstream',
            'override_notes', 'plan_batch', 'open_batch', 'check_memory', 'write_batch_json', 'record_outcome',
            'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'report_html', 'write_answers',
-           'render_report']
+           'execute_report', 'render_report']
 
 # %% ../../nbs/lab/52_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -608,20 +608,25 @@ def write_answers(batch_dir: str | Path, study: Study) -> Path | None:
     return Path(batch_dir) / 'answers.json'
 
 # %% ../../nbs/lab/52_runner.ipynb #75390e19
+def execute_report(nb_in: Path, nb_out: Path, run_dir: Path) -> str | None:
+    """Execute report notebook `nb_in` into `nb_out` with papermill in a child process, in `run_dir`, its parameter
+    `run_dir` set; returns None, or the error (the notebook's own, else the end of papermill's output)."""
+    cmd = [sys.executable, *papermill_args(nb_in, nb_out, run_dir, '-p', 'run_dir', str(run_dir))]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    return None if res.returncode == 0 else (_error_from_notebook(nb_out) or res.stderr[-2000:])
+
 def render_report(run_dir: str | Path, study: str | None = None, log=print) -> Path:
-    "Execute the study's report notebook on `run_dir`, write report.ipynb and report.html there, and answers.json."
+    """Execute the study's report notebook on `run_dir` (`execute_report`), write report.ipynb and report.html there,
+    and answers.json."""
     run_dir = Path(run_dir).resolve()
     batch = read_json(run_dir / 'batch.json') or {}
     st = get_study(study or batch.get('study', 'qk-freeze'))
     nb_out = run_dir / 'report.ipynb'
-    cmd = [sys.executable, *papermill_args(notebook_path(st.report), nb_out, run_dir, '-p', 'run_dir', str(run_dir))]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(
-            f"the report notebook failed; see {nb_out}:\n{(_error_from_notebook(nb_out) or res.stderr[-2000:])}"
-        )
+    if (error := execute_report(notebook_path(st.report), nb_out, run_dir)) is not None:
+        raise RuntimeError(f"the report notebook failed; see {nb_out}:\n{error}")
     page = run_dir / 'report.html'  # defence in depth behind the escaping: the page runs no script at all
     page.write_text(report_html(nb_out).replace('<head>', '<head>\n' + NO_SCRIPTS, 1), encoding='utf-8')
     write_answers(run_dir, st)  # the same runs and code as the page: the two agree
     log(f'[oelm run] report: {run_dir / "report.html"}')
     return run_dir / 'report.html'
+
