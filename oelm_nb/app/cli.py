@@ -286,7 +286,7 @@ def cmd_bench(args) -> int:
         return 0
     rows = bench(args.preset, variants or ['oelm', 'oelm-freeze'], args.steps, args.warmup, args.batch_size,
                  args.block_size, args.device, dtypes=args.dtypes.split(','), reference=not args.no_reference,
-                 overrides=overrides, memory=not args.no_memory,
+                 overrides=overrides, memory=not args.no_memory, compile=args.compile,
                  log=None if args.json else (lambda s: print(s, file=sys.stderr)))
     t = bench_table(rows)
     if args.json: print(t.reset_index().to_json(orient='records', indent=1))
@@ -593,6 +593,9 @@ def _add_bench_command(sub):
     b.add_argument('--set', action='append', metavar='SECTION.FIELD=VALUE',
                    help='overrides, e.g. --set model.n_embd=256 --set model.n_layer=4 (repeatable)')
     b.add_argument('--no-reference', action='store_true', help='do not time the nanoGPT-structured reference')
+    b.add_argument('--compile', action='store_true',
+                   help='also time every entry torch.compile\'d in the same rounds (mode column: eager, compiled); the '
+                   'first compiled step, the compile, is reported apart as first_step_s (default: eager only)')
     b.add_argument('--no-memory', action='store_true',
                    help='CPU: skip the peak-RSS measurement (a fresh process per entry)')
     b.add_argument('--numerics', metavar='DIR', default=None,

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/lab/53_bench.ipynb #8370fac8
 from __future__ import annotations
-import json, multiprocessing, time
+import importlib.util, json, multiprocessing, os, re, shutil, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import numpy as np
@@ -22,11 +22,11 @@ from ..model.freeze import param_report
 from ..train.memory import GiB, _gib, available_memory, step_memory, _memory_message
 
 # %% auto #0
-__all__ = ['GPU_PEAK_BF16_TFLOPS', 'REFERENCE', 'NUMERICS_DTYPES', 'step_inputs', 'train_step_flops', 'optimizer_state_bytes',
-           'RefAttention', 'RefBlock', 'ReferenceGPT', 'device_peak_flops', 'matmul_peak_flops', 'peak_flops',
-           'reset_peak_rss', 'peak_rss_bytes', 'BenchRow', 'bench_config', 'build_variant', 'timed_step',
-           'cpu_peak_memory', 'dtype_label', 'bench', 'bench_table', 'numerics_table', 'plot_numerics',
-           'numerics_check']
+__all__ = ['PEAK_DTYPES', 'SHORT_DTYPE', 'DATA_SHEETS', 'REFERENCE', 'EAGER', 'COMPILED', 'NUMERICS_DTYPES', 'step_inputs',
+           'train_step_flops', 'optimizer_state_bytes', 'RefAttention', 'RefBlock', 'ReferenceGPT', 'data_sheet_peak',
+           'matmul_peak_flops', 'peak_dtype', 'peak_flops', 'reset_peak_rss', 'peak_rss_bytes', 'BenchRow',
+           'bench_config', 'build_variant', 'timed_step', 'cpu_peak_memory', 'dtype_label', 'compile_unavailable',
+           'compile_failure', 'bench', 'bench_table', 'numerics_table', 'plot_numerics', 'numerics_check']
 
 # %% ../../nbs/lab/53_bench.ipynb #6818645a
 def step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
@@ -110,17 +110,38 @@ class ReferenceGPT(nn.Module):
         return logits, loss
 
 # %% ../../nbs/lab/53_bench.ipynb #e8835694
-GPU_PEAK_BF16_TFLOPS = {  # dense, no sparsity
-    'H200': 989.0, 'H100 SXM': 989.0, 'H100 80GB HBM3': 989.0, 'H100 NVL': 835.0, 'H100 PCIe': 756.0, 'H100': 756.0,
-    'GH200': 989.0, 'B200': 2250.0, 'A100': 312.0, 'A800': 312.0, 'L40S': 362.0, 'L40': 181.0, 'L4': 121.0,
-    'A10G': 70.0, 'A10': 125.0, 'RTX 4090': 165.2, 'RTX 3090': 71.0, 'RTX A6000': 154.8, 'V100': 125.0, 'T4': 65.0,
+PEAK_DTYPES = ('bfloat16', 'float16', 'tf32', 'float32')
+SHORT_DTYPE = {'bfloat16': 'bf16', 'float16': 'fp16', 'tf32': 'tf32', 'float32': 'fp32'}
+_HOPPER_SXM, _HOPPER_NVL = (989.4, 989.4, 494.7, 66.9), (835.5, 835.5, 417.5, 60.0)
+_A100 = (312.0, 312.0, 156.0, 19.5)  # SXM and PCIe, 40 and 80 GB: one column of compute on the data sheet
+# Dense peaks in TFLOP/s per PEAK_DTYPES, from NVIDIA's data sheets ("H100 Tensor Core GPU", "H200 Tensor Core GPU",
+# "A100 Tensor Core GPU", "L4 Tensor Core GPU", "L40S GPU", "A10 Tensor Core GPU"). The sheets print the tensor-core
+# rows with sparsity: the dense figure is half of it. fp32 is the sheet's plain (non-tensor) FP32 row.
+DATA_SHEETS = {  # name rows print: (word sets, any of which torch's device name contains, TFLOP/s per dtype)
+    'H100 SXM': ([('h100', 'hbm3'), ('h100', 'sxm5'), ('h100', 'sxm')], _HOPPER_SXM),
+    'H100 PCIe': ([('h100', 'pcie')], (756.5, 756.5, 378.0, 51.2)),
+    'H100 NVL': ([('h100', 'nvl')], _HOPPER_NVL),
+    'H200 SXM': ([('h200',)], _HOPPER_SXM),
+    'H200 NVL': ([('h200', 'nvl')], _HOPPER_NVL),
+    'GH200': ([('gh200',)], _HOPPER_SXM),
+    'A100 SXM': ([('a100', 'sxm4'), ('a100', 'sxm')], _A100),
+    'A100 PCIe': ([('a100', 'pcie')], _A100),
+    'A100': ([('a100',)], _A100),
+    'L4': ([('l4',)], (121.0, 121.0, 60.0, 30.3)),
+    'L40S': ([('l40s',)], (362.05, 362.05, 183.0, 91.6)),
+    'A10': ([('a10',)], (125.0, 125.0, 62.5, 31.2)),
 }
 
 # %% ../../nbs/lab/53_bench.ipynb #c9c6be45
-def device_peak_flops(name: str) -> float | None:
-    "Peak dense bf16 FLOP/s of a GPU from its CUDA device name (longest matching key), or None."
-    hits = [k for k in GPU_PEAK_BF16_TFLOPS if k.lower() in name.lower()]
-    return GPU_PEAK_BF16_TFLOPS[max(hits, key=len)] * 1e12 if hits else None
+def data_sheet_peak(device_name: str, # as torch.cuda.get_device_name gives it, e.g. 'NVIDIA A100-SXM4-80GB'
+                    dtype: str, # one of PEAK_DTYPES
+                   ) -> tuple[str, float] | None:
+    "(data-sheet entry, dense FLOP/s in `dtype`) of a GPU, matched by the words of its name (most words win), or None."
+    words = set(re.findall(r'[a-z0-9]+', device_name.lower()))
+    hits = [(len(ws), name) for name, (alts, _) in DATA_SHEETS.items() for ws in alts if set(ws) <= words]
+    if not hits: return None
+    name = max(hits)[1]
+    return name, float(round(DATA_SHEETS[name][1][PEAK_DTYPES.index(dtype)] * 1e12))
 
 # %% ../../nbs/lab/53_bench.ipynb #d02d1c18
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, # None: fp32
@@ -135,13 +156,27 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, # 
         t0 = time.perf_counter(); a @ b; sync(); best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
 
+# %% ../../nbs/lab/53_bench.ipynb #ef0c9ad2
+def peak_dtype(device: torch.device, dtype: torch.dtype | None) -> str:
+    "The data-sheet column matmuls in `dtype` run at (None: fp32); on CUDA, fp32 runs as TF32 where torch allows it."
+    if dtype is None or dtype == torch.float32:
+        return 'tf32' if device.type == 'cuda' and torch.get_float32_matmul_precision() != 'highest' else 'float32'
+    return str(dtype).removeprefix('torch.')
+
 # %% ../../nbs/lab/53_bench.ipynb #801e347d
-def peak_flops(device: torch.device, dtype: torch.dtype | None) -> tuple[float, str]:
-    "The FLOP/s ceiling for `dtype` on `device`, and where it comes from."
-    if device.type == 'cuda' and dtype == torch.bfloat16:
-        sheet = device_peak_flops(torch.cuda.get_device_name(device))
-        if sheet: return sheet, 'data sheet'
-    return matmul_peak_flops(device, dtype), 'measured 2048x2048 matmul'
+def peak_flops(device: torch.device, dtype: torch.dtype | None,
+               measured: float | None = None, # the measured matmul peak, if already taken (else measured here)
+              ) -> tuple[float, str]:
+    "The MFU basis for `dtype` on `device`: (FLOP/s, the basis named), the data sheet's if there is one."
+    col = peak_dtype(device, dtype)
+    if device.type == 'cuda':
+        name = torch.cuda.get_device_name(device)
+        hit = data_sheet_peak(name, col)
+        if hit: return hit[1], f'{hit[0]} {SHORT_DTYPE[col]} dense data sheet {hit[1] / 1e12:.0f} TFLOP/s'
+        why = f'{name!r} is not in DATA_SHEETS'
+    else: why = f'a {device.type.upper()} has no data sheet here'
+    peak = measured if measured is not None else matmul_peak_flops(device, dtype)
+    return peak, f'measured 2048x2048 matmul {peak / 1e12:.3g} TFLOP/s, {SHORT_DTYPE[col]} ({why})'
 
 # %% ../../nbs/lab/53_bench.ipynb #fd01ce50
 def reset_peak_rss() -> bool:
@@ -166,30 +201,36 @@ def peak_rss_bytes() -> int | None:
 # %% ../../nbs/lab/53_bench.ipynb #5333ad5b
 @dataclass
 class BenchRow:
-    "Benchmark results of one entry (a variant or the reference) in one dtype."
+    "Benchmark results of one entry (a variant or the reference) in one dtype and mode."
     variant: str
     dtype: str # precision the steps ran in (autocast dtype, or float32)
     tokens_per_step: int
     flops_per_step: int
     optimizer_state_bytes: int
     trainable_params: int
-    step_time_median_s: float
+    step_time_median_s: float # NaN when the entry could not run (see `note`)
     step_time_iqr_s: float
     tokens_per_s: float
     ratio_to_first_median: float # step time / the first row's, per round (below 1: faster)
     ratio_to_first_iqr: float
-    ratio_to_reference_median: float | None # step time / the reference's in the same dtype, per round
+    ratio_to_reference_median: float | None # step time / the reference's in the same dtype and mode, per round
     achieved_flops_per_s: float
-    peak_flops_per_s: float # the ceiling for this dtype (see `peak_flops`)
-    fraction_of_peak: float
-    peak_source: str
-    peak_memory_bytes: int | None # CUDA: allocator peak; CPU: peak RSS of a process training only this entry
+    peak_flops_per_s: float # the MFU basis for this dtype (see `peak_flops`)
+    fraction_of_peak: float # MFU: achieved / peak_flops_per_s
+    peak_source: str # the basis, named: 'H100 SXM bf16 dense data sheet 989 TFLOP/s' or 'measured ... matmul ...'
+    peak_memory_bytes: int | None # CUDA: allocator peak; CPU: peak RSS of a process training only this entry (eager)
     ratio_to_first_q1: float | None = None # quartiles of the per-round ratios (a verdict on 'faster' reads these)
     ratio_to_first_q3: float | None = None
     rounds: int | None = None # timed rounds (after warm-up)
+    mode: str = 'eager' # 'eager', or 'compiled' (torch.compile)
+    first_step_s: float | None = None # the first step, never timed: for a compiled entry its compile cost
+    measured_peak_flops_per_s: float | None = None # the measured matmul peak in this dtype, beside the basis
+    fraction_of_measured_peak: float | None = None
+    note: str | None = None # why the entry has no times, in one line (e.g. torch.compile cannot run here)
 
 # %% ../../nbs/lab/53_bench.ipynb #b0e1672f
 REFERENCE = 'reference'
+EAGER, COMPILED = 'eager', 'compiled'
 
 # %% ../../nbs/lab/53_bench.ipynb #d1cd41ee
 def bench_config(study: str, preset: str, variant: str, block_size: int | None, overrides: dict | None) -> ModelConfig:
@@ -241,6 +282,22 @@ def dtype_label(device, pref: str) -> str:
     amp = autocast_dtype(device, pref)
     return 'float32' if amp is None else str(amp).removeprefix('torch.')
 
+# %% ../../nbs/lab/53_bench.ipynb #0131e7ea
+def compile_unavailable(device: torch.device) -> str | None:
+    "Why torch.compile cannot train on `device` here, in one line; None when it may (it can still fail: see the row)."
+    if device.type == 'cpu' and not any(shutil.which(c) for c in (os.environ.get('CXX', 'g++'), 'g++', 'clang++')):
+        return ('torch.compile not timed: on a CPU it builds C++ kernels and needs a compiler (g++ or clang++ on PATH,'
+                ' or $CXX); none was found')
+    if device.type == 'cuda' and importlib.util.find_spec('triton') is None:
+        return 'torch.compile not timed: on CUDA it needs the triton package, which is not installed'
+    return None
+
+# %% ../../nbs/lab/53_bench.ipynb #62430735
+def compile_failure(e: BaseException) -> str:
+    "The one line a compiled row carries when its first step (the compile) raised `e`."
+    first = (str(e).strip().splitlines() or [''])[0][:200]
+    return f'torch.compile failed at its first step: {type(e).__name__}: {first}'
+
 # %% ../../nbs/lab/53_bench.ipynb #fcebb0f5
 def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), steps: int = 12, warmup: int = 2,
           batch_size: int = 1, block_size: int | None = None, device: str = 'auto', study: str = 'qk-freeze',
@@ -249,8 +306,9 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
           reference: bool = True, # also time ReferenceGPT at the gpt shape
           overrides: dict | None = None, # model.* / train.* overrides as for `oelm run --set`
           memory: bool = False, # CPU: measure each entry's peak RSS in a fresh process (a few seconds per entry)
+          compile: bool = False, # also time every entry torch.compile'd, in the same rounds (warm-up at least 1)
           log=None) -> list[BenchRow]:
-    "Count FLOPs and optimizer state, then time training steps of every (entry, dtype), interleaved round by round."
+    "Count FLOPs and optimizer state, then time training steps of every (entry, dtype, mode), round by round."
     if steps < 10: raise ConfigError(f"steps={steps} is too few for a median on a noisy machine; use at least 10")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} is invalid: use at least 1 sequence per step")
@@ -261,13 +319,14 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
         if d not in DTYPES: raise ConfigError(f"dtype {d!r} is invalid: choose among {DTYPES}")
     dev = pick_device(device)
     labels = list(dict.fromkeys(dtype_label(dev, d) for d in dtypes))
-    entries = [(v, d) for d in labels for v in [*variants, *([REFERENCE] if reference else [])]]
-    names = list(dict.fromkeys(v for v, _ in entries))
+    modes = (EAGER, COMPILED) if compile else (EAGER,)
+    entries = [(v, d, m) for m in modes for d in labels for v in [*variants, *([REFERENCE] if reference else [])]]
+    names = list(dict.fromkeys(v for v, *_ in entries))
     if block_size is not None: _check_block_size(study, preset, names, block_size, overrides)
     cfgs = {v: bench_config(study, preset, v, block_size, overrides) for v in names}
     avail, where, estimate = _check_bench_memory(cfgs, entries, batch_size, dev)
-    try: return _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides,
-                           memory, reference, log)
+    warmup = max(warmup, 1) if compile else warmup  # a compiled entry's first step is its compile: never timed
+    try: return _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, memory, reference, log)
     except (RuntimeError, MemoryError) as e:
         if not is_oom(e): raise
         first = (str(e).strip().splitlines() or [''])[0][:200]
@@ -307,61 +366,81 @@ def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tupl
             raise ConfigError(
                 f'variant {v!r}: ' + _memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX)
             )
-    # every (entry, dtype) keeps its weights and AdamW state; gradients and activations exist for one step at a time
-    total = (sum(need[v].weights + need[v].adam for v, _ in entries) +
+    # every (entry, dtype, mode) keeps its weights and AdamW state; gradients and activations exist for one step
+    total = (sum(need[v].weights + need[v].adam for v, *_ in entries) +
              max(n.grads + n.blocks + n.logits + n.other for n in need.values()))
     if total > avail:
         raise ConfigError(
             f'the bench holds {len(entries)} models with their optimizers at once'
-            f' ({", ".join(f"{v}/{d}" for v, d in entries)}), which with one step at batch_size={batch_size} need about'
+            f' ({", ".join("/".join(e) for e in entries)}), which with one step at batch_size={batch_size} need about'
             f' {_gib(total)}, but only {_gib(avail)} is available on {where}. Time fewer at once (--variants, --dtypes,'
             ' --no-reference) or lower --batch-size'
         )
     return avail, where, total
 
 # %% ../../nbs/lab/53_bench.ipynb #e70346a0
-def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, block_size, study, preset, overrides, memory,
-               reference, log):
-    models, opts, counts = {}, {}, {}
-    for v, d in entries:
-        m = models[v, d] = build_variant(v, cfgs[v], dev)
+def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, memory, reference, log):
+    models, opts, counts, notes = {}, {}, {}, {}
+    amp = lambda d: None if d == 'float32' else getattr(torch, d)
+    for e in entries:
+        (v, d, mode), m = e, build_variant(e[0], cfgs[e[0]], dev)
         if v not in counts:
             counts[v] = (train_step_flops(m, batch_size), optimizer_state_bytes(m), param_report(m).trainable)
-        opts[v, d] = build_optimizer(m, TrainConfig(lr=1e-4))
-    peaks = {d: peak_flops(dev, None if d == 'float32' else getattr(torch, d)) for d in labels}
-    times, mem = {e: [] for e in entries}, {e: 0 for e in entries}
+        opts[e] = build_optimizer(m, TrainConfig(lr=1e-4))
+        if mode == COMPILED and (why := compile_unavailable(dev)): notes[e] = why
+        models[e] = torch.compile(m) if mode == COMPILED else m
+    measured = {d: matmul_peak_flops(dev, amp(d)) for d in labels}
+    peaks = {d: peak_flops(dev, amp(d), measured[d]) for d in labels}
+    times, first, mem = {e: [] for e in entries}, {}, {e: 0 for e in entries}
     for i in range(warmup + steps):
-        for v, d in entries:
-            m = models[v, d]
+        for e in entries:
+            if e in notes: continue
+            m = models[e]
             if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats()
-            dt = timed_step(m, opts[v, d], *step_inputs(m, batch_size, dev, seed=i), dev,
-                             None if d == 'float32' else getattr(torch, d))
-            if dev.type == 'cuda': mem[v, d] = max(mem[v, d], torch.cuda.max_memory_allocated())
-            if i >= warmup: times[v, d].append(dt)
+            try: dt = timed_step(m, opts[e], *step_inputs(m, batch_size, dev, seed=i), dev, amp(e[1]))
+            except Exception as ex:  # only a compile fails politely: at its first step, not for lack of memory
+                if e[2] != COMPILED or i > 0 or is_oom(ex): raise
+                notes[e] = compile_failure(ex); opts[e].zero_grad(set_to_none=True); continue
+            if dev.type == 'cuda': mem[e] = max(mem[e], torch.cuda.max_memory_allocated())
+            if i == 0: first[e] = dt
+            if i >= warmup: times[e].append(dt)
         if log: log(f'[bench] round {i + 1}/{warmup + steps}: ' + ', '.join(
-            f'{v}/{d} {times[v, d][-1] if times[v, d] else 0:.3f}s' for v, d in entries))
-    if dev.type == 'cpu' and memory:
-        mem = {(v, d): cpu_peak_memory(v, cfgs[v], batch_size, d) for v, d in entries}
-    return [_row(e, entries[0], times, counts[e[0]], batch_size * cfgs[e[0]].block_size, peaks[e[1]],
-                 mem[e] if (dev.type == 'cuda' or memory) else None, reference) for e in entries]
+            f'{"/".join(e)} {times[e][-1] if times[e] else 0:.3f}s' for e in entries if e not in notes))
+    if dev.type == 'cpu' and memory:  # a fresh process trains the eager model: a compiled one's RSS is not measured
+        mem = {e: cpu_peak_memory(e[0], cfgs[e[0]], batch_size, e[1]) if e[2] == EAGER else None for e in entries}
+    return [_row(e, entries[0], times, counts[e[0]], batch_size * cfgs[e[0]].block_size, peaks[e[1]], measured[e[1]],
+                 mem[e] if (dev.type == 'cuda' or memory) else None, reference, first.get(e), notes.get(e))
+            for e in entries]
 
 # %% ../../nbs/lab/53_bench.ipynb #abf42111
-def _row(e, first, times, counts, tokens, peak, memory, reference) -> BenchRow:
+def _row(e, first, times, counts, tokens, peak, measured, memory, reference, first_step, note) -> BenchRow:
+    fl, ob, tr = counts
+    fixed = dict(variant=e[0], dtype=e[1], mode=e[2], tokens_per_step=tokens, flops_per_step=fl,
+                 optimizer_state_bytes=ob, trainable_params=tr, peak_flops_per_s=peak[0], peak_source=peak[1],
+                 measured_peak_flops_per_s=measured, peak_memory_bytes=memory, first_step_s=first_step, note=note)
     t = np.array(times[e])
+    if not len(t):  # the entry could not run: its note says why
+        nan = float('nan')
+        return BenchRow(**fixed, step_time_median_s=nan, step_time_iqr_s=nan, tokens_per_s=nan,
+                        ratio_to_first_median=nan, ratio_to_first_iqr=nan, ratio_to_reference_median=None,
+                        achieved_flops_per_s=nan, fraction_of_peak=nan, fraction_of_measured_peak=nan, rounds=0)
     q1, med, q3 = np.percentile(t, [25, 50, 75])
     r = t / np.array(times[first]); rq1, rmed, rq3 = np.percentile(r, [25, 50, 75])
-    ref = float(np.median(t / np.array(times[REFERENCE, e[1]]))) if reference else None
-    fl, ob, tr = counts
-    return BenchRow(e[0], e[1], tokens, fl, ob, tr, float(med), float(q3 - q1), tokens / float(med), float(rmed),
-                    float(rq3 - rq1), ref, fl / float(med), peak[0], fl / float(med) / peak[0], peak[1], memory,
-                    float(rq1), float(rq3), len(t))
+    ref = times.get((REFERENCE, e[1], e[2])) if reference else None
+    ach = fl / float(med)
+    return BenchRow(**fixed, step_time_median_s=float(med), step_time_iqr_s=float(q3 - q1),
+                    tokens_per_s=tokens / float(med),
+                    ratio_to_first_median=float(rmed), ratio_to_first_iqr=float(rq3 - rq1),
+                    ratio_to_reference_median=float(np.median(t / np.array(ref))) if ref else None,
+                    achieved_flops_per_s=ach, fraction_of_peak=ach / peak[0], fraction_of_measured_peak=ach / measured,
+                    ratio_to_first_q1=float(rq1), ratio_to_first_q3=float(rq3), rounds=len(t))
 
 # %% ../../nbs/lab/53_bench.ipynb #ba6a328b
 def bench_table(rows: list[BenchRow]):
-    """The benchmark rows as a DataFrame indexed by (variant, dtype), with FLOP and optimizer-state differences to the
-    first row."""
+    """The benchmark rows as a DataFrame indexed by (variant, dtype, mode), with FLOP and optimizer-state differences
+    to the first row."""
     import pandas as pd
-    df = pd.DataFrame([asdict(r) for r in rows]).set_index(['variant', 'dtype'])
+    df = pd.DataFrame([asdict(r) for r in rows]).set_index(['variant', 'dtype', 'mode'])
     df['flops_ratio_to_first'] = df.flops_per_step / df.flops_per_step.iloc[0]
     df['flops_saved_vs_first'] = df.flops_per_step.iloc[0] - df.flops_per_step
     df['optimizer_bytes_saved_vs_first'] = df.optimizer_state_bytes.iloc[0] - df.optimizer_state_bytes
