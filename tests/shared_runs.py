@@ -90,29 +90,35 @@ def pca_batch(tmp_path_factory) -> tuple[Path, dict]:
 
 # ---------------------------------------------------------------------------------------------- reports, in-process
 def execute_report_inline(nb_in: Path, nb_out: Path, run_dir: Path) -> str | None:
-    """`oelm_nb.lab.runner.execute_report` without a kernel: the report notebook executed by execnb's CaptureShell (the
-    in-process shell nbdev_test uses) in a child forked from this process, so the libraries this test process imported
-    are not imported again (a papermill kernel spends about 6 of its 12 s on imports) and nothing the report sets (the
-    matplotlib backend, seaborn's theme, IPython's shell) reaches the next test. The parameter `run_dir` is injected after
-    the cell tagged `parameters`, as papermill injects it. The conftest puts this in place for every in-process render;
-    `oelm` started as a process (test_runner's batch, test_lab) still renders through papermill."""
+    """`oelm_nb.lab.runner.execute_report` without a kernel (`execute_inline_notebook` with the parameter `run_dir`). The
+    conftest puts this in place for every in-process render; `oelm` started as a process (test_runner's batch, test_lab)
+    still renders through papermill."""
+    return execute_inline_notebook(nb_in, nb_out, run_dir, {'run_dir': str(run_dir)})
+
+
+def execute_inline_notebook(nb_in: Path, nb_out: Path, cwd: Path, params: dict) -> str | None:
+    """Notebook `nb_in` executed into `nb_out` as papermill would (in `cwd`, `params` injected after the cell tagged
+    `parameters`), but by execnb's CaptureShell (the in-process shell nbdev_test uses) in a child forked from this
+    process: the libraries this test process imported are not imported again (a papermill kernel spends about 6 of its
+    12 s on imports), and nothing the notebook sets (the matplotlib backend, seaborn's theme, IPython's shell) reaches the
+    next test. Returns None, or the notebook's error."""
     import multiprocessing as mp
-    child = mp.get_context('fork').Process(target=_report_child, args=(str(nb_in), str(nb_out), str(run_dir)))
+    child = mp.get_context('fork').Process(target=_notebook_child, args=(str(nb_in), str(nb_out), str(cwd), params))
     child.start(); child.join()
     if child.exitcode == 0: return None
     from oelm_nb.lab.runner import _error_from_notebook
-    return _error_from_notebook(Path(nb_out)) or f'the report process ended with exit code {child.exitcode}'
+    return _error_from_notebook(Path(nb_out)) or f'the notebook process ended with exit code {child.exitcode}'
 
 
-def _report_child(nb_in: str, nb_out: str, run_dir: str):
+def _notebook_child(nb_in: str, nb_out: str, cwd: str, params: dict):
     ok = False
     try:
         from execnb.nbio import read_nb, write_nb, mk_cell
         from execnb.shell import CaptureShell
-        os.chdir(run_dir)
+        os.chdir(cwd)
         nb = read_nb(nb_in)
         at = next(i for i, c in enumerate(nb.cells) if 'parameters' in c.get('metadata', {}).get('tags', []))
-        nb.cells.insert(at + 1, mk_cell(f'# Parameters\nrun_dir = {run_dir!r}\n'))
+        nb.cells.insert(at + 1, mk_cell('# Parameters\n' + ''.join(f'{k} = {v!r}\n' for k, v in params.items())))
         shell = CaptureShell(mpl_format='png')
         try: shell.run_all(nb, exc_stop=True)
         except BaseException: pass  # the error is in the cell's outputs, as papermill leaves it

@@ -1,13 +1,13 @@
-"""The CVFP fixed-point page (nbs/reports/cvfp_fixed_point.ipynb) rendered with papermill on a tiny batch that holds the
+"""The CVFP fixed-point page (nbs/reports/cvfp_fixed_point.ipynb) executed as papermill would (in-process) on a tiny batch that holds the
 `embed` run: its tables are there and hold numbers computed from the batch, and the command-line tool gives the same."""
 from __future__ import annotations
 import json, os, re, subprocess, sys
 from pathlib import Path
 
 import pytest
-from shared_runs import inline_batch
+from shared_runs import inline_batch, execute_inline_notebook
 
-pytestmark = pytest.mark.slow  # an embed run of 20 steps, a papermill kernel, the tool: about 20 s (more on a loaded machine)
+pytestmark = pytest.mark.slow  # an embed run of 20 steps, the page, the tool: about 20 s (more on a loaded machine)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / 'nbs' / 'reports' / 'cvfp_fixed_point.ipynb'
@@ -25,11 +25,10 @@ def test_page_computes_its_tables_from_the_batch(tmp_path):
     batch = inline_batch(tmp_path / 'cvfp-fp', 'cvfp', variants=['embed'], steps=20)
     assert (batch / 'embed-s0' / 'embedding.safetensors').is_file()
     out = tmp_path / 'page.ipynb'
-    cmd = [sys.executable, '-m', 'papermill', str(PAGE), str(out), '-y', json.dumps({'run_dir': str(batch), **PARAMS}),
-           '--no-progress-bar']
+    # executed as papermill executes it, in a fork of this process (the page's content is the subject, not the kernel)
+    error = execute_inline_notebook(PAGE, out, tmp_path, {'run_dir': str(batch), **PARAMS})
+    assert error is None, error
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
     nb = json.loads(out.read_text())
     text = json.dumps(nb)
     tables = html_tables(nb)

@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import fcntl
 import json
 import multiprocessing as mp
+import os
 import re
 import shutil
 import subprocess
@@ -54,13 +55,36 @@ def site(tmp_path_factory, request) -> Path:
             examples = ROOT / '_mkdocs' / 'examples'  # the example batches of the report pages, when `make docs` ran them
             if examples.is_dir(): shutil.copytree(examples, out / 'build' / 'examples', ignore=shutil.ignore_patterns('.lock*'))
             try:
-                bd.build(site_dir=out / 'site', build_dir=out / 'build', jobs=2, use_cache=True, check_links=False,
-                         examples=EXAMPLE_STUDIES)
+                with pytest.MonkeyPatch.context() as mp_:
+                    mp_.setattr(eb, 'run_batch', example_batch_in_a_fork)
+                    bd.build(site_dir=out / 'site', build_dir=out / 'build', jobs=2, use_cache=True, check_links=False,
+                             examples=EXAMPLE_STUDIES)
                 ok.write_text('ok')
             except bd.DocsBuildError as e:
                 failed.write_text(str(e))
         if failed.exists(): pytest.fail(f'the docs build failed:\n{failed.read_text()}', pytrace=False)
     return out / 'site'
+
+
+def example_batch_in_a_fork(study: str, ex_dir: Path) -> subprocess.CompletedProcess:
+    """`example_batches.run_batch` in a child forked from this test process: the libraries are imported already, and the
+    report is executed in-process as the conftest arranges (`make docs` runs the script in a fresh process)."""
+    res = ex_dir / f'{study}.result'
+    child = mp.get_context('fork').Process(target=_example_child, args=(study, ex_dir, res))
+    child.start(); child.join()
+    text = res.read_text() if res.exists() else f'the example batch process ended with exit code {child.exitcode}'
+    return subprocess.CompletedProcess([study], int(child.exitcode != 0), text if child.exitcode == 0 else '', text)
+
+
+def _example_child(study: str, ex_dir: Path, res: Path):
+    ok = False
+    try:
+        os.chdir(ex_dir)
+        res.write_text(eb.main(study, Path('runs') / study)); ok = True
+    except BaseException as e:
+        res.write_text(f'{type(e).__name__}: {e}')
+    finally:
+        os._exit(0 if ok else 1)
 
 
 class _Page(HTMLParser):

@@ -66,6 +66,19 @@ NOTE = ('<div class="admonition example"><p class="admonition-title">Executed on
 _re_relative_anchor = re.compile(r'<a href="(?![a-z][a-z0-9+.-]*:|/|#)[^"]*">(.*?)</a>', re.S | re.I)
 
 
+def run_batch(study: str, ex_dir: Path) -> subprocess.CompletedProcess:
+    "This script on `study`'s example batch, in a fresh process in ex_dir (tests/test_docs.py runs it in a fork instead)."
+    return subprocess.run([sys.executable, __file__, study, f'runs/{study}'], cwd=ex_dir, capture_output=True, text=True,
+                          env={**os.environ, 'PYTHONHASHSEED': '0'})
+
+
+def main(study: str, out: Path) -> str:
+    "Run the example batch of `study` into `out` and render its report; returns the line to print."
+    t0 = time.time()
+    res = run_example(study, out, log=lambda s: None)
+    return f'[docs] example batch {study}: {len(res.statuses)} runs and the report in {time.time() - t0:.0f}s'
+
+
 def report_page(study: str, report_nb: Path, ex_dir: Path, use_cache: bool = True, log=print) -> Path:
     """The report of `study` executed on its example batch, as a page for the docs: the batch runs in a fresh process into
     ex_dir/runs/<study> (cached, keyed by the report, the library, settings.ini and this file); the page shows, under a
@@ -78,8 +91,7 @@ def report_page(study: str, report_nb: Path, ex_dir: Path, use_cache: bool = Tru
     shutil.rmtree(batch, ignore_errors=True); keyf.unlink(missing_ok=True)
     batch.parent.mkdir(parents=True, exist_ok=True)
     log(f'example batch for {report_nb.name}: {describe(study)}')
-    r = subprocess.run([sys.executable, __file__, study, f'runs/{study}'], cwd=ex_dir, capture_output=True, text=True,
-                       env={**os.environ, 'PYTHONHASHSEED': '0'})
+    r = run_batch(study, ex_dir)
     if r.returncode: raise RuntimeError(f"the example batch of {study} failed (see {batch}):\n{r.stderr[-3000:]}")
     log('  ' + (r.stdout.strip().splitlines() or [''])[-1].removeprefix('[docs] '))
     nb = json.loads((batch / 'report.ipynb').read_text().replace(str(ex_dir.resolve()) + '/', ''))
@@ -97,6 +109,4 @@ if __name__ == '__main__':
         sys.exit(f"usage: python tools/example_batches.py STUDY OUT_DIR, STUDY one of {', '.join(examples())}")
     from oelm_nb.lab.runner import skip_slow_imports
     skip_slow_imports()  # the report page is written here (nbconvert), as `oelm run` writes it
-    t0 = time.time()
-    res = run_example(sys.argv[1], Path(sys.argv[2]), log=lambda s: None)
-    print(f'[docs] example batch {sys.argv[1]}: {len(res.statuses)} runs and the report in {time.time() - t0:.0f}s')
+    print(main(sys.argv[1], Path(sys.argv[2])))
