@@ -94,3 +94,59 @@ def test_bench_compile_times_eager_and_compiled_with_the_compile_apart():
     assert compiled['first_step_s'] > 5 * compiled['step_time_median_s']
     assert math.isclose(compiled['fraction_of_peak'],
                         compiled['achieved_flops_per_s'] / compiled['peak_flops_per_s'])
+
+
+# ---------------------------------------------------------------------- the micro-batch that fits
+GiB = 2 ** 30
+
+
+@pytest.mark.parametrize('free_gib, preset_cut, chosen', [
+    (80, (8, 4), (32, 1)),  # an H100's worth: the 32 sequences of a step in one pass
+    (16, (8, 4), (16, 2)),  # 24 would fit; 16 is the largest cut of 32 that does
+    (4, (8, 4), (4, 8)),
+    (80, (8, 1), (8, 1)),  # never more sequences per pass than a step has
+    (3, (8, 1), (2, 4)),   # the preset's 8 do not fit (3 would): accumulation keeps them
+])
+def test_largest_micro_batch_that_fits_keeps_the_effective_batch(free_gib, preset_cut, chosen):
+    from oelm_nb.model.gpt import model_config
+    from oelm_nb.train.memory import choose_micro_batch
+    med = model_config('medium512')
+    # by hand: fp32 weights, gradients and two AdamW moments of 44,896,768 weights; per sequence of 512 tokens the
+    # logits (16 bytes per token and vocabulary entry), 6 blocks of 4 x (9 x 512 + 2 x 2048) bytes per token, and the
+    # embeddings and final LayerNorm (4 x (4 x 512 + 2 x 512) bytes per token)
+    fixed = 16 * 44_896_768
+    per_seq = 16 * 512 * 50_257 + 6 * 4 * 512 * (9 * 512 + 2 * 2048) + 4 * 512 * 6 * 512
+    b, acc = choose_micro_batch(med, *preset_cut, device='cuda', free=free_gib * GiB)  # a fake figure: no GPU needed
+    assert (b, acc) == chosen and b * acc == preset_cut[0] * preset_cut[1]
+    budget = 0.8 * free_gib * GiB  # the default 20% margin
+    assert fixed + b * per_seq <= budget
+    bigger = [d for d in range(b + 1, b * acc + 1) if (b * acc) % d == 0]  # the next larger cut does not fit
+    assert not bigger or fixed + bigger[0] * per_seq > budget
+
+
+def test_no_micro_batch_fits_is_a_named_error():
+    from oelm_nb.base.core import ConfigError
+    from oelm_nb.model.gpt import model_config
+    from oelm_nb.train.memory import choose_micro_batch
+    with pytest.raises(ConfigError, match='Even batch_size=1 needs about'):
+        choose_micro_batch(model_config('medium512'), 8, 1, device='cuda', free=GiB // 2)
+
+
+def test_trainer_cuts_micro_batches_only_on_cuda_and_when_asked(monkeypatch):
+    import numpy as np
+    from oelm_nb.base.core import ModelConfig, TrainConfig
+    from oelm_nb.data.corpus import TokenData
+    from oelm_nb.model.gpt import GPT
+    from oelm_nb.train.trainer import Trainer
+    data = TokenData(np.tile(np.arange(64, dtype=np.uint16), 16), None, 64, {})
+    mcfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
+    tcfg = TrainConfig(batch_size=2, grad_accum=3, device='cpu', dtype='float32', progress=False)
+    monkeypatch.setattr('oelm_nb.train.memory.available_memory', lambda device: (80 * GiB, 'a fake GPU'))
+    plans = {}
+    for mode in ('auto', 'config'):
+        t = Trainer(GPT(mcfg, init_seed=0), tcfg.replace(micro_batch=mode), data)
+        plans['cpu', mode] = t.micro
+        t.device = torch.device('cuda')
+        plans['cuda', mode] = t._micro_plan()
+    assert plans == {('cpu', 'auto'): (2, 3), ('cpu', 'config'): (2, 3), ('cuda', 'auto'): (6, 1),
+                     ('cuda', 'config'): (2, 3)}

@@ -13,8 +13,8 @@ import numpy as np
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'ConfigError', 'check', 'DataError', 'ConfigBase', 'ModelConfig',
-           'TrainConfig', 'DataConfig', 'lr_at']
+__all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'MICRO_BATCH_MODES', 'ConfigError', 'check', 'DataError',
+           'ConfigBase', 'ModelConfig', 'TrainConfig', 'DataConfig', 'lr_at']
 
 # %% ../../nbs/base/00_core.ipynb #f0c64d3e
 class ConfigError(ValueError):
@@ -202,6 +202,7 @@ def frozen_layers(self: ModelConfig) -> list[int]:
 # %% ../../nbs/base/00_core.ipynb #12989f41
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 LOGGERS = ('tensorboard', 'wandb')
+MICRO_BATCH_MODES = ('auto', 'config')
 _F32_MAX = float(np.finfo(np.float32).max)  # a larger lr is inf in float32
 
 # %% ../../nbs/base/00_core.ipynb #fd390860
@@ -228,6 +229,10 @@ class TrainConfig(ConfigBase):
     device: str = 'auto' # auto | cpu | cuda | cuda:N | mps
     dtype: str = 'auto' # autocast dtype: auto (bf16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16
     compile: bool = False # torch.compile the model
+    # CUDA: 'auto' trains each step's batch_size x grad_accum sequences (the same windows) in the largest micro-batches
+    # that fit the device's free memory (`memory.choose_micro_batch`); 'config' as batch_size says. Elsewhere: 'config'
+    micro_batch: str = 'auto'
+    fused_adamw: bool = True # CUDA: AdamW's fused kernel where every trained tensor is a float CUDA one; CPU: for-each
     loggers: tuple = () # extra loggers besides metrics.jsonl: 'tensorboard', 'wandb'
     progress: bool = True # tqdm progress bar
     init_from: str | None = None # start from these weights: a local Hugging Face GPT-2 directory or a nanoGPT ckpt.pt
@@ -260,6 +265,8 @@ def _check_train_config(self: TrainConfig):
     check(self.eps > 0, c, 'eps', self.eps, 'must be positive')
     check(self.grad_clip >= 0, c, 'grad_clip', self.grad_clip, 'must be non-negative (0 turns clipping off)')
     check(self.dtype in DTYPES, c, 'dtype', self.dtype, f'must be one of {DTYPES}')
+    check(self.micro_batch in MICRO_BATCH_MODES, c, 'micro_batch', self.micro_batch,
+          f'must be one of {MICRO_BATCH_MODES}')
     check(self.device == 'auto' or self.device.split(':')[0] in ('cpu', 'cuda', 'mps'), c, 'device', self.device,
           "must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
     check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ''),

@@ -12,7 +12,8 @@ from ..base.core import ConfigError, ModelConfig
 from ..model.device import pick_device
 
 # %% auto #0
-__all__ = ['GiB', 'param_counts', 'StepMemory', 'step_memory', 'available_memory', 'check_step_memory']
+__all__ = ['GiB', 'MICRO_BATCH_MARGIN', 'param_counts', 'StepMemory', 'step_memory', 'available_memory', 'check_step_memory',
+           'choose_micro_batch']
 
 # %% ../../nbs/train/42_memory.ipynb #0dece4b8
 GiB = 2 ** 30
@@ -149,3 +150,30 @@ def check_step_memory(model_cfg: ModelConfig, # the model's shape
     if need > avail:
         raise ConfigError(_memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
     return need
+
+# %% ../../nbs/train/42_memory.ipynb #7c934173
+MICRO_BATCH_MARGIN = 0.2  # share of the free memory a chosen micro-batch leaves out of its plan
+
+# %% ../../nbs/train/42_memory.ipynb #af9e1d2b
+def choose_micro_batch(model_cfg: ModelConfig, # the model's shape
+                       batch_size: int, # the configured sequences per micro-batch
+                       grad_accum: int = 1, # the configured micro-batches per step: batch_size x grad_accum is kept
+                       block_size: int | None = None, # tokens per sequence (None: model_cfg.block_size)
+                       device='cuda', # where the step runs
+                       free: int | None = None, # bytes free there (None: `available_memory(device)`)
+                       margin: float = MICRO_BATCH_MARGIN, # share of `free` left out of the plan
+                      ) -> tuple[int, int]:
+    """(micro-batch, accumulation): the largest divisor of batch_size x grad_accum whose step fits in `free` less the
+    margin, and the accumulation keeping batch_size x grad_accum sequences per step."""
+    _positive_int('batch_size', batch_size, 'the number of sequences per micro-batch')
+    _positive_int('grad_accum', grad_accum, 'the number of micro-batches per step')
+    if not 0 <= margin < 1: raise ConfigError(f'margin={margin!r} is invalid: give a share of free memory in [0, 1)')
+    where = 'the device (free memory as given)'
+    if free is None: free, where = available_memory(device)
+    seqs, T, budget = batch_size * grad_accum, block_size or model_cfg.block_size, int(free * (1 - margin))
+    fit = _max_batch(model_cfg, T, device, budget)
+    if fit < 1:
+        raise ConfigError(
+            _memory_message(model_cfg, 1, T, device, seqs, budget, f'{where}, less a {margin:.0%} margin'))
+    b = max(d for d in _divisors(seqs) if d <= fit)
+    return b, seqs // b

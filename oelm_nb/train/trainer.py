@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from ..base.core import ModelConfig, TrainConfig, ConfigError, lr_at  # the schedule lives with its settings
+from .memory import choose_micro_batch
 from ..model.device import set_seed, pick_device, autocast_dtype, autocast, precision_note
 from ..model.freeze import UnfreezeSchedule, param_report
 from ..model.gpt import GPT
@@ -35,8 +36,8 @@ from ..model.device import is_oom
 # %% auto #0
 __all__ = ['LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'LossFn', 'DDP_LOSS_TOL', 'TrainingDiverged',
            'step_divergence', 'param_rms', 'param_divergence', 'TrainingOutOfMemory', 'oom_message', 'oom_named',
-           'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook', 'evaluate',
-           'DistInfo', 'init_distributed', 'all_mean', 'Trainer', 'checkpoint_fingerprint', 'runtime_info',
+           'use_fused_adamw', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook',
+           'evaluate', 'DistInfo', 'init_distributed', 'all_mean', 'Trainer', 'checkpoint_fingerprint', 'runtime_info',
            'copy_task_data']
 
 # %% ../../nbs/train/41_trainer.ipynb #119452dd
@@ -129,6 +130,11 @@ def oom_named(trainer):
             oom_message(e, trainer.step + 1, trainer.device, trainer.cfg, trainer.block_size)
         ) from None
 
+# %% ../../nbs/train/41_trainer.ipynb #b4c61705
+def use_fused_adamw(params: list, cfg: TrainConfig) -> bool:
+    "Whether AdamW runs its fused kernel: asked for (`cfg.fused_adamw`) and every trained tensor a float CUDA tensor."
+    return cfg.fused_adamw and bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+
 # %% ../../nbs/train/41_trainer.ipynb #5d95eba1
 def build_optimizer(model: nn.Module, cfg: TrainConfig,
                     schedule: UnfreezeSchedule | None = None, # layers it has released get groups of their own
@@ -161,13 +167,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
         groups.append(
             {'params': _qk_params(model, layer), 'weight_decay': cfg.weight_decay, 'name': f'unfrozen_qk_{layer}'}
         )
-    fused = all(p.is_cuda for g in groups for p in g['params'])
     return torch.optim.AdamW(
         groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        **({'fused': True} if fused and groups[0]['params'] else {}),
+        **({'fused': True} if use_fused_adamw([p for g in groups for p in g['params']], cfg) else {}),
     )
 
 # %% ../../nbs/train/41_trainer.ipynb #975ef0e8
@@ -320,6 +325,7 @@ class Trainer:
         for mod, _ in self.extra_modules.values(): mod.to(self.device)
         cfg_m = getattr(self.raw, 'cfg', None)
         self.block_size = getattr(cfg_m, 'block_size', None) or self.run_config.get('block_size')
+        self.micro = self._micro_plan()  # (sequences per forward pass, passes per step)
         self.schedule = (
             UnfreezeSchedule.from_config(cfg_m) if isinstance(cfg_m, ModelConfig) and cfg_m.unfreeze_at else None
         )
@@ -330,6 +336,21 @@ class Trainer:
         self._recent_losses: list[float] = []  # divergence rule (b): the last LOSS_WINDOW step losses
         # divergence rule (c): RMS of the trained parameters when training started
         self._ref_rms: float | None = None
+
+# %% ../../nbs/train/41_trainer.ipynb #68336e17
+@patch
+def _micro_plan(self: Trainer) -> tuple[int, int]:
+    """(micro-batch, passes per step) this run trains in: on CUDA with `micro_batch='auto'` the largest cut of
+    batch_size x grad_accum that fits (`choose_micro_batch`), alike on every rank; otherwise as configured."""
+    c, m = self.cfg, getattr(self.raw, 'cfg', None)
+    if (c.micro_batch != 'auto' or self.device.type != 'cuda' or self.batch_fn is not None
+            or not isinstance(m, ModelConfig)):
+        return c.batch_size, c.grad_accum
+    try: b = choose_micro_batch(m, c.batch_size, c.grad_accum, self.block_size, self.device)[0]
+    except ConfigError: b = c.batch_size  # not even 1 fits by the estimate: as configured (an OOM names the fix)
+    if self.dist.enabled:  # every rank cuts alike, or DDP would wait for a pass that never comes
+        t = torch.tensor([b], device=self.device); dist.all_reduce(t, op=dist.ReduceOp.MIN); b = int(t.item())
+    return b, c.batch_size * c.grad_accum // b
 
 # %% ../../nbs/train/41_trainer.ipynb #36800a0c
 @patch
@@ -485,8 +506,12 @@ def save(self: Trainer, tag: str | None = None) -> Path | None:
 def _micro_batch(self: Trainer, micro: int):
     if self.batch_fn is not None:
         return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in self.batch_fn(self.step, micro))
-    starts = train_starts(len(self.train_data.tokens), self.block_size, self.cfg.batch_size, self.cfg.seed,
-                          self.step, micro, self.dist.rank, self.dist.world_size)
+    c, (b, accum) = self.cfg, self.micro
+    at = lambda m: train_starts(len(self.train_data.tokens), self.block_size, c.batch_size, c.seed, self.step, m,
+                                self.dist.rank, self.dist.world_size)
+    if (b, accum) == (c.batch_size, c.grad_accum): starts = at(micro)
+    else:  # the step's configured windows, in their order, cut into micro-batches of b
+        starts = np.concatenate([at(m) for m in range(c.grad_accum)])[micro * b:(micro + 1) * b]
     return tuple(
         t.to(self.device) if t is not None else None for t in make_batch(self.train_data, starts, self.block_size)
     )
@@ -495,21 +520,21 @@ def _micro_batch(self: Trainer, micro: int):
 @patch
 def train_step(self: Trainer) -> dict:
     "One optimizer step over `grad_accum` micro-batches; returns the step's scalars."
-    cfg, opt = self.cfg, self.opt
+    cfg, opt, accum = self.cfg, self.opt, self.micro[1]
     set_lr(opt, lr_at(self.step, cfg))
     total, extras = 0.0, {}
     with oom_named(self):
-        for micro in range(cfg.grad_accum):
+        for micro in range(accum):
             batch = self._micro_batch(micro)
-            sync = micro == cfg.grad_accum - 1 or not self.dist.enabled
+            sync = micro == accum - 1 or not self.dist.enabled
             ctx = self.model_run.no_sync() if not sync else nullcontext()
             with ctx:
                 with autocast(self.device, self.amp):
                     loss, extra = call_loss_hook(self.loss_fn, self.model_run, batch, self.step)
-                scaled = loss / cfg.grad_accum
+                scaled = loss / accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += loss.item() / cfg.grad_accum
-            for k, v in extra.items(): extras[k] = extras.get(k, 0.0) + float(v) / cfg.grad_accum
+            total += loss.item() / accum
+            for k, v in extra.items(): extras[k] = extras.get(k, 0.0) + float(v) / accum
         if self.scaler: self.scaler.unscale_(opt)
         params = [p for g in opt.param_groups for p in g['params']]
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')).item()
@@ -635,9 +660,11 @@ def _fit(self: Trainer, resume: bool, until: int | None) -> dict:
     return self.summary(log.records, speeds, time.time() - t_start)
 
 # %% ../../nbs/train/41_trainer.ipynb #4d89fbbe
-def runtime_info(device: torch.device, amp: torch.dtype | None, cfg: TrainConfig) -> dict:
-    """Where and how a run computed: device, precision actually used (and as configured), threads, compile, torch
-    version."""
+def runtime_info(device: torch.device, amp: torch.dtype | None, cfg: TrainConfig,
+                 micro: tuple[int, int] | None = None, # the (micro-batch, passes per step) the run trained in
+                ) -> dict:
+    """Where and how a run computed: device, precision actually used (and as configured), threads, compile, the
+    micro-batches, torch version."""
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
     return {
         'device': str(device),
@@ -646,6 +673,7 @@ def runtime_info(device: torch.device, amp: torch.dtype | None, cfg: TrainConfig
         'dtype_config': cfg.dtype,
         'threads': torch.get_num_threads(),
         'compile': cfg.compile,
+        **({'micro_batch': micro[0], 'micro_batches': micro[1]} if micro else {}),
         'torch': torch.__version__,
     }
 
@@ -663,7 +691,7 @@ def summary(self: Trainer, records: list[dict], speeds: list[float], wall: float
             'recall_acc': last.get('recall_acc'), 'recall_chance': last.get('recall_chance'), 'final_train_loss': records[-1]['train_loss'] if records else None,
             'tokens_per_s': _median_speed(records),
             'params': {'total': rep.total, 'trainable': rep.trainable, 'frozen': rep.frozen},
-            'runtime': runtime_info(self.device, self.amp, self.cfg)}
+            'runtime': runtime_info(self.device, self.amp, self.cfg, self.micro)}
 
 # %% ../../nbs/train/41_trainer.ipynb #a1a4434e
 def copy_task_data(n_seqs: int = 512, half: int = 16, vocab: int = 64, seed: int = 0) -> TokenData:
