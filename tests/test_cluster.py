@@ -10,7 +10,7 @@ import pytest
 from oelm_nb.lab.cluster import ClusterConfig, sbatch_script, slurm_parameters, time_minutes
 from oelm_nb.base.core import ConfigError
 from oelm_nb.base.rundir import read_holder, is_alive
-from cli_helpers import oelm_main, oelm_cmd, read_json, tiny_args
+from cli_helpers import oelm_main, run_oelm, oelm_cmd, read_json, tiny_args
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -155,7 +155,7 @@ def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path
     wait_for(lambda: (h := read_holder(out)) is not None and h.get('detached'), 60, 'the detached batch to take its lock')
     holder = read_holder(out)
     assert is_alive(holder) and holder['pid'] != term.pid
-    attached = oelm_main(*args)  # the same command, attached (in-process): follows the batch, then reports as usual
+    attached = run_oelm(*args)  # the same command, attached: follows the batch, then reports as usual
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert 'is being run in the background by' in attached.stdout
     assert 'gpt-s0: already completed, skipped' in attached.stdout

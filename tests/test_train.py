@@ -316,7 +316,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(ddp_runs
     m_ddp, m_one = read_metrics(ddp_dir), read_metrics(one_dir)
     assert [r['step'] for r in m_ddp] == [r['step'] for r in m_one] == list(range(1, DDP_STEPS + 1))
     assert [r['tokens'] for r in m_ddp] == [r['tokens'] for r in m_one]
-    # the same function, not bit for bit (float32 reductions in another order): why DDP_LOSS_TOL holds, see nbs/train/41_trainer.ipynb
+    # the same function, not bit for bit (float32 reductions in another order): why DDP_LOSS_TOL holds, see nbs/train/42_trainer.ipynb
     dev = [abs(a['train_loss'] - b['train_loss']) for a, b in zip(m_ddp, m_one)]
     print(f'DDP vs single-process max |train_loss diff| over {DDP_STEPS} steps: {max(dev):.3e}')
     assert max(dev) < DDP_TOL, dev

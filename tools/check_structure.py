@@ -2,7 +2,7 @@
 characters. Modules have no cap: size follows the concern.
 
     python tools/check_structure.py            # every module and notebook; exit 1 when a rule is broken
-    python tools/check_structure.py nbs/train/41_trainer.ipynb ...   # only these notebooks (and their modules)
+    python tools/check_structure.py nbs/train/42_trainer.ipynb ...   # only these notebooks (and their modules)
 """
 import json, re, statistics, sys
 from pathlib import Path
