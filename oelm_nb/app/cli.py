@@ -72,8 +72,11 @@ def cmd_data_prepare(args) -> int:
     cfg = DataConfig.from_dict({'source': args.source, **user})
     created = not Path(args.out).exists()
     try: out = prepare_data(cfg, args.out, progress=not args.quiet)
-    except BaseException:
+    except BaseException as e:
         if created: shutil.rmtree(args.out, ignore_errors=True)  # a failed call leaves no half-made folder behind
+        if isinstance(e, OSError) and not e.filename:  # a full disk names no file (numpy: 'N requested and M written')
+            raise ConfigError(f'--out {args.out}: writing the data failed: {e.strerror or e}; free space there or give '
+                              'another --out') from None
         raise
     print(json.dumps(json.loads((Path(out) / 'meta.json').read_text()), indent=1, default=str)
           if args.verbose else f'prepared {out}')
@@ -198,7 +201,7 @@ def cmd_run(args) -> int:
     half = precision_flags(args, study, seeds, variants, options)  # bad --precision / --max-seeds fail here
     if args.detach:  # bad flags fail here, not in the background
         open_batch(args.study, out, args.preset, args.data, args.steps, options, overrides, variants, seeds,
-                   log=lambda s: None)
+                   log=lambda s: None, restart=args.restart)
         argv = [a for a in args.argv if a != '--detach']
         p = detach(argv, out)
         time.sleep(1.0)
@@ -242,7 +245,9 @@ def cmd_report(args) -> int:
     skip_slow_imports()  # as cmd_run
     if not (Path(args.dir) / 'batch.json').exists():
         raise ConfigError(f"{args.dir} is not a batch directory (no batch.json); pass the --out of `oelm run`")
-    render_report(args.dir)
+    try: render_report(args.dir)
+    except RuntimeError as e:  # the report notebook failed: its error, in one line
+        raise ConfigError(' '.join(str(e).split())) from None
     return 0
 
 # %% ../../nbs/app/91_cli.ipynb #83edf7b3
@@ -325,14 +330,16 @@ def retire_field_flags(p: argparse.ArgumentParser, cls, section: str, skip=()):
 
 # %% ../../nbs/app/91_cli.ipynb #d9758ff9
 def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1: raise argparse.ArgumentTypeError(f'{text} is not a positive integer')
+    try: n = int(text)
+    except ValueError: n = 0
+    if n < 1: raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer (1, 2, 3 ...)')
     return n
 
 # %% ../../nbs/app/91_cli.ipynb #b4880a21
 def _non_negative(text: str) -> int:
-    n = int(text)
-    if n < 0: raise argparse.ArgumentTypeError(f'{text} is negative')
+    try: n = int(text)
+    except ValueError: n = -1
+    if n < 0: raise argparse.ArgumentTypeError(f'{text!r} is not a non-negative integer (0, 1, 2 ...)')
     return n
 
 # %% ../../nbs/app/91_cli.ipynb #5f1861bc
@@ -428,7 +435,10 @@ class StudyParser(jsonargparse.ArgumentParser):
         return argparse.Namespace(**vars(self.parse_args(with_lists(args, getattr(self, '_shapes', {}))))), []
 
     def error(self, message, ex=None):
-        return super().error(flag_error(message), ex)
+        "One line, `oelm run STUDY: error: MESSAGE (where the flags are listed)`, and exit status 2."
+        if not self.exit_on_error: return super().error(flag_error(message), ex)
+        sys.stderr.write(f'{self.prog}: error: {flag_error(message)} (`{self.prog} --help` lists every flag)\n')
+        self.exit(2)
 
 # %% ../../nbs/app/91_cli.ipynb #3cfa90b6
 def add_study_parser(sub, study, presets):
@@ -645,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     from oelm_nb.data.corpus import DataError
     from oelm_nb.base.rundir import RunLocked
     try: return args.fn(args)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a batch's names what its runs kept), no traceback
+        print(f'oelm {args.command}: {e or "interrupted (Ctrl-C)"}', file=sys.stderr); return 130
     except (ConfigError, DataError, RunLocked) as e:
         print(f'oelm {args.command}: error: {e}', file=sys.stderr); return 2
     except OSError as e:  # a place it cannot read or write (`--out /proc/x`, a full disk): the path and why, no traceback

@@ -278,6 +278,7 @@ def prepare_data(cfg: DataConfig, # what to prepare
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     fp = _fingerprint(cfg, kind, payload)
     if _cached_meta(out, fp) is not None: return out
+    (out / 'meta.json').unlink(missing_ok=True)  # the files change below: none of them counts until meta.json is new
     with tqdm(total=3, desc=f'prepare {kind}: documents', unit='step', disable=not progress, leave=False) as bar:
         docs, stories = _documents(cfg, kind, payload)
         bar.update(); bar.set_description(f'prepare {kind}: tokenizer')

@@ -4,9 +4,9 @@
 
 # %% ../../nbs/lab/52_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import fnmatch, json, os, shlex, shutil, socket, subprocess, sys, time
+import fnmatch, json, os, shlex, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from graphlib import TopologicalSorter, CycleError
 from pathlib import Path
 from typing import Callable
@@ -15,21 +15,23 @@ from ..base.core import ConfigError
 from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, planned_steps, run_identity, COMMAND_ENV
 from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
 from .experiment import get_study, split_scope
-from ..data.corpus import prepare_data, read_meta
+from ..data.corpus import prepare_data, read_meta, DataError
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
 from ..base.metrics import read_metrics
 from .status import BatchProgress
 from ..base.rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_with_parent, describe_holder,
-                            recorded_config, config_diff, describe_diff, fingerprint, read_holder)
+                            recorded_config, config_diff, describe_diff, fingerprint, read_holder, VOLATILE_FIELDS)
 
 # %% auto #0
-__all__ = ['CPU_SETS_ENV', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus',
-           'run_status', 'set_aside', 'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args',
-           'papermill_args', 'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchResult', 'with_upstream',
-           'override_notes', 'plan_batch', 'open_batch', 'check_memory', 'write_batch_json', 'record_outcome',
-           'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'report_html', 'write_answers',
-           'execute_report', 'render_report']
+__all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'INTERRUPTED', 'NAMED_DATA', 'NO_SCRIPTS',
+           'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status', 'resumable', 'resumes', 'set_aside',
+           'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args', 'papermill_args', 'stop_children',
+           'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text',
+           'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source', 'open_batch', 'check_memory',
+           'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study',
+           'after_batch', 'fit_vocabulary', 'report_html', 'write_answers', 'check_batch_record', 'execute_report',
+           'render_report']
 
 # %% ../../nbs/lab/52_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -98,6 +100,19 @@ def run_status(run_dir: Path) -> str:
     if (Path(run_dir) / '.running').exists(): return 'partial'  # interrupted while its notebook ran
     if s: return s.get('status', 'failed')
     return 'partial' if Path(run_dir).exists() else 'missing'
+
+# %% ../../nbs/lab/52_runner.ipynb #9be59fd8
+# a failure the run's last checkpoint survives: the disk was full (ENOSPC, EDQUOT), or Ctrl-C stopped the run
+RESUMABLE = ('[Errno 28]', 'No space left on device', '[Errno 122]', 'Disk quota exceeded', 'KeyboardInterrupt')
+
+def resumable(error: str | None) -> bool:
+    "Whether a run that failed with `error` resumes from its last checkpoint on the next `oelm run` (not set aside)."
+    return isinstance(error, str) and any(s in error for s in RESUMABLE)
+
+def resumes(run_dir: Path) -> bool:
+    "A failed run whose summary.json says it resumes (`resumable`): a full disk stopped it, not its configuration."
+    s = read_json(Path(run_dir) / 'summary.json')
+    return isinstance(s, dict) and s.get('status') == 'failed' and s.get('resumable') is True
 
 # %% ../../nbs/lab/52_runner.ipynb #8b44b817
 def set_aside(run_dir: Path, why: str = 'failed') -> Path:
@@ -209,6 +224,25 @@ def _error_from_notebook(path: Path) -> str | None:
             if out.get('output_type') == 'error': return f"{out.get('ename')}: {out.get('evalue')}"
     return None
 
+# %% ../../nbs/lab/52_runner.ipynb #f7ecdeb3
+INTERRUPTED = threading.Event()  # set when Ctrl-C stops a batch: its runs' children are stopped, not failed
+_children: set = set()  # the papermill children running now
+
+def _run_child(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    "`subprocess.run(cmd)` with its output captured, the child registered so that Ctrl-C can stop it (`stop_children`)."
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        _children.add(p)
+        try: out, err = p.communicate()
+        finally: _children.discard(p)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+def stop_children():
+    "Ctrl-C: mark the batch interrupted and pass SIGINT to every running child (papermill then stops its kernel)."
+    INTERRUPTED.set()
+    for p in list(_children):
+        try: p.send_signal(signal.SIGINT)
+        except OSError: pass
+
 # %% ../../nbs/lab/52_runner.ipynb #18f6dfd6
 def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, threads: int | None = None, log=print) -> str:
     """Execute the experiment notebook for `job` in a child process, under the run's lock; returns the run's final
@@ -232,17 +266,20 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     if gpu_set: env['CUDA_VISIBLE_DEVICES'] = ','.join(gpu_set)
     if threads: env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(threads)
     t0 = time.time()
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    res = _run_child(cmd, env)
     (job.run_dir / 'papermill.log').write_text(res.stdout + res.stderr)
     s = read_json(job.run_dir / 'summary.json') or {}
     if res.returncode != 0 or s.get('status') != 'completed':
         err = _error_from_notebook(nb_out) or (res.stderr.strip().splitlines() or ['unknown error'])[-1]
+        if INTERRUPTED.is_set() or err.startswith('KeyboardInterrupt'):
+            return 'interrupted'  # as after kill -9: no summary, its checkpoints kept; the next `oelm run` resumes it
         write_json(
             job.run_dir / 'summary.json',
             {
                 'status': 'failed',
                 **run_identity(batch.study, job.variant, batch.preset, job.seed),
                 'error': err,
+                'resumable': resumable(err),
                 'log': str(job.run_dir / 'papermill.log'),
                 'wall_time_s': time.time() - t0,
             },
@@ -275,8 +312,8 @@ def execute_inline(job: Job, batch: Batch, gpu_set: list[str] | None = None, thr
     except Exception as e:
         err = f'{type(e).__name__}: {e}'
         identity = run_identity(batch.study, job.variant, batch.preset, job.seed)
-        write_json(job.run_dir / 'summary.json', {'status': 'failed', **identity,
-                                                 'error': err, 'wall_time_s': time.time() - t0})
+        write_json(job.run_dir / 'summary.json', {'status': 'failed', **identity, 'error': err,
+                                                 'resumable': resumable(err), 'wall_time_s': time.time() - t0})
         log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}'); return 'failed'
     (job.run_dir / '.running').unlink(missing_ok=True)  # an earlier notebook's marker: this execution finished the run
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
@@ -288,32 +325,39 @@ def schedule(jobs: list[Job], # jobs to run, in order of preference
              statuses: dict[str, str], # run name -> status, for runs done before (upstream runs outside `jobs` too)
              run_job: Callable[[Job, object], str], # (job, worker) -> final status
              workers: list, # one entry per concurrent worker (a GPU set or None), passed to run_job
-             on_blocked: Callable[[Job, str], None] = lambda j, why: None):
+             on_blocked: Callable[[Job, str], None] = lambda j, why: None,
+             on_interrupt: Callable[[], None] = lambda: None): # Ctrl-C: stop the running jobs, then their threads end
     "Run `jobs` on `workers` concurrently, each only after its upstream runs completed; fills `statuses`."
     by_name, rank = {j.name: j for j in jobs}, {j.name: i for i, j in enumerate(jobs)}
     graph = TopologicalSorter({j.name: [u for u in upstream(j) if u in by_name] for j in jobs})
     try:graph.prepare()
     except CycleError as e: raise ConfigError(f'runs {e.args[1]} wait on each other (a dependency cycle)') from None
     statuses.update({j.name: 'pending' for j in jobs})
-    ready, free, running = [], list(workers), {}
+    free, running = list(workers), {}
     with ThreadPoolExecutor(len(workers)) as pool:
-        while graph.is_active():
-            ready = sorted([*ready, *graph.get_ready()], key=rank.get)
-            while ready and free:
-                j = by_name[ready.pop(0)]
-                bad = [u for u in upstream(j) if statuses.get(u, 'missing') != 'completed']
-                if bad:  # a failed (or missing) upstream run blocks this one; the rest of the batch goes on
-                    statuses[j.name] = 'failed'
-                    on_blocked(j, f"not started: upstream run(s) {', '.join(bad)} did not complete")
-                    graph.done(j.name); continue
-                w = free.pop(0); statuses[j.name] = 'running'
-                running[pool.submit(_run_guarded, run_job, j, w, on_blocked)] = (j, w)
-            if not running: continue
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for f in done:
-                j, w = running.pop(f)
-                statuses[j.name] = f.result(); free.append(w); graph.done(j.name)
+        try: _loop(graph, by_name, rank, upstream, statuses, run_job, free, running, pool, on_blocked)
+        except KeyboardInterrupt:
+            on_interrupt(); raise  # before the pool waits for its threads
     return statuses
+
+def _loop(graph, by_name, rank, upstream, statuses, run_job, free, running, pool, on_blocked):
+    ready = []
+    while graph.is_active():
+        ready = sorted([*ready, *graph.get_ready()], key=rank.get)
+        while ready and free:
+            j = by_name[ready.pop(0)]
+            bad = [u for u in upstream(j) if statuses.get(u, 'missing') != 'completed']
+            if bad:  # a failed (or missing) upstream run blocks this one; the rest of the batch goes on
+                statuses[j.name] = 'failed'
+                on_blocked(j, f"not started: upstream run(s) {', '.join(bad)} did not complete")
+                graph.done(j.name); continue
+            w = free.pop(0); statuses[j.name] = 'running'
+            running[pool.submit(_run_guarded, run_job, j, w, on_blocked)] = (j, w)
+        if not running: continue
+        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        for f in done:
+            j, w = running.pop(f)
+            statuses[j.name] = f.result(); free.append(w); graph.done(j.name)
 
 # %% ../../nbs/lab/52_runner.ipynb #8404adee
 def _run_guarded(run_job, j: Job, w, on_blocked) -> str:
@@ -321,6 +365,21 @@ def _run_guarded(run_job, j: Job, w, on_blocked) -> str:
     try: return run_job(j, w)
     except Exception as e:
         on_blocked(j, f'the runner failed: {type(e).__name__}: {e}'); return 'failed'
+
+# %% ../../nbs/lab/52_runner.ipynb #2f3a3ffb
+class BatchInterrupted(KeyboardInterrupt):
+    "Ctrl-C stopped a batch; its message says what each stopped run kept."
+
+def interrupted_text(jobs: list[Job], statuses: dict) -> str:
+    "One line: the runs Ctrl-C stopped and the checkpoint each keeps, and the command that resumes them."
+    kept = []
+    for j in jobs:
+        if statuses.get(j.name) not in ('running', 'interrupted'): continue
+        cks = list_checkpoints(j.run_dir / 'checkpoints')
+        kept.append(f"{j.name} keeps its checkpoint of step {int(cks[-1].name.removeprefix('step_'))}" if cks
+                    else f'{j.name} had no checkpoint yet')
+    return ('interrupted (Ctrl-C): ' + ('; '.join(kept) or 'no run had started')
+            + '; run the same command again to resume (completed runs are skipped)')
 
 # %% ../../nbs/lab/52_runner.ipynb #81a2322b
 @dataclass
@@ -380,15 +439,31 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
     for line in override_notes(batch, names): log(line)
     return names, plan
 
+# %% ../../nbs/lab/52_runner.ipynb #841fd752
+NAMED_DATA = ('synthetic', 'tinystories')
+
+def data_source(data: str) -> str:
+    """`--data` as every run of the batch reads it: a file or directory as its absolute path (the runs start in their
+    own directories), a named source as it is."""
+    if data in NAMED_DATA: return data
+    p = Path(data).expanduser()
+    if not p.exists():
+        raise ConfigError(f"--data {data}: no such file or directory (looked in {Path.cwd()}); give "
+                          f"{' or '.join(NAMED_DATA)}, a .txt/.jsonl file, or a directory of them or of prepared data")
+    return str(p.resolve())
+
 # %% ../../nbs/lab/52_runner.ipynb #1dc8a444
 def open_batch(study: str, out: Path, preset: str = 'tiny', data: str = 'synthetic', steps: int | None = None,
                options: dict | None = None, overrides: dict | None = None, variants: list[str] | None = None,
-               seeds=(0,), log=print) -> tuple[Batch, list[str], dict]:
-    """Check a batch's flags and plan it (`check_batch_flags`, `plan_batch`): the one place `oelm run` refuses bad
-    flags, before anything runs; returns (batch, variants in run order, plan)."""
+               seeds=(0,), log=print, restart: bool = False) -> tuple[Batch, list[str], dict]:
+    """Check a batch's flags and plan it (`check_batch_flags`, `plan_batch`, `check_batch_settings`): the one place
+    `oelm run` refuses bad flags, before anything runs; returns (batch, variants in run order, plan)."""
     check_batch_flags(seeds, steps, overrides, variants)
-    batch = Batch(study, Path(out), preset, data, steps, dict(options or {}), dict(overrides or {}))
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out}: a file, not a batch directory; give a new directory or a batch's --out")
+    batch = Batch(study, Path(out), preset, data_source(data), steps, dict(options or {}), dict(overrides or {}))
     names, plan = plan_batch(batch, variants, log)
+    check_batch_settings(batch, names, seeds, restart)
     return batch, names, plan
 
 # %% ../../nbs/lab/52_runner.ipynb #6012a85e
@@ -412,6 +487,70 @@ def check_memory(batch: Batch, variants: list[str], concurrent: int = 1):
 
 # %% ../../nbs/lab/52_runner.ipynb #97cc6eda
 def _now() -> str: return time.strftime('%Y-%m-%dT%H:%M:%S%z')
+
+# %% ../../nbs/lab/52_runner.ipynb #b67949bb
+_UNSET = object()
+
+def _shown(v) -> str: return 'not given' if v is _UNSET else v if isinstance(v, str) else json.dumps(v)
+
+def _same_data(a, b) -> bool:
+    "Two `--data` values name the same data (a path as given then, absolute now)."
+    if a == b: return True
+    if not (isinstance(a, str) and isinstance(b, str)) or {a, b} & set(NAMED_DATA): return False
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+def settings_diff(batch: Batch) -> list[str]:
+    """What `batch`'s flags change in the settings its batch.json records: one 'FLAG: the batch's -> this command's'
+    per difference in study, --preset, --data, --steps, --set (but where runs write: checkpoints, loggers) and the
+    study's flags (one the batch never had may be added: it plans more variants); [] for a new batch."""
+    path = batch.out / 'batch.json'
+    if not path.exists(): return []
+    b = read_json(path)
+    if not isinstance(b, dict) or not isinstance(b.get('study'), str):
+        raise ConfigError(f"{path}: not a batch record (a JSON object naming its study); give another --out")
+    diffs = []
+    def differ(flag, was, now):
+        if was != now: diffs.append(f'{flag}: {_shown(was)} -> {_shown(now)}')
+    differ('study', b['study'], batch.study)
+    if diffs: return diffs
+    differ('--preset', b.get('preset', 'tiny'), batch.preset)
+    if not _same_data(b.get('data', 'synthetic'), batch.data): differ('--data', b.get('data', 'synthetic'), batch.data)
+    try: was = Batch(batch.study, batch.out, b.get('preset', 'tiny'), steps=b.get('steps')).plan_steps
+    except Exception: was = b.get('steps')  # a bad record: shown as it is
+    differ('--steps', was, batch.plan_steps)
+    old = b.get('overrides') if isinstance(b.get('overrides'), dict) else {}
+    new = json.loads(json.dumps(batch.overrides, default=str))
+    for k in sorted(set(old) | set(new), key=str):
+        if split_scope(str(k))[1] not in VOLATILE_FIELDS: differ(f'--set {k}', old.get(k, _UNSET), new.get(k, _UNSET))
+    old = b.get('options') if isinstance(b.get('options'), dict) else {}
+    new = json.loads(json.dumps(batch.options, default=str))
+    for k in sorted(old, key=str): differ(f"--{str(k).replace('_', '-')}", old[k], new.get(k, _UNSET))
+    return diffs
+
+def check_batch_settings(batch: Batch, variants: list[str], seeds, restart: bool = False):
+    """Refuse a command that would change the settings of an existing batch (its shared data, batch.json, and runs
+    beside runs of other settings), naming the flags that differ and the batch's own command; with --restart, allowed
+    when every run of the batch is one of this command's (all are set aside and trained afresh)."""
+    diffs = settings_diff(batch)
+    if not diffs: return
+    mine = {run_name(v, s) for v in variants for s in seeds}
+    others = sorted(p.name for p in batch.out.iterdir() if p.is_dir() and parse_run_name(p.name) and p.name not in mine)
+    if restart and not others: return
+    from oelm_nb.report.tables import batch_command
+    try: now = replace(batch, data_vocab=int(read_meta(batch.out / 'data')['vocab_size']), _specs={})  # as the runs had
+    except Exception: now = batch
+    stale = [f'{j}: {describe_diff(d)}' for j in sorted(mine)
+             if (old := recorded_config(batch.out / j)) is not None
+             and (d := config_diff(old, now.spec(*parse_run_name(j)).to_dict()))]
+    raise RunMismatch(
+        f"{batch.out} holds a batch with other settings: {'; '.join(diffs)}"
+        + (f" (runs {', '.join(stale)})" if stale else '')
+        + ". This command would change its shared data and batch.json and train beside runs of other settings. "
+        + (f"--restart sets aside only this command's runs, not {', '.join(others)}; " if restart else '')
+        + f"Run it with the batch's own settings: {batch_command(batch.out, variants, list(seeds))} ; "
+        + "or give another --out"
+        + ("" if restart else "; or add --restart (when the command names every run of the batch) to train them afresh")
+        + ".")
 
 # %% ../../nbs/lab/52_runner.ipynb #36b652c3
 def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus: str | None,
@@ -456,14 +595,15 @@ def pending_jobs(
     batch: Batch, variants: list[str], seeds, restart: bool = False, log=print
 ) -> tuple[list[Job], list[Job]]:
     """(all jobs, those still to run). A run trained with another configuration stops the batch (unless `restart`);
-    completed runs are skipped; failed ones, and with `restart` all, are set aside."""
+    completed runs are skipped; failed ones, and with `restart` all, are set aside, but for those a full disk stopped
+    (`resumes`), which resume from their last checkpoint."""
     all_jobs = [Job(v, s, batch.out / run_name(v, s)) for v in variants for s in seeds]
     existing = [j for j in all_jobs if j.run_dir.exists()]
     if not restart:
         stale = [
             (j, d)
             for j in existing
-            if run_status(j.run_dir) != 'failed'
+            if (run_status(j.run_dir) != 'failed' or resumes(j.run_dir))
             and (old := recorded_config(j.run_dir)) is not None
             and (d := config_diff(old, batch.spec(j.variant, j.seed).to_dict()))
         ]
@@ -477,6 +617,11 @@ def pending_jobs(
     for j in existing:
         if restart:
             log(f'[oelm run] {j.name}: --restart, moved to {set_aside(j.run_dir, "replaced").name}, starting afresh')
+        elif resumes(j.run_dir):  # a full disk stopped it: its checkpoints are good
+            with run_lock(j.run_dir):
+                why = read_json(j.run_dir / 'summary.json').get('error')
+                (j.run_dir / 'summary.json').unlink()
+            log(f'[oelm run] {j.name}: stopped before by {str(why)[:160]}; resumed from its checkpoint, not set aside')
         elif run_status(j.run_dir) == 'failed':
             log(f'[oelm run] {j.name}: failed before, moved to {set_aside(j.run_dir).name}, starting afresh')
     todo = [j for j in all_jobs if run_status(j.run_dir) != 'completed']
@@ -498,7 +643,7 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
     batch's lock; then render its report."""
     out = Path(out_dir)
     if jobs < 1: raise ConfigError(f"--jobs {jobs}: give at least 1 concurrent run")
-    batch, names, plan = open_batch(study, out, preset, data, steps, options, overrides, variants, seeds, log)
+    batch, names, plan = open_batch(study, out, preset, data, steps, options, overrides, variants, seeds, log, restart)
     sets = parse_gpu_sets(gpus); check_gpus(sets)
     workers = (sets if parallel else sets[:1]) if sets else [None] * jobs
     # on GPUs the trainer names an out-of-memory step (no CUDA context here)
@@ -544,7 +689,10 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
     spec0 = batch.spec(names[0])
     log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
     # a prepared source directory is used in place
-    batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)
+    try: batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)
+    except OSError as e:  # a full disk names no file (numpy: 'N requested and M written')
+        raise DataError(f"{out / 'data'}: preparing the data failed: {e.strerror or e}; free space there (or give "
+                        "another --out), then run the same command: an incomplete data/ is prepared afresh") from None
     fit_vocabulary(batch, spec0, log)  # once, before any run starts
     all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
     index = write_batch_json(batch, names, seeds, plan, gpus, restart)
@@ -575,9 +723,12 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
             except RunLocked as e:
                 why += f' (and its directory is locked: {e})'
             say(f'[oelm run] {j.name}: {why}')
-        schedule(
-            todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream], statuses, run_job, workers, blocked
-        )
+        INTERRUPTED.clear()
+        try:
+            schedule(todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream], statuses, run_job,
+                     workers, blocked, stop_children)
+        except KeyboardInterrupt:
+            raise BatchInterrupted(interrupted_text(all_jobs, statuses)) from None
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
     record_outcome(out, index, res.statuses)
     after_batch(batch, [v for v in names if any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)
@@ -607,6 +758,29 @@ def write_answers(batch_dir: str | Path, study: Study) -> Path | None:
     write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(study.answers(runs))})
     return Path(batch_dir) / 'answers.json'
 
+# %% ../../nbs/lab/52_runner.ipynb #e27548f5
+def check_batch_record(batch_dir) -> dict:
+    """A batch's batch.json, read as data and checked before a report reads it: a JSON object naming a known study,
+    variants the study plans for the batch's flags, and seeds that are non-negative integers."""
+    path = Path(batch_dir) / 'batch.json'
+    b, fix = read_json(path), f'correct it in {path} (the report reads the run directories it names)'
+    if not isinstance(b, dict): raise ConfigError(f'{path}: not a JSON object; {fix}')
+    try: st = get_study(b.get('study', 'qk-freeze'))
+    except ConfigError as e: raise ConfigError(f'{path}: study: {e}; {fix}') from None
+    vs, seeds = b.get('variants', []), b.get('seeds', [])
+    if not isinstance(vs, list) or not all(isinstance(v, str) for v in vs):
+        raise ConfigError(f'{path}: variants {_shown(vs)} is not a list of variant names; {fix}')
+    if not isinstance(seeds, list) or not all(type(s) is int and s >= 0 for s in seeds):
+        raise ConfigError(f'{path}: seeds {_shown(seeds)} is not a list of non-negative integers; {fix}')
+    try:
+        known = list(Batch(st.name, Path(batch_dir), str(b.get('preset', 'tiny')), steps=b.get('steps'),
+                           options=dict(b.get('options') or {})).plan())
+    except Exception: known = list(st.variants('tiny', 1000, {}))  # the flags do not plan: every name the study has
+    if bad := [v for v in vs if v not in known]:
+        raise ConfigError(f"{path}: variants names {', '.join(map(repr, bad))}, which study {st.name} does not plan "
+                          f"(it has {', '.join(known)}); {fix}")
+    return b
+
 # %% ../../nbs/lab/52_runner.ipynb #75390e19
 def execute_report(nb_in: Path, nb_out: Path, run_dir: Path) -> str | None:
     """Execute report notebook `nb_in` into `nb_out` with papermill in a child process, in `run_dir`, its parameter
@@ -619,7 +793,7 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
     """Execute the study's report notebook on `run_dir` (`execute_report`), write report.ipynb and report.html there,
     and answers.json."""
     run_dir = Path(run_dir).resolve()
-    batch = read_json(run_dir / 'batch.json') or {}
+    batch = check_batch_record(run_dir) if (run_dir / 'batch.json').exists() else {}
     st = get_study(study or batch.get('study', 'qk-freeze'))
     nb_out = run_dir / 'report.ipynb'
     if (error := execute_report(notebook_path(st.report), nb_out, run_dir)) is not None:

@@ -24,10 +24,11 @@ from .convergence import (completed, run_curves, formation, formation_level, for
 __all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root',
            'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'fmt', 'mean_of', 'mean_sd',
            'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
-           'formation_comparison', 'formed_count', 'seeds_needed', 'seeds_command', 'read_precision', 'safe_markdown',
-           'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links', 'completed', 't_interval',
-           'interval_text', 'Comparison', 'paired', 'threshold_verdict', 'difference_verdict', 'formation',
-           'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat', 'budget_text']
+           'formation_comparison', 'formed_count', 'seeds_needed', 'batch_command', 'seeds_command', 'read_precision',
+           'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links', 'completed',
+           't_interval', 'interval_text', 'Comparison', 'paired', 'threshold_verdict', 'difference_verdict',
+           'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat',
+           'budget_text']
 
 # %% ../../nbs/report/32_tables.ipynb #a11c0e7e
 # re-exported: a report imports every tool from here
@@ -311,27 +312,49 @@ def seeds_needed(c: Comparison | None, # a paired comparison
     return seeds_for_power(float(d.mean()) - c.to_test_scale(threshold), float(d.std(ddof=1)), target, cap=cap)
 
 # %% ../../nbs/report/32_tables.ipynb #f67d530d
+def _set_value(v) -> str:
+    "A `--set` value as `parse_sets` reads it back: text that would parse as JSON is written as a JSON string."
+    if not isinstance(v, str): return json.dumps(v)
+    try: json.loads(v)
+    except ValueError: return v
+    return json.dumps(v)
+
+def batch_command(batch_dir, # a batch directory: its batch.json gives study, preset, data, steps, overrides, options
+                  variants=None, # the variants to run (default: the batch's; []: no --variants, the study's)
+                  seeds=None, # the seeds to run (default: the batch's; none recorded: no --seeds)
+                  study: str | None = None, # the study, where batch.json does not name one
+                  extra=(), # more flags, appended as given (e.g. ['--precision', '0.05'])
+                 ) -> str:
+    """The `oelm run` command that trains `variants` x `seeds` into the batch with the batch's own settings (preset,
+    data, steps, --set overrides, the study's flags): its completed runs are skipped, nothing else changes. Every
+    command a report or the console suggests for a batch is this one."""
+    b, q = read_json(Path(batch_dir) / 'batch.json'), shlex.quote
+    b = b if isinstance(b, dict) else {}  # read from a run directory: data, checked
+    parts = ['oelm', 'run', q(str(b.get('study') or study or 'STUDY'))]
+    for flag in ('preset', 'data', 'steps'):
+        if isinstance(b.get(flag), (str, int)): parts += [f'--{flag}', q(str(b[flag]))]
+    vs = list(variants if variants is not None else b.get('variants') if isinstance(b.get('variants'), list) else [])
+    if vs: parts += ['--variants', q(','.join(map(str, vs)))]
+    ss = seeds if seeds is not None else (b.get('seeds') if isinstance(b.get('seeds'), list) else None)
+    parts += [*(['--seeds', *(q(str(s)) for s in ss)] if ss else []), '--out', q(str(batch_dir))]
+    for k, v in (b.get('overrides') if isinstance(b.get('overrides'), dict) else {}).items():
+        parts += ['--set', q(f'{k}={_set_value(v)}')]
+    for k, v in (b.get('options') if isinstance(b.get('options'), dict) else {}).items():  # --NAME VALUE
+        if v is None: continue
+        flag = f"--{str(k).replace('_', '-')}"
+        value = 'true' if v is True else 'false' if v is False else json.dumps(v) if isinstance(v, list) else str(v)
+        parts += [flag] if v is True else [flag, q(value)]
+    return ' '.join([*parts, *map(q, map(str, extra))])
+
 def seeds_command(batch_dir, # a batch directory: its batch.json gives study, preset, data, steps, overrides, flags
                   n: int, # seeds 0 .. n-1
                   variants=None, # the variants to run (default: the batch's)
                   study: str | None = None, # the study, where batch.json does not name one
                   precision: float | None = None, # Stein's design: --precision with this half-width (0.05: 5%)
                  ) -> str:
-    """The `oelm run` command that trains seeds 0 .. n-1 of `variants` into the batch (its completed runs are skipped);
-    with `precision`, those seeds are the pilot of a Stein design."""
-    b, q = read_json(Path(batch_dir) / 'batch.json') or {}, shlex.quote
-    parts = ['oelm', 'run', q(str(b.get('study') or study or 'STUDY'))]
-    for flag in ('preset', 'data', 'steps'):
-        if b.get(flag) is not None: parts += [f'--{flag}', q(str(b[flag]))]
-    if (vs := list(variants or b.get('variants') or [])): parts += ['--variants', q(','.join(map(str, vs)))]
-    parts += ['--seeds', *map(str, range(n)), '--out', q(str(batch_dir))]
-    for k, v in (b.get('overrides') or {}).items():
-        parts += ['--set', q(f'{k}={v if isinstance(v, str) else json.dumps(v)}')]
-    for k, v in (b.get('options') or {}).items():  # the study's own flags, written --NAME VALUE
-        if v is None or v is False: continue
-        parts += [f"--{str(k).replace('_', '-')}"] + ([] if v is True else [q(str(v))])
-    if precision: parts += ['--precision', f'{precision:.3g}']
-    return ' '.join(parts)
+    """The `oelm run` command that trains seeds 0 .. n-1 of `variants` into the batch (`batch_command`); with
+    `precision`, those seeds are the pilot of a Stein design."""
+    return batch_command(batch_dir, variants, range(n), study, ['--precision', f'{precision:.3g}'] if precision else ())
 
 # %% ../../nbs/report/32_tables.ipynb #e04d05a4
 _NAME = re.compile(r'[A-Za-z0-9_.+-]{1,100}')

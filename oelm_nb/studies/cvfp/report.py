@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 import numpy as np
 import pandas as pd
-from ...report.tables import fmt, load_runs
+from ...report.tables import fmt, load_runs, batch_command
 from ...base.rundir import read_json
 from ...base.metrics import read_metrics
 from .study import DIVERSITY_DESCRIPTIONS
@@ -613,7 +613,7 @@ def cvfp_answers(runs) -> list[Answer]:
     vs MCDL effective rank, the parallel speed-up, the three checks and the fixed point."""
     table = runs if isinstance(runs, pd.DataFrame) else load_runs(runs)
     rs = table_runs(table); cv = cvfp_runs(rs); sp = _done(rs, 'speedup')
-    cmd = f"oelm run cvfp --out {_batch_dir(table) if isinstance(runs, pd.DataFrame) else runs}"
+    cmd = batch_command(_batch_dir(table) if isinstance(runs, pd.DataFrame) else runs, study='cvfp')
     names = list(dict.fromkeys(r.variant for r in cv))
     budget, seeds = budget_text(table, names, CVFP_BUDGET), seeds_text(table, names)
     out = []

@@ -13,6 +13,7 @@ from ...model.gpt import model_config
 from ...lab.bench import bench
 from ...model.freeze import param_report
 from ...model.gpt import GPT
+from ...report.tables import batch_command
 from ...report.tables import (compare, completed, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
                             interval_text, seeds_needed, seeds_command, formation_comparison, formed_count,
                             read_precision)
@@ -235,11 +236,11 @@ CONTROLS = [('orthogonality at equal scale (trained Q/K)', 'gauss', 'oelm'),
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #5a3054d7
 def control_table(runs: pd.DataFrame) -> pd.DataFrame:
     "What each control comparison says: question, 'A vs B', the paired val PPL gap with its interval, and the verdict."
-    rows = []
+    rows, batch = [], Path(runs.run_dir.iloc[0]).parent if len(runs) and 'run_dir' in runs else 'DIR'
     for question, a, b in CONTROLS:
         c = compare(runs, a, b)
         if c is None:
-            verdict, gap = 'no data', f'needs completed {a} and {b} runs (oelm run qk-freeze --variants {a},{b},...)'
+            verdict, gap = 'no data', f'needs completed {a} and {b} runs ({batch_command(batch, [a, b])})'
         else:
             gap, verdict = str(c), difference_verdict(c)
         rows.append({'question': question, 'comparison': f'{a} vs {b}', 'verdict': verdict, 'val PPL gap': gap})
