@@ -120,24 +120,42 @@ def test_a_cancelled_job_fails_its_run_with_its_state(tmp_path):
 
 def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_another(tmp_path, monkeypatch):
     """The `oelm run` that submitted a job is killed; the job goes on; the same command again re-attaches to it through the run's lock.
-    The job asks for 2 GPUs: it trains through torchrun inside the job (here on the CPU, with gloo, as the local GPU-set test does)."""
+    The job asks for 2 GPUs: it trains through torchrun inside the job (here on the CPU, with gloo, as the local GPU-set test does).
+    The job is paused (SIGSTOP to its processes) from the moment it holds the run's lock until the rerun has seen it: the rerun
+    then finds it training however loaded the machine is, so the run can be short."""
+    import psutil
+    from oelm_nb.lab.cluster import ClusterBackend
     monkeypatch.setenv('OELM_GPU_SETS_ON_CPU', '1')
     out = tmp_path / 're'
-    # long enough that the rerun, started on a loaded machine, still finds the job training
-    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), '--no-report', *tiny_args(240), '--set', 'train.log_every=1',
+    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--out', str(out), '--no-report', *tiny_args(20), '--set', 'train.log_every=1',
             *LOCAL, '--gpus-per-run', '2')
     driver = subprocess.Popen(oelm_cmd(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: (out / 'gpt-s0' / 'job.json').exists() and (out / 'gpt-s0' / 'metrics.jsonl').exists(), what='gpt-s0 to train')
+    wait_for(lambda: (out / 'gpt-s0' / 'job.json').exists() and (h := read_holder(out / 'gpt-s0')) is not None and is_alive(h),
+             what='the job of gpt-s0 to hold its run')
     job_id = read_json(out / 'gpt-s0' / 'job.json')['job_id']
-    driver.kill(); driver.wait()
-    assert not (out / 'gpt-s0' / 'summary.json').exists() and is_alive(read_holder(out / 'gpt-s0')), 'the job outlives its driver'
-    again = oelm_main(*args)  # the killed driver was the process boundary; the rerun's decision is in-process
+    job = psutil.Process(int(job_id))  # a local job's id is its process id
+    paused = [job, *job.children(recursive=True)]
+    for p in paused: p.send_signal(signal.SIGSTOP)
+    def resume():
+        for p in paused:
+            try: p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess: pass
+    try:
+        driver.kill(); driver.wait()
+        assert not (out / 'gpt-s0' / 'summary.json').exists() and is_alive(read_holder(out / 'gpt-s0')), 'the job outlives its driver'
+        seen = ClusterBackend.earlier_job
+        def earlier_job_then_resume(self, j):  # the rerun has asked whether a job trains the run: let the job go on
+            try: return seen(self, j)
+            finally: resume()
+        monkeypatch.setattr(ClusterBackend, 'earlier_job', earlier_job_then_resume)
+        again = oelm_main(*args)  # the killed driver was the process boundary; the rerun's decision is in-process
+    finally: resume()
     assert again.returncode == 0, again.stdout + again.stderr
     assert f'gpt-s0: job {job_id} from an earlier `oelm run` still trains it' in again.stdout
     assert f'gpt-s0: job {job_id} completed it' in again.stdout and 'submitted as' not in again.stdout
     assert read_json(out / 'gpt-s0' / 'job.json')['job_id'] == job_id and read_json(out / 'batch.json')['jobs'] == {'gpt-s0': job_id}
     steps = [json.loads(l)['step'] for l in (out / 'gpt-s0' / 'metrics.jsonl').read_text().splitlines() if l.strip()]
-    assert steps == sorted(set(steps)) and steps[-1] == 240, 'one job wrote the run, once'
+    assert steps == sorted(set(steps)) and steps[-1] == 20, 'one job wrote the run, once'
     assert read_json(out / 'gpt-s0' / 'summary.json')['world_size'] == 2 and (out / 'gpt-s0' / 'torchrun.log').exists()
 
 

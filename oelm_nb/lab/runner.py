@@ -30,8 +30,8 @@ __all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'INTERR
            'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text',
            'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source', 'open_batch', 'check_memory',
            'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study',
-           'after_batch', 'fit_vocabulary', 'report_html', 'write_answers', 'check_batch_record', 'execute_report',
-           'render_report']
+           'after_batch', 'fit_vocabulary', 'cpu_threads', 'report_html', 'write_answers', 'check_batch_record',
+           'execute_report', 'render_report']
 
 # %% ../../nbs/lab/52_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -683,6 +683,13 @@ def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
         )
     if now != was: log(f"[oelm run] the data's vocabulary is {batch.data_vocab:,}: model.vocab_size {was:,} -> {now:,}")
 
+# %% ../../nbs/lab/52_runner.ipynb #ed43cd0e
+def cpu_threads(jobs: int) -> int:
+    "The threads of each of `jobs` runs sharing the CPU: `cores // jobs`, at most `OMP_NUM_THREADS` where that is set."
+    n = max(1, (os.cpu_count() or 1) // max(1, jobs))
+    env = os.environ.get('OMP_NUM_THREADS', '').strip()
+    return min(n, int(env)) if env.isdigit() and int(env) > 0 else n
+
 # %% ../../nbs/lab/52_runner.ipynb #2293c34c
 def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, execute, log) -> BatchResult:
     out, study = batch.out, batch.study
@@ -696,7 +703,7 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
     fit_vocabulary(batch, spec0, log)  # once, before any run starts
     all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
     index = write_batch_json(batch, names, seeds, plan, gpus, restart)
-    threads = None if workers[0] else max(1, (os.cpu_count() or 1) // len(workers))
+    threads = None if workers[0] else cpu_threads(len(workers))
     steps = {j.name: batch.spec(j.variant, j.seed).train.max_steps for j in all_jobs}
     statuses = {j.name: 'completed' for j in all_jobs if j not in todo}
     with BatchProgress(all_jobs, steps, statuses) as progress:
