@@ -147,7 +147,7 @@ def test_killing_oelm_alone_stops_its_trainer_and_a_rerun_continues_cleanly(tmp_
 # ====================================================================== flags refused up front
 @pytest.mark.parametrize('flags, message', [
     (('--seeds', '0', '0', '--jobs', '2'), '[0] more than once'),
-    (('--seeds', '-1'), 'is negative'),
+    (('--seeds', '-1'), "'-1' is not a non-negative integer"),
     (('--steps', '0'), 'not a positive integer'),
     (('--set', 'out_dir=/tmp/elsewhere'), 'use --out'),
     (('--set', 'name=gpt'), 'use --variants'),

@@ -208,6 +208,62 @@ def test_killed_batch_resumes_and_skips_completed_runs(tmp_path):
         assert steps == [1, 2, 3, 4], f'{d.name}: metrics after resume: {steps}'
 
 
+@pytest.mark.skipif(not Path('/proc/self/cwd').exists(), reason='needs /proc to find the kernel')
+def test_ctrl_c_stops_in_one_line_and_the_rerun_resumes_with_the_uninterrupted_numbers(tmp_path):
+    "Ctrl-C (SIGINT to the process group, as a terminal sends it) while a run trains: no traceback, no failed run."
+    import psutil
+    sets = ['--set', 'train.ckpt_every=5', '--set', 'train.eval_every=5', '--set', 'train.dtype=float32']
+    out, args = tmp_path / 'ctrl-c', ['run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', *tiny_args(30), *sets]
+    ckpts = out / 'gpt-s0' / 'checkpoints'
+    # --jobs 2: one thread per run, as the in-process runs below train (the same numbers, not merely close ones)
+    proc = subprocess.Popen(oelm(*args, '--out', str(out), '--jobs', '2'), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + TIMEOUT
+        while not (ckpts.is_dir() and any(p.name.startswith('step_') for p in ckpts.iterdir())):
+            assert proc.poll() is None, f'oelm run ended before its first checkpoint:\n{proc.communicate()}'
+            assert time.time() < deadline, 'no checkpoint in time'
+            time.sleep(0.05)
+        kernels = [k for k in psutil.Process(proc.pid).children(recursive=True) if os.getsid(k.pid) != proc.pid]  # own session
+        for k in kernels: k.suspend()  # the run cannot finish before the Ctrl-C reaches it
+        os.killpg(proc.pid, signal.SIGINT)  # oelm and papermill; papermill interrupts the kernel (its own session)
+        wait_until = time.time() + 60
+        while time.time() < wait_until and not all(sigint_pending(k.pid) for k in kernels): time.sleep(0.05)
+        for k in kernels: k.resume()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL); proc.wait()
+    assert kernels and proc.returncode == 130, stdout + stderr
+    assert 'Traceback' not in stdout + stderr and 'KeyboardInterrupt' not in stdout + stderr, stderr
+    line = stderr.strip().splitlines()[-1]
+    kept = int(re.search(r'gpt-s0 keeps its checkpoint of step (\d+);', line).group(1))
+    assert line.startswith('oelm run: interrupted (Ctrl-C)') and 'run the same command again to resume' in line, stderr
+    assert not (out / 'gpt-s0' / 'summary.json').exists()  # as after kill -9: not failed
+    deadline = time.time() + 30
+    while _procs_in(out) and time.time() < deadline: time.sleep(0.5)
+
+    res = oelm_inline(*args, '--out', str(out))  # the rerun's rule, in-process
+    assert res.returncode == 0 and f'gpt-s0: resumed from step {kept}' in res.stdout, res.stdout + res.stderr
+    assert 'failed before' not in res.stdout and not list(tmp_path.glob('ctrl-c/gpt-s0.*'))
+    ref = oelm_inline(*args, '--out', str(tmp_path / 'ref'))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    got, want = (read_jsonl_rows(d / 'gpt-s0' / 'metrics.jsonl') for d in (out, tmp_path / 'ref'))
+    assert [r[0] for r in got] == list(range(1, 31)) and got == want
+    assert read_json(out / 'gpt-s0' / 'summary.json')['best_val_ppl'] == read_json(tmp_path / 'ref' / 'gpt-s0' / 'summary.json')['best_val_ppl']
+
+
+def sigint_pending(pid: int) -> bool:
+    "Whether process `pid` has a SIGINT waiting (it is stopped: it takes the signal when it continues)."
+    try: status = Path(f'/proc/{pid}/status').read_text()
+    except OSError: return True  # gone
+    return any(int(v, 16) & (1 << (signal.SIGINT - 1)) for k, v in re.findall(r'^(SigPnd|ShdPnd):\s*([0-9a-f]+)', status, re.M))
+
+
+def read_jsonl_rows(p) -> list[tuple]:
+    "(step, train loss, val loss) of each line of a metrics.jsonl: the numbers, not the times."
+    return [(r['step'], r['train_loss'], r.get('val_loss')) for r in map(json.loads, Path(p).read_text().splitlines())]
+
+
 # ====================================================================== one failing run
 def test_one_failed_run_is_recorded_and_reported(tmp_path):
     "gpt-s0 holds a corrupt checkpoint, so its resume fails; oelm-freeze-s0, which runs after it, still completes."

@@ -768,7 +768,7 @@ def write_answers(batch_dir: str | Path, study: Study) -> Path | None:
 # %% ../../nbs/lab/52_runner.ipynb #e27548f5
 def check_batch_record(batch_dir) -> dict:
     """A batch's batch.json, read as data and checked before a report reads it: a JSON object naming a known study,
-    variants the study plans for the batch's flags, and seeds that are non-negative integers."""
+    variants the study plans for the batch's flags (or that have runs), and seeds that are non-negative integers."""
     path = Path(batch_dir) / 'batch.json'
     b, fix = read_json(path), f'correct it in {path} (the report reads the run directories it names)'
     if not isinstance(b, dict): raise ConfigError(f'{path}: not a JSON object; {fix}')
@@ -783,7 +783,8 @@ def check_batch_record(batch_dir) -> dict:
         known = list(Batch(st.name, Path(batch_dir), str(b.get('preset', 'tiny')), steps=b.get('steps'),
                            options=dict(b.get('options') or {})).plan())
     except Exception: known = list(st.variants('tiny', 1000, {}))  # the flags do not plan: every name the study has
-    if bad := [v for v in vs if v not in known]:
+    # a name the flags do not plan is kept where runs of it exist (their directories are what the report reads)
+    if bad := [v for v in vs if v not in known and not any((Path(batch_dir) / run_name(v, s)).is_dir() for s in seeds)]:
         raise ConfigError(f"{path}: variants names {', '.join(map(repr, bad))}, which study {st.name} does not plan "
                           f"(it has {', '.join(known)}); {fix}")
     return b
