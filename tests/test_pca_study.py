@@ -291,7 +291,7 @@ def test_pca_lora_run_is_reproducible(batch, tmp_path):
     shutil.copytree(out / 'baseline-s0', again / 'baseline-s0', symlinks=True)
     shutil.copytree(out / 'data', again / 'data')
     shutil.copy(out / 'batch.json', again / 'batch.json')
-    r2 = oelm_inline('run', 'pca', '--variants', 'pca-lora-k16', '--seeds', '0', '--no-report', '--out', str(again), *TINY)
+    r2 = oelm_inline('run', 'pca', '--variants', 'pca-lora-k16', '--seeds', '0', '--ks', '16', '64', '--no-report', '--out', str(again), *TINY)
     assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-2000:]
     assert 'baseline-s0: already completed' in r2.stdout
     first, second = read_json(out / 'pca-lora-k16-s0' / 'summary.json'), read_json(again / 'pca-lora-k16-s0' / 'summary.json')
