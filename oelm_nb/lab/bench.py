@@ -265,11 +265,19 @@ def _rss_probe(variant: str, cfg: ModelConfig, batch_size: int, dtype: str) -> i
     return peak_rss_bytes()
 
 # %% ../../nbs/lab/53_bench.ipynb #9f4bceb5
+def _probe_context():
+    """A fresh process per probe, forked from a server that imported torch and this module once (a spawned process
+    imports them again for every entry: about 7 s each on 2 cores); spawned where there is no fork server."""
+    if 'forkserver' not in multiprocessing.get_all_start_methods(): return multiprocessing.get_context('spawn')
+    ctx = multiprocessing.get_context('forkserver')
+    ctx.set_forkserver_preload(['oelm_nb.lab.bench'])  # the server's own imports: the child's count starts after them
+    return ctx
+
 def cpu_peak_memory(variant: str, cfg: ModelConfig, batch_size: int, dtype: str) -> int | None:
-    "Peak RSS of a fresh process that trains only this entry (spawned, so other entries' memory does not count)."
+    "Peak RSS of a fresh process that trains only this entry (so other entries' memory does not count)."
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn')) as ex:
+    with ProcessPoolExecutor(1, mp_context=_probe_context()) as ex:
         try: return ex.submit(_rss_probe, variant, cfg, batch_size, dtype).result()
         except BrokenProcessPool:  # a multiprocessing.Pool would wait forever for a worker the kernel killed
             raise ConfigError(f'the process measuring the peak memory of {variant!r} at batch_size={batch_size} died '
