@@ -148,6 +148,9 @@ class ClusterBackend:
                 f'[oelm run] {job.name}: job {earlier} completed it'); return 'completed'
         folder = batch.out / 'jobs' / job.name
         sj = self.executor(folder, f'oelm-{batch.study}-{job.name}').submit(run_on_node, job, batch)
+        # submitit waits 15 s for the result file of a job that ended without one (a slow network filesystem); a local
+        # job's folder is on this machine's disk, so a cancelled local job is reported at once
+        if self.cfg.cluster == 'local': sj._results_timeout_s = 1
         self.jobs[job.name] = sj
         record_job(job, batch, sj.job_id, self.cfg.cluster,
                    {'stdout': str(sj.paths.stdout), 'stderr': str(sj.paths.stderr)}, self.guard)
