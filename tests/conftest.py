@@ -32,6 +32,11 @@ torch.set_num_threads(int(os.environ.get('OELM_TEST_THREADS', '1')))
 # their threads itself: two xdist workers each waiting on a child that takes both cores oversubscribe a 2-core machine.
 for _v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'): os.environ.setdefault(_v, os.environ.get('OELM_TEST_THREADS', '1'))
 
+# What `oelm` does in its own process: nbformat's schema validation leaves out a module that takes about 3 s to import
+# and that it does not use (runner.SKIPPED_IMPORTS); each xdist worker and every child forked from it renders reports.
+from oelm_nb.lab.runner import skip_slow_imports  # noqa: E402
+skip_slow_imports()
+
 
 # ---------------------------------------------------------------- the toy study
 # tests/ holds a study registered as a lab would register one (tests/toy_study, tests/toy_study-0.1.dist-info): pytest

@@ -9,7 +9,7 @@ import psutil
 import pytest
 from oelm_nb.studies.qk_freeze.study import QK_TRAIN
 import torch
-from cli_helpers import TIMEOUT, oelm_cmd as oelm, oelm_inline, run_oelm, read_json, tiny_args
+from cli_helpers import TIMEOUT, oelm_cmd as oelm, oelm_inline, oelm_main, run_oelm, read_json, tiny_args
 
 from oelm_nb.lab.experiment import resolve_spec, prepare_run
 from oelm_nb.base.rundir import parse_run_name
@@ -66,7 +66,7 @@ def contested(tmp_path_factory):
     with open(log, 'w') as f:
         first = subprocess.Popen(oelm(*args), stdout=f, stderr=subprocess.STDOUT)
         wait_for(lambda: (out / 'gpt-s0' / '.lock.json').exists(), 'the first run to take its lock', first, log=log)
-        second = run_oelm(*args)
+        second = oelm_main(*args)  # in-process: the first `oelm run`, a process, holds the lock
         rc = first.wait(TIMEOUT)
     return out, args, first.pid, rc, second, log.read_text()
 

@@ -390,11 +390,11 @@ def test_run_interrupted_after_training_is_reexecuted_not_skipped(batch, tmp_pat
     assert read_json(d / 'oelm-freeze-s0' / 'summary.json')['tokens_per_s'] > 0
 
 
-def test_gpu_set_of_two_trains_through_torchrun(tmp_path):
+def test_gpu_set_of_two_trains_through_torchrun(tmp_path, monkeypatch):
     "A GPU set with two devices launches torchrun with two processes; on a CPU-only machine they use gloo."
     out = tmp_path / 'set'
-    res = subprocess.run(oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--gpus', '0,1', '--out', str(out), '--no-report', *TINY),
-                         capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, 'OELM_GPU_SETS_ON_CPU': '1'})
+    monkeypatch.setenv('OELM_GPU_SETS_ON_CPU', '1')  # the driver in-process: torchrun and its two processes are the subject
+    res = oelm_main('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--gpus', '0,1', '--out', str(out), '--no-report', *TINY)
     assert res.returncode == 0, res.stdout + res.stderr
     assert 'each GPU set trains on the CPU' in res.stdout  # said, not silent
     s = read_json(out / 'gpt-s0' / 'summary.json')
