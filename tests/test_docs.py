@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import fcntl
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from oelm_nb.lab.experiment import studies
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'tools'))
@@ -34,6 +36,9 @@ LIB_NBS = [d for d in DOCS if d.library]
 # the site's report pages run an example batch each (`make docs`: every study, about 2 minutes); here one study's, to
 # keep `make test` short: the machinery is the same for all, and each study's report is tested on real batches by its own suite
 EXAMPLE_STUDIES = ('qk-freeze',)
+# ...on a smaller batch than `make docs` runs (the study's smoke batch at 10 steps, 5 timing rounds): the page is built
+# the same way, and what it shows of such runs is no answer either way
+EXAMPLE_STEPS, EXAMPLE_TIMING_ROUNDS = 10, 5
 BASE_PATH = '/' + bd.nbdev_config().get('doc_baseurl', '').strip('/')
 BASE_URL = bd.nbdev_config().doc_host + bd.nbdev_config().doc_baseurl
 
@@ -57,6 +62,10 @@ def site(tmp_path_factory, request) -> Path:
             try:
                 with pytest.MonkeyPatch.context() as mp_:
                     mp_.setattr(eb, 'run_batch', example_batch_in_a_fork)
+                    smoke = eb.examples
+                    mp_.setattr(eb, 'examples', lambda: {k: {**v, 'steps': min(v['steps'], EXAMPLE_STEPS)} for k, v in smoke().items()})
+                    qk = studies()['qk-freeze']
+                    mp_.setattr(qk, 'after_batch', functools.partial(qk.after_batch, steps=EXAMPLE_TIMING_ROUNDS, warmup=1))
                     bd.build(site_dir=out / 'site', build_dir=out / 'build', jobs=2, use_cache=True, check_links=False,
                              examples=EXAMPLE_STUDIES)
                 ok.write_text('ok')
