@@ -225,11 +225,11 @@ def test_ctrl_c_stops_in_one_line_and_the_rerun_resumes_with_the_uninterrupted_n
             assert time.time() < deadline, 'no checkpoint in time'
             time.sleep(0.05)
         kernels = [k for k in psutil.Process(proc.pid).children(recursive=True) if os.getsid(k.pid) != proc.pid]  # own session
-        for k in kernels: k.suspend()  # the run cannot finish before the Ctrl-C reaches it
+        kernels = [k for k in kernels if _signal(k, 'suspend')]  # the run cannot finish before the Ctrl-C reaches it
         os.killpg(proc.pid, signal.SIGINT)  # oelm and papermill; papermill interrupts the kernel (its own session)
         wait_until = time.time() + 60
         while time.time() < wait_until and not all(sigint_pending(k.pid) for k in kernels): time.sleep(0.05)
-        for k in kernels: k.resume()
+        for k in kernels: _signal(k, 'resume')
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL); proc.wait()
@@ -250,6 +250,13 @@ def test_ctrl_c_stops_in_one_line_and_the_rerun_resumes_with_the_uninterrupted_n
     got, want = (read_jsonl_rows(d / 'gpt-s0' / 'metrics.jsonl') for d in (out, tmp_path / 'ref'))
     assert [r[0] for r in got] == list(range(1, 31)) and got == want
     assert read_json(out / 'gpt-s0' / 'summary.json')['best_val_ppl'] == read_json(tmp_path / 'ref' / 'gpt-s0' / 'summary.json')['best_val_ppl']
+
+
+def _signal(proc, how: str) -> bool:
+    "proc.suspend() or proc.resume(); False where the process has ended meanwhile (a child listed a moment ago may have)."
+    import psutil
+    try: getattr(proc, how)(); return True
+    except (psutil.NoSuchProcess, ProcessLookupError): return False
 
 
 def sigint_pending(pid: int) -> bool:
