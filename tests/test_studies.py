@@ -96,17 +96,18 @@ def test_one_seed_gives_no_interval_and_no_verdict(tmp_path):
     assert h.loc['H3', 'verdict'] == 'no data'  # H3 comes from the batch's interleaved timing, which this batch lacks
 
 
-def timing_row(variant, ratio, q1, q3):
-    return {'variant': variant, 'step_time_median_s': 0.1 * ratio, 'ratio_to_first_median': ratio, 'ratio_to_first_q1': q1,
-            'ratio_to_first_q3': q3, 'rounds': 20}
+def timing_row(variant, ratio, low, high):
+    return {'variant': variant, 'step_time_median_s': 0.1 * ratio, 'ratio_to_first_median': ratio, 'ratio_to_first_q1': low,
+            'ratio_to_first_q3': high, 'ratio_low': low, 'ratio_high': high, 'ratio_level': 0.9586, 'ratio_p': 0.5, 'rounds': 20}
 
 
-@pytest.mark.parametrize('q1, q3, verdict', [(0.93, 0.99, 'supported'), (0.97, 1.02, 'inconclusive'), (1.01, 1.08, 'rejected')])
-def test_h3_reads_the_interleaved_timing_not_the_concurrent_runs(tmp_path, q1, q3, verdict):
+@pytest.mark.parametrize('low, high, verdict', [(0.93, 0.99, 'supported'), (0.97, 1.02, 'inconclusive'), (1.01, 1.08, 'rejected')])
+def test_h3_reads_the_interleaved_timing_not_the_concurrent_runs(tmp_path, low, high, verdict):
     root = qk_batch(tmp_path, **{'oelm-freeze': lambda s: qk_summary(10.2 + 0.1 * s, tps=1.0, trainable=930)})  # concurrent tokens/s say 'much slower'
-    (root / 'timing.json').write_text(json.dumps([timing_row('oelm', 1.0, 1.0, 1.0), timing_row('oelm-freeze', (q1 + q3) / 2, q1, q3)]))
+    (root / 'timing.json').write_text(json.dumps([timing_row('oelm', 1.0, 1.0, 1.0), timing_row('oelm-freeze', (low + high) / 2, low, high)]))
     h = hypotheses(load_runs(root))
     assert h.loc['H3', 'verdict'] == verdict and 'interleaved rounds' in h.loc['H3', 'evidence']
+    assert f'95% CI {low - 1:+.1%} .. {high - 1:+.1%}' in h.loc['H3', 'evidence'] and 'sign test inverted' in h.loc['H3', 'evidence']
     (root / 'timing.json').write_text('[{"variant": "oelm"')  # truncated: no data rather than a crash
     assert hypotheses(load_runs(root)).loc['H3', 'verdict'] == 'no data'
 

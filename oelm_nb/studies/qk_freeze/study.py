@@ -10,7 +10,11 @@ import numpy as np
 import pandas as pd
 from ...lab.experiment import Study, Variant, NoSettings, launch_run, resolve_spec, TRAIN_PRESETS, DATA_PRESETS
 from ...model.gpt import model_config
-from ...lab.bench import bench
+from ...lab.bench import build_variant, timed_step, step_inputs, train_step_flops
+from ...base.core import ModelConfig, TrainConfig
+from ...base.rundir import read_json, recorded_config, parse_run_name
+from ...model.device import pick_device, autocast_dtype
+from ...train.trainer import build_optimizer
 from ...model.freeze import param_report
 from ...model.gpt import GPT
 from ...report.tables import batch_command
@@ -24,9 +28,10 @@ from ...report.page import budget_text
 
 # %% auto #0
 __all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict',
-           'load_timing', 'h3_verdict', 'what_it_takes', 'gap_answer', 'formation_answer', 'convergence_caveat_line',
-           'qk_answers', 'hypotheses', 'interleaved_timing', 'control_table', 'gap_text', 'results_table',
-           'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note', 'plot_run']
+           'load_timing', 'median_interval', 'sign_test_p', 'h3_answer', 'what_it_takes', 'gap_answer',
+           'formation_answer', 'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds',
+           'interleaved_timing', 'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence',
+           'tokens_per_run', 'scale_note', 'plot_run']
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -78,19 +83,50 @@ def load_timing(batch_dir) -> pd.DataFrame | None:
     if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and need <= set(r) for r in rows)): return None
     return pd.DataFrame(rows).set_index('variant')
 
+# %% ../../../nbs/studies/qk_freeze/60_study.ipynb #de99463f
+def _binom_half_cdf(k: int, n: int) -> float:
+    "P(B <= k) for B ~ Binomial(n, 1/2)."
+    from math import comb
+    return sum(comb(n, i) for i in range(k + 1)) / 2 ** n if k >= 0 else 0.0
+
+def median_interval(x, level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of `x` (the sign test inverted): the order statistics k and n+1-k,
+    k the largest with coverage 1 - 2 P(B <= k-1) >= `level`; (low, high, coverage), nan ends when n is too small."""
+    x = np.sort(np.asarray(x, float)); n = len(x)
+    k = max((k for k in range(1, n // 2 + 1) if 1 - 2 * _binom_half_cdf(k - 1, n) >= level), default=0)
+    if not k: return float('nan'), float('nan'), float('nan')
+    return float(x[k - 1]), float(x[n - k]), 1 - 2 * _binom_half_cdf(k - 1, n)
+
+def sign_test_p(x, at: float = 1.0) -> float:
+    "The exact two-sided sign test of median(x) = `at` (ties dropped)."
+    x = np.asarray(x, float); lo, hi = int((x < at).sum()), int((x > at).sum())
+    return min(1.0, 2 * _binom_half_cdf(min(lo, hi), lo + hi)) if lo + hi else 1.0
+
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #17fbf49c
-def h3_verdict(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm') -> tuple:
-    """H3 from per-round step-time ratios freeze/nofreeze (timed interleaved, `nofreeze` first): supported when 3 rounds
-    in 4 are no slower."""
+def h3_answer(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm') -> Answer:
+    """H3 from the per-round step-time ratios freeze/nofreeze (timed interleaved, `nofreeze` first): supported when the
+    median ratio's 95% interval (`median_interval`) lies at or below 1, rejected when above, else inconclusive."""
     if timing is None or freeze not in timing.index or timing.index[0] != nofreeze:
-        return ('H3', H3_TEXT, 'no data', f'no interleaved timing of {nofreeze} and {freeze} (timing.json); '
-                                          f'`oelm bench --variants {nofreeze},{freeze}` measures it')
-    f = timing.loc[freeze]
-    q1, q3 = f.ratio_to_first_q1, f.ratio_to_first_q3
-    verdict = 'supported' if q3 <= 1.0 else 'rejected' if q1 > 1.0 else 'inconclusive'
-    return ('H3', H3_TEXT, verdict, f'step time {freeze} vs {nofreeze} {f.ratio_to_first_median - 1:+.2%} '
-                                     f'(quartiles of {int(f.rounds)} '
-                                     f'interleaved rounds {q1 - 1:+.2%} .. {q3 - 1:+.2%})')
+        return Answer('H3', H3_TEXT, NO_DATA, method=f'no interleaved timing of {nofreeze} and {freeze} (timing.json); '
+                                                     f'`oelm bench --variants {nofreeze},{freeze}` measures it')
+    f, n = timing.loc[freeze], int(timing.loc[freeze, 'rounds'])
+    if 'ratio_low' not in timing or pd.isna(f.ratio_low):
+        return Answer('H3', H3_TEXT, NO_DATA, method=f'timing.json has quartiles of {n} rounds but no interval for the '
+                      'median ratio (written by an earlier version, which timed the preset\'s vocabulary, not the '
+                      'data\'s): a fresh batch measures it')
+    lo, hi = f.ratio_low, f.ratio_high
+    verdict = 'supported' if hi <= 1.0 else 'rejected' if lo > 1.0 else 'inconclusive'
+    shape = ''
+    if 'trainable_params' in timing and 'runs_trainable_params' in timing:
+        t, r = timing.trainable_params, timing.runs_trainable_params
+        shape = (f"; the runs' models: {nofreeze} {int(t[nofreeze]):,} and {freeze} {int(t[freeze]):,} trainable, as "
+                 "the runs" if all(pd.notna(r[v]) and int(r[v]) == int(t[v]) for v in (nofreeze, freeze)) else
+                 f"; the timed models have {int(t[nofreeze]):,} / {int(t[freeze]):,} trainable, not the runs'")
+    method = (f'median over {n} interleaved rounds of the per-round step-time ratio {freeze} / {nofreeze}; its 95% '
+              f'interval by the sign test inverted (order statistics, coverage {f.ratio_level:.2%}); sign test p = '
+              f'{f.ratio_p:.3g} (two-sided){shape}')
+    return Answer('H3', H3_TEXT, verdict, _pct(f.ratio_to_first_median - 1), f'95% CI {_pct(lo - 1)} .. {_pct(hi - 1)}',
+                  method, value=f.ratio_to_first_median - 1, low=lo - 1, high=hi - 1, p=f.ratio_p, n=n)
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #a3937b90
 def _batch_dir(runs: pd.DataFrame) -> Path | None:
@@ -190,10 +226,10 @@ def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
     curves = run_curves(completed(runs)) if curves is None else curves
     conv, form = convergence(runs, curves), formation(runs, curves)
     budget = budget_text(runs, [freeze, nofreeze, base])
-    h1, h3 = h1_verdict(runs, freeze, nofreeze), h3_verdict(timing, freeze, nofreeze)
+    h1 = h1_verdict(runs, freeze, nofreeze)
     answers = [Answer('H1', h1[1], h1[2], method=h1[3]),
                gap_answer('H2', compare(runs, freeze, nofreeze), 0.05, freeze, nofreeze, d, budget, curves),
-               Answer('H3', h3[1], h3[2], method=h3[3]),
+               h3_answer(timing, freeze, nofreeze),
                gap_answer('H4', compare(runs, freeze, base), 0.10, freeze, base, d, budget, curves, main=True),
                formation_answer('R1', form, freeze, base, budget), formation_answer('R2', form, freeze, nofreeze, budget)]
     if (line := convergence_caveat_line(conv, [freeze, nofreeze, base])):
@@ -210,21 +246,67 @@ def hypotheses(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 
     return pd.DataFrame(rows, columns=['id', 'hypothesis', 'verdict', 'evidence']).set_index('id')
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #c64c13cb
+def _run_records(batch_dir, variant: str) -> tuple[dict, dict] | None:
+    "The recorded config and summary of `variant`'s first completed run in the batch, or None."
+    for d in sorted(Path(batch_dir).iterdir()) if Path(batch_dir).is_dir() else []:
+        if (parse_run_name(d.name) or (None,))[0] != variant: continue
+        s, c = read_json(d / 'summary.json'), recorded_config(d)
+        if isinstance(s, dict) and s.get('status') == 'completed' and c and 'model' in c: return c, s
+    return None
+
+def timed_models(batch_dir, preset: str, variants: list[str], overrides: dict | None = None) -> dict:
+    """Per variant: (ModelConfig, TrainConfig, the run's trainable count): as its completed run in `batch_dir` recorded
+    them, else as `oelm run` would resolve them (count None)."""
+    out = {}
+    for v in variants:
+        if (rec := _run_records(batch_dir, v)):
+            c, s = rec
+            out[v] = (ModelConfig.from_dict(c['model']), TrainConfig.from_dict(c['train']),
+                      (s.get('params') or {}).get('trainable'))
+        else:
+            spec = resolve_spec(QK_FREEZE, v, preset, 0, None, overrides=overrides)
+            out[v] = (spec.model, spec.train, None)
+    return out
+
+# %% ../../../nbs/studies/qk_freeze/60_study.ipynb #a4ae5884
+def timing_rounds(models: dict, steps: int, warmup: int, device: str = 'auto') -> tuple[np.ndarray, dict]:
+    """Seconds of one training step of each model (`timed_models`), interleaved: (rounds x models, warm-up left out),
+    and each model's (trainable count, FLOPs per step)."""
+    dev = pick_device(device)
+    built = {v: build_variant(v, m, dev) for v, (m, _, _) in models.items()}
+    counts = {v: (param_report(m).trainable, train_step_flops(m, models[v][1].batch_size)) for v, m in built.items()}
+    opts = {v: build_optimizer(m, TrainConfig(lr=1e-4)) for v, m in built.items()}
+    amps = {v: autocast_dtype(dev, t.dtype) for v, (_, t, _) in models.items()}
+    t = [[timed_step(m, opts[v], *step_inputs(m, models[v][1].batch_size, dev, seed=i), dev, amps[v])
+          for v, m in built.items()] for i in range(warmup + steps)]
+    return np.array(t[warmup:]), counts
+
+# %% ../../../nbs/studies/qk_freeze/60_study.ipynb #ceaef2d2
 def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: dict | None = None,
                        steps: int = 20, warmup: int = 3, log=print) -> pd.DataFrame | None:
-    """Time `variants` interleaved in this process at the study's shape (`oelm bench`), `oelm` first; write
-    batch_dir/timing.json."""
-    from dataclasses import asdict
+    """Time `variants` interleaved in this process as the batch's runs trained them (`timed_models`), `oelm` first;
+    write batch_dir/timing.json."""
     order = sorted(dict.fromkeys(variants), key=lambda v: v != 'oelm')  # ratios are relative to the first: oelm (H3)
     if len(order) < 2: return None
-    spec = resolve_spec(QK_FREEZE, order[0], preset, 0, None, overrides=overrides)
+    models = timed_models(batch_dir, preset, order, overrides)
     log(
         f"[oelm run] timing {', '.join(order)} interleaved in one process ({steps} rounds after {warmup} warm-up)"
-        " for H3"
+        " for H3, as the runs trained them"
     )
-    rows = bench(preset, order, steps, warmup, batch_size=spec.train.batch_size, reference=False, overrides=overrides,
-                 study=QK_FREEZE, dtypes=(spec.train.dtype,), memory=False)
-    (Path(batch_dir) / 'timing.json').write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    t, counts = timing_rounds(models, steps, warmup)
+    rows = []
+    for j, v in enumerate(order):
+        m, tr, run_count = models[v]
+        r = t[:, j] / t[:, 0]; q1, med, q3 = np.percentile(r, [25, 50, 75]); lo, hi, level = median_interval(r)
+        rows.append(dict(variant=v, dtype=str(autocast_dtype(pick_device('auto'), tr.dtype) or 'float32'),
+                         batch_size=tr.batch_size, vocab_size=m.vocab_size, trainable_params=counts[v][0],
+                         runs_trainable_params=run_count, flops_per_step=counts[v][1],
+                         step_time_median_s=float(np.median(t[:, j])),
+                         tokens_per_s=tr.batch_size * m.block_size / float(np.median(t[:, j])),
+                         ratio_to_first_median=float(med), ratio_to_first_q1=float(q1), ratio_to_first_q3=float(q3),
+                         ratio_low=lo, ratio_high=hi, ratio_level=level, ratio_p=sign_test_p(r), rounds=len(r),
+                         ratios=[float(x) for x in r]))
+    (Path(batch_dir) / 'timing.json').write_text(json.dumps(rows, indent=1))
     return load_timing(batch_dir)
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #cf6502e2
