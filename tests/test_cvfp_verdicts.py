@@ -377,4 +377,7 @@ def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path
     out = capsys.readouterr().out
     stored = json.loads((root / 'answers.json').read_text())
     assert stored['study'] == 'cvfp' and [a['qid'] for a in stored['answers']] == ['Q1', 'Q2', 'Q3', 'Q4']
+    q1 = stored['answers'][0]  # numbers as numbers beside the text (issue 46)
+    assert all(isinstance(q1[k], float) for k in ('estimate', 'low', 'high', 'p')) and q1['n'] == 3
+    assert q1['estimate_text'] == f"{q1['estimate']:+.1f} points" and q1['low'] < q1['estimate'] < q1['high']
     for a in map(Answer.from_dict, stored['answers']): assert f'{a.qid:>4} {a.verdict}' in out

@@ -418,4 +418,7 @@ def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path
     out = capsys.readouterr().out
     stored = json.loads((out_dir / 'answers.json').read_text())
     assert stored['study'] == 'mercator' and [a['qid'] for a in stored['answers']] == ['PPL', 'ACC']
+    ppl = stored['answers'][0]  # numbers as numbers beside the text (issue 46)
+    assert all(isinstance(ppl[k], float) for k in ('estimate', 'low', 'high', 'p')) and ppl['n'] == 2 and ppl['p'] == 0.5
+    assert ppl['estimate_text'] == f"best mercator-b0 {ppl['estimate']:+.2%}" and ppl['low'] < ppl['estimate'] < ppl['high']
     for a in map(Answer.from_dict, stored['answers']): assert f'{a.qid:>4} {a.verdict}' in out

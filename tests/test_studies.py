@@ -205,4 +205,6 @@ def test_registered_pca_study_answers(tmp_path):
     got = get_study('pca').answers(load_runs(fake_batch(tmp_path, 'pca', runs, seeds=(0, 1), plan=PCA_PLAN)))
     assert all(isinstance(a, Answer) for a in got) and [a.qid for a in got] == ['k=8 vs baseline']
     assert (got[0].estimate, got[0].verdict) == ('60% of the gap', 'part')  # 60% at both seeds: no spread
+    d = got[0].to_dict()  # answers.json's record: numbers beside the text (issue 46)
+    assert (round(d['estimate'], 9), round(d['low'], 9), round(d['high'], 9), d['p'], d['n']) == (0.6, 0.6, 0.6, 0.5, 2), d
     assert any('rests on the normal assumption' in c for c in got[0].caveats)  # two seeds: the exact test cannot go below 0.5

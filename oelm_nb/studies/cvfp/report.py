@@ -624,7 +624,8 @@ def cvfp_answers(runs) -> list[Answer]:
         pts = lambda x: f'{x:+.1f} points'
         out.append(Answer(*q, _raises(c), pts(c.mean), _interval(c, pts),
                           'per seed, ODCM - MCDL averaged over the sample sizes both ran; ' + method_text(c, 0.0),
-                          _paired_seeds(c), budget, _caveats(c, 0.0)))
+                          _paired_seeds(c), budget, _caveats(c, 0.0), value=c.mean, low=c.low, high=c.high,
+                          p=c.p_value(0.0), n=c.n))
     q = ('Q2', f'parallel Phase 1 is at least {SPEEDUP_TARGET}x faster than sequential')
     if (c := speed_comparison(sp)) is None:
         out.append(Answer(*q, NO_DATA, method=f'no completed phase1-speed run ({cmd} times it)'))
@@ -634,7 +635,9 @@ def cvfp_answers(runs) -> list[Answer]:
                           f'speed-up = sequential / parallel seconds per seed; {method_text(c, SPEEDUP_TARGET - 1)} '
                           f'against {SPEEDUP_TARGET}x', _paired_seeds(c),
                           budget_text(table, [r.variant for r in sp], SPEED_BUDGET),
-                          [SHARED_CPU, *_caveats(c, SPEEDUP_TARGET - 1)]))
+                          [SHARED_CPU, *_caveats(c, SPEEDUP_TARGET - 1)], value=c.mean + 1,
+                          low=None if c.low is None else c.low + 1, high=None if c.high is None else c.high + 1,
+                          p=c.p_value(SPEEDUP_TARGET - 1), n=c.n))
     counts = checks_counts(cv)
     fixed = counts.pop(CHECKS['agreement'])
     q = ('Q3', "every CVFP run passes the New-LLM guidelines' three checks")
@@ -643,7 +646,8 @@ def cvfp_answers(runs) -> list[Answer]:
     else:
         out.append(Answer(*q, 'supported' if all(p == n for p, n in counts.values()) else 'rejected',
                           ', '.join(f'{name} passed in {p} of {n} runs' for name, (p, n) in counts.items()), '',
-                          f'{COUNT}; each check by its rule (section The three checks)', seeds, budget))
+                          f'{COUNT}; each check by its rule (section The three checks)', seeds, budget,
+                          n=max(n for _, n in counts.values())))
     q = ('Q4', 'every CVFP run ends Phase 1 at its fixed point (parallel vs sequential mean cosine >= 0.99)')
     rec = [r for r in cv if r.summary.get('agreement_cos_mean') is not None]
     if not fixed[1]:
@@ -655,7 +659,8 @@ def cvfp_answers(runs) -> list[Answer]:
                           f"{n['near']}, off it in {n['off']}", '',
                           f"{COUNT}; mean cosine of the kept iteration's contexts with a sequential pass of the trained "
                           f"block, fixed point >= 0.99, near >= 0.90 (the New-LLM guidelines measured "
-                          f"{GUIDELINES_AGREEMENT['cos_mean']})", seeds, budget))
+                          f"{GUIDELINES_AGREEMENT['cos_mean']})", seeds, budget,
+                          value=n['fixed point'] / len(rec), n=len(rec)))
     return out
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #3033e832

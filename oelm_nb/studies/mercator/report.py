@@ -555,7 +555,7 @@ def _metric_kit_answer(qid: str, question: str, cmps: dict, fmt: str, lower_bett
                   '' if c.low is None else f'95% CI {fmt.format(c.low)} .. {fmt.format(c.high)}',
                   f'{what}, each distilled student vs {BASELINE} paired by seed, the best by its mean; '
                   + method_text(c, 0.0), f"{_range([x.n for x in cmps.values()])} paired seed{'s' if c.n > 1 else ''}",
-                  budget, list(dict.fromkeys(caveats)))
+                  budget, list(dict.fromkeys(caveats)), value=c.mean, low=c.low, high=c.high, p=c.p_value(0.0), n=c.n)
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #8da2a7d0
 def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
@@ -571,7 +571,7 @@ def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
     ppl, acc = comparisons(runs)
     st = completed(runs)[lambda d: d.variant.isin([BASELINE, *acc])].task_acc.dropna()
     acc_answer = (Answer('ACC', qs['ACC'], 'cannot tell', f'every student and {BASELINE} score 0.0% ({len(st)} runs)',
-                         method='an accuracy of 0 everywhere compares nothing', budget=budget)
+                         method='an accuracy of 0 everywhere compares nothing', budget=budget, n=len(st))
                   if acc and (st == 0).all() else
                   _metric_kit_answer('ACC', qs['ACC'], acc, PTS, False, budget, f'{task_label(runs)} in points'))
     return [_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget, 'best validation PPL'), acc_answer]

@@ -590,21 +590,23 @@ def _recovery_answer(k: int, m: str, r: pd.Series, budget: str) -> Answer:
     if not n:  # no seed with a gap: nothing to recover
         return Answer(q, question, NO_GAP, f'PCA-only {r[f"_gap {m}"]:+.4f} nats vs {m}', '',
                       f'PCA-only within {GAP_TOL:g} nats of {m} or better at every paired seed',
-                      f"{paired} paired seed{'s' if paired != 1 else ''}", budget)
+                      f"{paired} paired seed{'s' if paired != 1 else ''}", budget, value=float(r[f'_gap {m}']), n=paired)
     mean, (low, high) = r[f'recovered vs {m}'], r[f'_ci {m}']
     cls, caveats = _classify(mean, (low, high)), [NOT_MATCHED] if m == 'baseline' else []
     method = RECOVERY_METHOD.format(ref=m)
+    p = None
     if low is None: caveats.append(ONE_SEED)
     else:
         c = Comparison('recovered', 'PCA + LoRA', m, rec, mean, low, high, relative=False, diffs=rec)
-        method += f'; sign-flip p = {c.p_value(0.0):.3g} against 0%, {c.p_value(1.0):.3g} against 100%'
+        p = c.p_value(0.0)  # answers.json's p: against recovering nothing (the one against 100% is in the method)
+        method += f'; sign-flip p = {p:.3g} against 0%, {c.p_value(1.0):.3g} against 100%'
         if (lims := _LIMITS[cls]):  # the bound whose exact test is weakest
             if (cav := exact_caveat(c, max(lims, key=lambda x: c.p_value(x) or 0.0))): caveats.append(cav)
     if r[f'_nogap {m}']:
         caveats.append(f'seed(s) {r[f"_nogap {m}"]} left out against {m}: PCA-only is within {GAP_TOL:g} nats of it '
                        'or better there')
     return Answer(q, question, cls, f'{mean:.0%} of the gap', '' if low is None else f'95% CI {low:.0%} .. {high:.0%}',
-                  method, seeds, budget, caveats)
+                  method, seeds, budget, caveats, value=float(mean), low=low, high=high, p=p, n=n)
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #5082ee3b
 def pca_answers(runs: pd.DataFrame) -> list[Answer]:
