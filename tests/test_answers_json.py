@@ -38,7 +38,9 @@ def test_oelm_report_rewrites_answers_json_with_numbers(tmp_path, monkeypatch):
     h2 = got['H2']
     assert all(isinstance(h2[k], float) for k in ('estimate', 'low', 'high', 'p')) and h2['n'] == 4
     assert h2['estimate_text'] == f"{h2['estimate']:+.1%}" and h2['low'] < h2['estimate'] < h2['high']
-    assert h2['p'] == 0.125  # 4 seeds, all above: the sign-flip test's floor
+    assert h2['p'] == 1.0  # one-sided against 'below 5%': all 4 seeds above it, the least extreme pattern
+    assert h2['sides'] == 'one-sided, non-inferiority with margin 5%' and h2['p_holm'] == 1.0
+    assert got['R2']['sides'] == 'two-sided' and got['R2']['p_holm'] >= got['R2']['p'] and got['H1']['p_holm'] is None
     r2 = got['R2']  # oelm formed it in 4 of 4 seeds, oelm-freeze in none: within seed p = 2/16
     assert (r2['estimate'], r2['p'], r2['n']) == (None, 0.125, 8) and r2['verdict'] == 'no resolvable difference'
     assert r2['estimate_text'].startswith('formed within 1,800 steps: oelm-freeze 0 of 4 vs oelm 4 of 4')

@@ -20,6 +20,11 @@ from oelm_nb.report.page import batch_line
 from oelm_nb.studies.mercator.diagnosis import alignment, cause_sentence, mse_sentence, mse_table
 
 
+def own(a) -> list:
+    "An answer's caveats but the study's family line (the Holm family, issue 46)."
+    return [c for c in a.caveats if not c.startswith('one family of')]
+
+
 def fake_batch(root: Path, ppl: dict, raw: dict | None = None, centered: dict | None = None, name: str = 'batch',
                acc: dict | None = None, ce: dict | None = None, task: str | None = None, roles: bool = False) -> Path:
     """A Mercator batch directory under `root`: a teacher (PPL 10) and the students of `ppl`.
@@ -373,11 +378,11 @@ def test_answers_three_seeds_trace_to_the_summaries(tmp_path):
     assert (ppl.qid, ppl.verdict) == ('PPL', 'yes: 1 of 2 (mercator-b0) beat it; resolvably worse: 1 of 2 (mse)')
     assert (ppl.estimate, ppl.interval) == (f'best mercator-b0 {m:+.2%}', f'95% CI {lo:+.2%} .. {hi:+.2%}')
     assert 'ratio of geometric means (log scale)' in ppl.method and 'sign-flip p = 0.25' in ppl.method
-    assert ppl.seeds == '3 paired seeds' and ppl.budget == '30 steps per run' and ppl.caveats == [EXACT_3]
+    assert ppl.seeds == '3 paired seeds' and ppl.budget == '30 steps per run' and own(ppl) == [EXACT_3]
     am, alo, ahi = (100 * x for x in diff_interval(acc_a, acc_b))
     assert (acc.qid, acc.verdict) == ('ACC', 'yes: 1 of 2 (mercator-b0) beat it')
     assert (acc.estimate, acc.interval) == (f'best mercator-b0 {am:+.1f} points', f'95% CI {alo:+.1f} points .. {ahi:+.1f} points')
-    assert 'recall accuracy' in acc.question and acc.caveats == [EXACT_3]
+    assert 'recall accuracy' in acc.question and own(acc) == [EXACT_3]
     assert mercator_answers(mercator_runs(out)) == [ppl, acc]  # the report's table gives the same answers
 
 

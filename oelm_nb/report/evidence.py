@@ -11,11 +11,12 @@ import numpy as np
 import pandas as pd
 
 # %% auto #0
-__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 't_bounds', 't_interval', 'signflip_pvalues', 'signflip_p',
-           'smallest_signflip_p', 'Comparison', 'interval_text', 'paired', 'bimodal_gaps', 'bimodal_mean',
-           'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power', 'stein_size', 'simulate_stein', 'Answer',
-           'shared_caveats', 'answers_frame', 'answers_footer', 'answers_text', 'answers_json', 'threshold_verdict',
-           'difference_verdict', 'exact_caveat', 'method_text']
+__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'FAMILY_ALPHA', 't_bounds', 't_interval',
+           'signflip_pvalues', 'signflip_p', 'smallest_signflip_p', 'Comparison', 'interval_text', 'paired',
+           'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power',
+           'stein_size', 'simulate_stein', 'Answer', 'shared_caveats', 'answers_frame', 'answers_footer',
+           'answers_text', 'answers_json', 'threshold_verdict', 'difference_verdict', 'exact_caveat', 'method_text',
+           'holm', 'family_answers']
 
 # %% ../../nbs/report/30_evidence.ipynb #7c618333
 def t_bounds(d, # (..., n) paired differences, one batch per row
@@ -95,9 +96,10 @@ class Comparison:
     def to_test_scale(self, x: float) -> float:
         "A threshold on the shown scale (0.05: 5% higher) on the tested one (log 1.05)."
         return math.log1p(x) if self.relative else x
-    def p_value(self, threshold: float = 0.0) -> float | None:
-        "The exact sign-flip test's two-sided p-value of 'the mean difference is `threshold`' (shown scale)."
-        return signflip_p(list(self.diffs.values()), self.to_test_scale(threshold))
+    def p_value(self, threshold: float = 0.0, alternative: str = 'two-sided') -> float | None:
+        """The exact sign-flip test's p-value of 'the mean difference is `threshold`' (shown scale); one-sided against
+        it with `alternative` 'less' (the difference is below) or 'greater'."""
+        return signflip_p(list(self.diffs.values()), self.to_test_scale(threshold), alternative)
     def exact_can_decide(self) -> bool:
         "Whether the sign-flip test can reach the interval's level at all with these seeds (4 seeds: 0.125 > 0.05)."
         return self.n >= 2 and smallest_signflip_p(self.n) <= 1 - self.confidence
@@ -261,25 +263,28 @@ class Answer:
     high: float | None = None
     p: float | None = None # the p-value the method reports (None: no test)
     n: int | None = None # the seeds (or runs) the answer rests on
+    sides: str = '' # in the study's family of tests: 'one-sided' or 'two-sided' and what it tests ('' if not in it)
+    p_holm: float | None = None # `p` Holm-adjusted over the study's family (`family_answers`)
     def to_dict(self) -> dict:
         """answers.json's record: `estimate`, `low`, `high`, `p` and `n` as JSON numbers (or null), the text beside
         them (`estimate_text`, `interval`, ...)."""
         d = asdict(self)
         nums = {'estimate': _number(self.value), 'low': _number(self.low), 'high': _number(self.high),
-                'p': _number(self.p), 'n': _number(self.n, integer=True)}
+                'p': _number(self.p), 'n': _number(self.n, integer=True), 'p_holm': _number(self.p_holm)}
         return {k: d[k] for k in ('qid', 'question', 'verdict')} | nums | {'estimate_text': self.estimate} | {
-            k: d[k] for k in ('interval', 'method', 'seeds', 'budget', 'caveats')}
+            k: d[k] for k in ('sides', 'interval', 'method', 'seeds', 'budget', 'caveats')}
     @classmethod
     def from_dict(cls, d: dict) -> 'Answer':
         "An answer from `to_dict`'s output (answers.json is data: known fields only, text as text, numbers checked)."
         if not isinstance(d, dict): raise ValueError(f'an answer is a JSON object, not {type(d).__name__}')
-        txt = {k: str(d.get(k, '')) for k in ('qid', 'question', 'verdict', 'interval', 'method', 'seeds', 'budget')}
+        txt = {k: str(d.get(k, '')) for k in ('qid', 'question', 'verdict', 'interval', 'method', 'seeds', 'budget',
+                                              'sides')}
         est = d.get('estimate')
         text = d.get('estimate_text', est if isinstance(est, str) else '')  # an answers.json before numbers: text
         cav = d.get('caveats') or []
         return cls(**txt, estimate=str(text), caveats=[str(c) for c in cav] if isinstance(cav, list) else [str(cav)],
                    value=_number(est), low=_number(d.get('low')), high=_number(d.get('high')),
-                   p=_number(d.get('p')), n=_number(d.get('n'), integer=True))
+                   p=_number(d.get('p')), n=_number(d.get('n'), integer=True), p_holm=_number(d.get('p_holm')))
 
 NO_DATA = 'no data'
 
@@ -357,8 +362,46 @@ def exact_caveat(c: Comparison | None, limit: float = 0.0) -> str | None:
             + (f"(with {c.n} seeds it cannot go below {smallest_signflip_p(c.n):.3g})" if not c.exact_can_decide()
                else '(not below 0.05)'))
 
-def method_text(c: Comparison, limit: float = 0.0, design: str = 't-interval') -> str:
-    "How a paired comparison was computed, for an answer's method field, with the sign-flip p-value against `limit`."
+def method_text(c: Comparison, limit: float = 0.0, design: str = 't-interval', alternative: str = 'two-sided') -> str:
+    """How a paired comparison was computed, for an answer's method field, with the sign-flip p-value against `limit`
+    (one-sided where `alternative` is 'less' or 'greater', and then said so)."""
     scale = 'ratio of geometric means (log scale)' if c.relative else 'paired difference'
-    p = c.p_value(limit)
-    return f"{scale}, {design}" + (f'; sign-flip p = {p:.3g}' if p is not None else '')
+    p = c.p_value(limit, alternative)
+    side = '' if alternative == 'two-sided' else ' (one-sided)'
+    return f"{scale}, {design}" + (f'; sign-flip p = {p:.3g}{side}' if p is not None else '')
+
+# %% ../../nbs/report/30_evidence.ipynb #e3f4bf8d
+def holm(p) -> np.ndarray:
+    """Holm's step-down adjustment of the p-values `p` (NaN left out of the family): the i-th smallest times
+    (m - i + 1), kept non-decreasing, capped at 1."""
+    p = np.asarray(p, dtype=float); out = np.full(p.shape, np.nan); ok = ~np.isnan(p); m = int(ok.sum())
+    if not m: return out
+    order = np.flatnonzero(ok)[np.argsort(p[ok], kind='stable')]
+    out[order] = np.minimum(1.0, np.maximum.accumulate(p[order] * (m - np.arange(m))))
+    return out
+
+# %% ../../nbs/report/30_evidence.ipynb #559c0e2b
+FAMILY_ALPHA = 0.05  # the familywise level of every study's family (two-sided scale)
+
+def family_answers(answers: list[Answer], # a study's answers
+                   family: dict[str, str], # qid -> 'one-sided, ...' or 'two-sided, ...': the tests the study declares
+                  ) -> list[Answer]:
+    """Declare `family` on `answers`: each member's `sides`, its p Holm-adjusted over the family (`p_holm`; one-sided
+    p doubled first), and one caveat naming the family, shared by its answers; returns `answers`."""
+    members = [a for a in answers if a.qid in family]
+    for a in members: a.sides = family[a.qid]
+    two = {a.qid: min(1.0, a.p * (2 if a.sides.startswith('one-sided') else 1)) for a in members if a.p is not None}
+    if not two: return answers
+    adjusted = dict(zip(two, holm(list(two.values()))))
+    for a in members: a.p_holm = float(adjusted[a.qid]) if a.qid in adjusted else None
+    line = (f"one family of {len(family)} tests, Holm-adjusted at a familywise {FAMILY_ALPHA:.0%} (a one-sided test "
+            f"is at {FAMILY_ALPHA / 2:.1%}, its p doubled before the adjustment): "
+            + '; '.join(f'{q} {s}, ' + (f'adjusted p = {adjusted[q]:.3g}' if q in adjusted else 'no test')
+                        for q, s in family.items()))
+    for a in members:
+        if a.verdict == NO_DATA: continue
+        a.caveats.append(line)
+        if a.p_holm is not None and two[a.qid] <= FAMILY_ALPHA < a.p_holm:
+            a.caveats.append(f'{a.qid}: significant alone (p = {a.p:.3g}) but not after Holm over the family '
+                             f'(adjusted p = {a.p_holm:.3g})')
+    return answers

@@ -17,17 +17,19 @@ from .study import DIVERSITY_DESCRIPTIONS
 from .checks import pass_fail
 from .fixed_point import GUIDELINES_AGREEMENT
 from ...report.evidence import Answer, Comparison, NO_DATA, paired, threshold_verdict, exact_caveat, method_text
+from ...report.evidence import family_answers
 from ...report.page import budget_text, seeds_text
 from .study import CVFP_STUDY
 
 # %% auto #0
 __all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'CVFP_BUDGET', 'SPEED_BUDGET', 'COUNT', 'ONE_SEED',
-           'SHARED_CPU', 'CVFP', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'er_text',
-           'rate_text', 'small_num', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences',
-           'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table', 'iteration_sentence',
-           'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts', 'checks_summary',
-           'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves',
-           'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison', 'cvfp_answers']
+           'SHARED_CPU', 'CVFP_FAMILY', 'CVFP', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs',
+           'er_text', 'rate_text', 'small_num', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table',
+           'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table',
+           'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts',
+           'checks_summary', 'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves',
+           'phase2_curves', 'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison',
+           'cvfp_answers']
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b74e1bc8
 class Run(NamedTuple):
@@ -608,6 +610,9 @@ def _batch_dir(table: pd.DataFrame) -> str:
     return str(Path(table.run_dir.iloc[0]).parent) if len(table) and 'run_dir' in table else 'DIR'
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #18f8cb35
+CVFP_FAMILY = {'Q1': 'one-sided, superiority (ODCM above MCDL)',
+               'Q2': f'one-sided, the speed-up at least {SPEEDUP_TARGET}x'}  # Q3 and Q4 count runs: no test
+
 def cvfp_answers(runs) -> list[Answer]:
     """Q1-Q4 of the report through the evidence kit, from a runs table (`report.load_runs`) or a batch directory: ODCM
     vs MCDL effective rank, the parallel speed-up, the three checks and the fixed point."""
@@ -623,21 +628,23 @@ def cvfp_answers(runs) -> list[Answer]:
     else:
         pts = lambda x: f'{x:+.1f} points'
         out.append(Answer(*q, _raises(c), pts(c.mean), _interval(c, pts),
-                          'per seed, ODCM - MCDL averaged over the sample sizes both ran; ' + method_text(c, 0.0),
+                          'per seed, ODCM - MCDL averaged over the sample sizes both ran; '
+                          + method_text(c, 0.0, alternative='greater'),
                           _paired_seeds(c), budget, _caveats(c, 0.0), value=c.mean, low=c.low, high=c.high,
-                          p=c.p_value(0.0), n=c.n))
+                          p=c.p_value(0.0, 'greater'), n=c.n))
     q = ('Q2', f'parallel Phase 1 is at least {SPEEDUP_TARGET}x faster than sequential')
     if (c := speed_comparison(sp)) is None:
         out.append(Answer(*q, NO_DATA, method=f'no completed phase1-speed run ({cmd} times it)'))
     else:
         x = lambda v: f'{v + 1:.1f}x'
         out.append(Answer(*q, threshold_verdict(c, SPEEDUP_TARGET - 1, below=False), x(c.mean), _interval(c, x),
-                          f'speed-up = sequential / parallel seconds per seed; {method_text(c, SPEEDUP_TARGET - 1)} '
+                          f'speed-up = sequential / parallel seconds per seed; '
+                          f"{method_text(c, SPEEDUP_TARGET - 1, alternative='greater')} "
                           f'against {SPEEDUP_TARGET}x', _paired_seeds(c),
                           budget_text(table, [r.variant for r in sp], SPEED_BUDGET),
                           [SHARED_CPU, *_caveats(c, SPEEDUP_TARGET - 1)], value=c.mean + 1,
                           low=None if c.low is None else c.low + 1, high=None if c.high is None else c.high + 1,
-                          p=c.p_value(SPEEDUP_TARGET - 1), n=c.n))
+                          p=c.p_value(SPEEDUP_TARGET - 1, 'greater'), n=c.n))
     counts = checks_counts(cv)
     fixed = counts.pop(CHECKS['agreement'])
     q = ('Q3', "every CVFP run passes the New-LLM guidelines' three checks")
@@ -661,7 +668,7 @@ def cvfp_answers(runs) -> list[Answer]:
                           f"block, fixed point >= 0.99, near >= 0.90 (the New-LLM guidelines measured "
                           f"{GUIDELINES_AGREEMENT['cos_mean']})", seeds, budget,
                           value=n['fixed point'] / len(rec), n=len(rec)))
-    return out
+    return family_answers(out, CVFP_FAMILY)
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #3033e832
 CVFP = dataclasses.replace(CVFP_STUDY, answers=cvfp_answers)  # what the entry point registers

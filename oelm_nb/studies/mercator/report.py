@@ -14,19 +14,19 @@ import pandas as pd
 from .method import STAGES, STAGE_BOUNDS, COLLAPSE_GAP, PASS_LINES, collapsed, cosine_stage, pass_label
 from ...report.tables import compare, completed, interval_text, load_runs, log_ticks, mean_of
 from ...base.rundir import read_json
-from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text
+from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, family_answers
 from ...report.page import budget_text
 from .study import MERCATOR_STUDY
 
 # %% auto #0
 __all__ = ['BASELINE', 'NOT_STUDENTS', 'RUN_COLUMNS', 'CAPACITY', 'TASK_LABELS', 'GUIDE', 'STAGE_COLORS', 'PCT', 'PTS',
-           'ONE_SEED_NOTE', 'MERCATOR', 'with_report_columns', 'mercator_runs', 'is_student', 'student_variants',
-           'distilled_variants', 'is_mercator', 'task_label', 'pass_of', 'stage_of', 'yes_no', 'runs_table',
-           'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text', 'protocol_text',
-           'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard', 'style_agreement',
-           'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl', 'vs_text', 'style_ppl',
-           'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer', 'comparisons', 'seeds_note',
-           'headline', 'mercator_answers']
+           'ONE_SEED_NOTE', 'MERCATOR_FAMILY', 'MERCATOR', 'with_report_columns', 'mercator_runs', 'is_student',
+           'student_variants', 'distilled_variants', 'is_mercator', 'task_label', 'pass_of', 'stage_of', 'yes_no',
+           'runs_table', 'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text',
+           'protocol_text', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard',
+           'style_agreement', 'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl',
+           'vs_text', 'style_ppl', 'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer',
+           'comparisons', 'seeds_note', 'headline', 'mercator_answers']
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #b36f5e5a
 BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
@@ -558,6 +558,8 @@ def _metric_kit_answer(qid: str, question: str, cmps: dict, fmt: str, lower_bett
                   budget, list(dict.fromkeys(caveats)), value=c.mean, low=c.low, high=c.high, p=c.p_value(0.0), n=c.n)
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #8da2a7d0
+MERCATOR_FAMILY = {q: f'two-sided, the best student vs {BASELINE}' for q in ('PPL', 'ACC')}
+
 def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
     """The study's answers (`evidence.Answer`) from its runs table (`report.load_runs`): does any distillation variant
     beat `no-distill` on validation PPL (PPL) and on task accuracy (ACC)? `headline`'s clauses, through the kit."""
@@ -574,7 +576,8 @@ def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
                          method='an accuracy of 0 everywhere compares nothing', budget=budget, n=len(st))
                   if acc and (st == 0).all() else
                   _metric_kit_answer('ACC', qs['ACC'], acc, PTS, False, budget, f'{task_label(runs)} in points'))
-    return [_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget, 'best validation PPL'), acc_answer]
+    return family_answers([_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget, 'best validation PPL'),
+                           acc_answer], MERCATOR_FAMILY)
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #4afc0255
 MERCATOR = dataclasses.replace(MERCATOR_STUDY, answers=mercator_answers)  # what the entry point registers

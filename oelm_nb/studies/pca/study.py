@@ -22,19 +22,19 @@ from ...train.trainer import Trainer, evaluate
 from ...train.checkpoint import load_weights
 from ...model.freeze import param_report
 from ...report.tables import compare, completed, t_interval, interval_text
-from ...report.evidence import Answer, Comparison, NO_DATA, exact_caveat
+from ...report.evidence import Answer, Comparison, NO_DATA, exact_caveat, family_answers
 from ...report.page import budget_text
 from ...model.pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_,
                          pca_factorize, save_pca_mats, apply_lora, merge_lora, unmerge_lora, attach_scale_layers_)
 
 # %% auto #0
 __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_METHOD_LABELS', 'GAP_TOL',
-           'PCA_COLORS', 'RECOVERY_METHOD', 'ONE_SEED', 'NOT_MATCHED', 'NO_GAP', 'PCA_STUDY', 'PCASettings',
-           'default_ks', 'check_ks', 'finetune_schedule', 'lora_finetune', 'pca_variants', 'token_embedding_params',
-           'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
-           'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references', 'best_method_per_k',
-           'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff', 'load_pca_model',
-           'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
+           'PCA_COLORS', 'RECOVERY_METHOD', 'ONE_SEED', 'NOT_MATCHED', 'NO_GAP', 'PCA_FAMILY', 'PCA_STUDY',
+           'PCASettings', 'default_ks', 'check_ks', 'finetune_schedule', 'lora_finetune', 'pca_variants',
+           'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means',
+           'ppl_table', 'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references',
+           'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff',
+           'load_pca_model', 'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -609,12 +609,15 @@ def _recovery_answer(k: int, m: str, r: pd.Series, budget: str) -> Answer:
                   method, seeds, budget, caveats, value=float(mean), low=low, high=high, p=p, n=n)
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #5082ee3b
+PCA_FAMILY = 'two-sided, against recovering nothing (0%)'  # every (k, reference) answer with a gap is in the family
+
 def pca_answers(runs: pd.DataFrame) -> list[Answer]:
     """The study's answers (`evidence.Answer`), one per k and reference with paired runs: the recovery class of PCA +
     LoRA (`_classify`: part, whole, none, open), or 'no gap' where PCA-only is not worse than the reference."""
     gaps, runs = recovery_table(runs), with_method_k(runs)
     out = [_recovery_answer(k, m, r, budget_text(runs, [f'pca-lora-k{k}', m])) for k, r in gaps.iterrows()
            for m in REFERENCE_METHODS if r.get(f'_paired {m}', 0) and not pd.isna(r.get(f'_paired {m}'))]
+    family_answers(out, {a.qid: PCA_FAMILY for a in out if a.verdict != NO_GAP})
     return out or [Answer('recovery', 'does PCA + LoRA recover the gap PCA-only opens, at any k?', NO_DATA,
                           method='needs completed PCA, PCA + LoRA and reference runs of a common seed')]
 

@@ -23,12 +23,12 @@ from ...report.tables import (compare, completed, Comparison, variant_table, thr
                             read_precision)
 from ...report.convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
                                  budget_sentence, FLAGS)
-from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, answers_frame, MIN_PILOT
+from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, answers_frame, MIN_PILOT, family_answers
 from ...report.page import budget_text
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict',
-           'load_timing', 'median_interval', 'sign_test_p', 'h3_answer', 'what_it_takes', 'gap_answer',
+__all__ = ['H1_TEXT', 'H3_TEXT', 'QK_FAMILY', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants',
+           'h1_verdict', 'load_timing', 'median_interval', 'sign_test_p', 'h3_answer', 'what_it_takes', 'gap_answer',
            'formation_answer', 'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds',
            'interleaved_timing', 'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence',
            'tokens_per_run', 'scale_note', 'plot_run']
@@ -97,10 +97,12 @@ def median_interval(x, level: float = 0.95) -> tuple[float, float, float]:
     if not k: return float('nan'), float('nan'), float('nan')
     return float(x[k - 1]), float(x[n - k]), 1 - 2 * _binom_half_cdf(k - 1, n)
 
-def sign_test_p(x, at: float = 1.0) -> float:
-    "The exact two-sided sign test of median(x) = `at` (ties dropped)."
+def sign_test_p(x, at: float = 1.0, alternative: str = 'two-sided') -> float:
+    "The exact sign test of median(x) = `at` (ties dropped): two-sided, or one-sided 'less' (median below `at`)."
     x = np.asarray(x, float); lo, hi = int((x < at).sum()), int((x > at).sum())
-    return min(1.0, 2 * _binom_half_cdf(min(lo, hi), lo + hi)) if lo + hi else 1.0
+    if not lo + hi: return 1.0
+    if alternative == 'less': return _binom_half_cdf(hi, lo + hi)  # as few above `at` as this, or fewer
+    return min(1.0, 2 * _binom_half_cdf(min(lo, hi), lo + hi))
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #17fbf49c
 def h3_answer(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm') -> Answer:
@@ -124,7 +126,7 @@ def h3_answer(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreeze
                  f"; the timed models have {int(t[nofreeze]):,} / {int(t[freeze]):,} trainable, not the runs'")
     method = (f'median over {n} interleaved rounds of the per-round step-time ratio {freeze} / {nofreeze}; its 95% '
               f'interval by the sign test inverted (order statistics, coverage {f.ratio_level:.2%}); sign test p = '
-              f'{f.ratio_p:.3g} (two-sided){shape}')
+              f'{f.ratio_p:.3g} (one-sided: {freeze} faster){shape}')
     return Answer('H3', H3_TEXT, verdict, _pct(f.ratio_to_first_median - 1), f'95% CI {_pct(lo - 1)} .. {_pct(hi - 1)}',
                   method, value=f.ratio_to_first_median - 1, low=lo - 1, high=hi - 1, p=f.ratio_p, n=n)
 
@@ -168,8 +170,8 @@ def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, bat
     if verdict.startswith('inconclusive'): caveats.append(what_it_takes(c, limit, batch_dir, main))
     if curves is not None and len(curves): caveats.append(f'{a} vs {b} over the budget: {budget_sentence(curves, a, b)}')
     return Answer(qid, question, verdict, _pct(c.mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
-                  method_text(c, limit, design), _seeds(c), budget, caveats, value=c.mean, low=lo, high=hi,
-                  p=c.p_value(limit), n=c.n)
+                  method_text(c, limit, design, 'less'), _seeds(c), budget, caveats, value=c.mean, low=lo, high=hi,
+                  p=c.p_value(limit, 'less'), n=c.n)
 
 def _steps(t: dict) -> str:
     lo, hi = t['steps']
@@ -204,6 +206,9 @@ def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) 
                        f"{t['design']} relabellings): no formation difference can reach 5%")
     return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget, caveats, p=t['p'], n=n)
 
+QK_FAMILY = {'H2': 'one-sided, non-inferiority with margin 5%', 'H3': 'one-sided, non-inferiority with margin 0',
+             'H4': 'one-sided, non-inferiority with margin 10%', 'R1': 'two-sided', 'R2': 'two-sided'}  # H1 counts
+
 def convergence_caveat_line(conv: pd.DataFrame, variants) -> str | None:
     "The one caveat on training length for every answer that rests on training: the runs' labels, counted."
     c = completed(conv, variants)
@@ -235,6 +240,10 @@ def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
     if (line := convergence_caveat_line(conv, [freeze, nofreeze, base])):
         for a in answers:
             if a.qid not in ('H1', 'H3') and a.verdict != NO_DATA: a.caveats.insert(0, line)
+    family_answers(answers, QK_FAMILY)
+    for a in answers:  # a formation difference is decided by its p: after the family's adjustment
+        if a.qid.startswith('R') and a.p_holm is not None and a.p <= 0.05 < a.p_holm:
+            a.verdict = 'no resolvable difference'
     return answers
 
 def hypotheses(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm', base: str = 'gpt',
@@ -304,7 +313,8 @@ def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: d
                          step_time_median_s=float(np.median(t[:, j])),
                          tokens_per_s=tr.batch_size * m.block_size / float(np.median(t[:, j])),
                          ratio_to_first_median=float(med), ratio_to_first_q1=float(q1), ratio_to_first_q3=float(q3),
-                         ratio_low=lo, ratio_high=hi, ratio_level=level, ratio_p=sign_test_p(r), rounds=len(r),
+                         ratio_low=lo, ratio_high=hi, ratio_level=level, rounds=len(r),
+                         ratio_p=sign_test_p(r, 1.0, 'less'),  # one-sided: H3 asks 'no slower'
                          ratios=[float(x) for x in r]))
     (Path(batch_dir) / 'timing.json').write_text(json.dumps(rows, indent=1))
     return load_timing(batch_dir)
