@@ -288,7 +288,7 @@ def budget_sentence(curves: pd.DataFrame, a: str, b: str, metric: str = 'val_los
     mv = gap_movement(curves, a, b, metric)
     if mv is None or mv.low is None: return out + '; its movement needs >= 2 seeds'
     pts = lambda x: f'{x * 100:+.1f}'
-    moving = 'still moving' if mv.resolvable else 'not resolvably moving'
+    moving = 'still moving' if mv.resolvable else f"unresolved with {mv.n} seed{'s' if mv.n != 1 else ''}"
     return out + (f'; over the last quarter the log gap moved {pts(mv.mean)} points (95% CI {pts(mv.low)} .. '
                   f'{pts(mv.high)}): {moving}')
 
@@ -324,7 +324,8 @@ _BOUNDS = ([0.0, 0.0, 1e-3, 0.0], [np.inf, np.inf, 3.0, np.inf])  # L0, A, alpha
 
 def fit_annealing(steps, loss, S1, S2) -> dict:
     """The annealing law fitted to `loss` at `steps` (1-based: after that many steps) by least squares, with which
-    parameters ended on a bound (`on_bound`: the floor L0 at 0, or α at either end while A > 0); raises when it fails."""
+    parameters ended on a bound (`on_bound`: L0 at 0; A at 0; α at either end while A > 0; C at 0 where the fitted
+    points anneal at all); raises when it fails."""
     from scipy.optimize import curve_fit
     idx = np.asarray(steps, int) - 1
     x1, x2, y = S1[idx], S2[idx], np.asarray(loss, float)
@@ -341,8 +342,11 @@ def fit_annealing(steps, loss, S1, S2) -> dict:
         if best is None or sse < best[0]: best = (sse, p)
     if best is None: raise RuntimeError('the annealing-law fit did not converge from either start')
     L0, A, alpha, C = map(float, best[1])
-    on = [n for n, hit in (('L0', L0 <= 1e-6 * max(1.0, y.mean())),
-                           ('alpha', A > 1e-6 * y.mean() and (alpha <= 1e-3 * 1.01 or alpha >= 3 * 0.99))) if hit]
+    tiny = 1e-6 * max(1.0, y.mean())  # a term this small at every fitted point is the bound 0, not a fitted value
+    a_zero = A * x1.min() ** -alpha <= tiny
+    on = [n for n, hit in (('L0', L0 <= tiny), ('A', a_zero),
+                           ('alpha', not a_zero and (alpha <= 1e-3 * 1.01 or alpha >= 3 * 0.99)),
+                           ('C', x2.max() > 0 and C * x2.max() <= tiny)) if hit]
     return {'L0': L0, 'A': A, 'alpha': alpha, 'C': C, 'on_bound': on}
 
 # %% ../../nbs/report/31_convergence.ipynb #44d4efda

@@ -24,11 +24,11 @@ from .convergence import (completed, run_curves, formation, formation_level, for
 __all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root',
            'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'fmt', 'mean_of', 'mean_sd',
            'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
-           'formation_comparison', 'formed_count', 'seeds_needed', 'batch_command', 'seeds_command', 'read_precision',
-           'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table', 'run_links', 'completed',
-           't_interval', 'interval_text', 'Comparison', 'paired', 'threshold_verdict', 'difference_verdict',
-           'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note', 'convergence_caveat',
-           'budget_text']
+           'formation_comparison', 'formed_count', 'seeds_needed', 'spread_interval', 'seeds_range', 'batch_command',
+           'seeds_command', 'read_precision', 'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table',
+           'run_links', 'completed', 't_interval', 'interval_text', 'Comparison', 'paired', 'threshold_verdict',
+           'difference_verdict', 'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note',
+           'convergence_caveat', 'budget_text']
 
 # %% ../../nbs/report/32_tables.ipynb #a11c0e7e
 # re-exported: a report imports every tool from here
@@ -310,6 +310,25 @@ def seeds_needed(c: Comparison | None, # a paired comparison
     d = np.asarray(list(c.diffs.values()), float)
     if len(d) < 2: return None
     return seeds_for_power(float(d.mean()) - c.to_test_scale(threshold), float(d.std(ddof=1)), target, cap=cap)
+
+# %% ../../nbs/report/32_tables.ipynb #c0449a1c
+def spread_interval(c: Comparison, confidence: float = 0.95) -> tuple[float, float] | None:
+    "The 95% interval of the paired differences' standard deviation (chi-square, n-1 df); None with < 2 seeds."
+    from scipy import stats
+    d = np.asarray(list(c.diffs.values()), float) if c is not None else np.array([])
+    if len(d) < 2: return None
+    k, s = len(d) - 1, float(d.std(ddof=1))
+    return (s * math.sqrt(k / stats.chi2.ppf((1 + confidence) / 2, k)),
+            s * math.sqrt(k / stats.chi2.ppf((1 - confidence) / 2, k)))
+
+def seeds_range(c: Comparison | None, threshold: float, target: float = POWER,
+                cap: int = 1000) -> tuple[int | None, int | None] | None:
+    """`seeds_needed` at the low and the high end of the spread's 95% interval (`spread_interval`), the observed mean
+    held: (fewest, most); an end is None beyond `cap`; None without an interval or a spread."""
+    iv = spread_interval(c) if c is not None else None
+    if iv is None or not iv[0] > 0: return None
+    delta = float(np.mean(list(c.diffs.values()))) - c.to_test_scale(threshold)
+    return seeds_for_power(delta, iv[0], target, cap=cap), seeds_for_power(delta, iv[1], target, cap=cap)
 
 # %% ../../nbs/report/32_tables.ipynb #f67d530d
 def _set_value(v) -> str:

@@ -19,7 +19,7 @@ from ...model.freeze import param_report
 from ...model.gpt import GPT
 from ...report.tables import batch_command
 from ...report.tables import (compare, completed, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
-                            interval_text, seeds_needed, seeds_command, formation_comparison, formed_count,
+                            interval_text, seeds_needed, seeds_range, seeds_command, formation_comparison, formed_count,
                             read_precision)
 from ...report.convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
                                  budget_sentence, FLAGS)
@@ -145,6 +145,9 @@ def what_it_takes(c: Comparison, threshold: float, batch_dir, main: bool) -> str
     out = (f"{c.a} vs {c.b}: no count up to 1,000 seeds gives 80% power at this mean and spread" if n is None else
            f"{c.a} vs {c.b}: {n} seeds would give 80% power to resolve {threshold:.0%}, were the observed mean and "
            "spread the truth")
+    if (r := seeds_range(c, threshold)) and r[0] is not None:  # the spread has n-1 df: the count is a range
+        most = f'{r[1]:,}' if r[1] is not None else 'more than 1,000'
+        out += f" (over the spread's 95% interval, {r[0]:,} to {most} seeds)"
     if main:
         cmd = seeds_command(batch_dir or 'DIR', max(MIN_PILOT, c.n), [c.a, c.b], QK_FREEZE.name, precision=threshold / 2)
         out += f"; a design that keeps its interval valid: `{cmd}` (Stein's two stages, this batch as the pilot)"
