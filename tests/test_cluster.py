@@ -157,6 +157,9 @@ def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_a
     steps = [json.loads(l)['step'] for l in (out / 'gpt-s0' / 'metrics.jsonl').read_text().splitlines() if l.strip()]
     assert steps == sorted(set(steps)) and steps[-1] == 20, 'one job wrote the run, once'
     assert read_json(out / 'gpt-s0' / 'summary.json')['world_size'] == 2 and (out / 'gpt-s0' / 'torchrun.log').exists()
+    # two processes of batch_size each (test_runner's GPU-set test: `--gpus 0,1` reaches the same execute_run with both devices)
+    s, cfg = read_json(out / 'gpt-s0' / 'summary.json'), read_json(out / 'gpt-s0' / 'config.json')
+    assert s['tokens'] == 2 * s['steps'] * cfg['train']['batch_size'] * cfg['train']['grad_accum'] * cfg['model']['block_size']
 
 
 # ====================================================================== --detach
