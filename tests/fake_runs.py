@@ -35,3 +35,15 @@ def fake_batch(root, study: str, runs: dict, seeds=(0,), plan: dict | None = Non
 
 def failed(error: str = 'RuntimeError: boom') -> dict:
     return {'status': 'failed', 'error': error}
+
+
+def write_precision(root: Path, metric: str, a: str, b: str, mean: float = 0.08, low: float = 0.041, high: float = 0.12,
+                    n: int = 8) -> Path:
+    "A precision.json as `oelm run --precision` writes it (Stein's design on `metric` of `a` vs `b`, its final interval)."
+    import json
+    rec = {'design': 'stein', 'metric': metric, 'a': a, 'b': b, 'relative': True, 'scale': 'log', 'confidence': 0.95,
+           'half_width': 0.05, 'pilot_seeds': [0, 1, 2, 3, 4], 'n0': 5, 's0': 0.04, 't': 2.776, 'needed': n, 'n': n,
+           'max_seeds': 64, 'capped': False, 'seeds': list(range(n)), 'n_used': n, 'missing_seeds': [],
+           'mean': mean, 'low': low, 'high': high}
+    (Path(root) / 'precision.json').write_text(json.dumps(rec))
+    return Path(root) / 'precision.json'

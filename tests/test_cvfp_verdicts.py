@@ -372,6 +372,17 @@ def test_registered_cvfp_study_answers(tmp_path):
     assert got[0].estimate == '+5.0 points' and 'Q4' in answers_text(got)
 
 
+def test_a_precision_batch_answers_the_comparison_it_sized(tmp_path):
+    "--precision sized ODCM-n40 vs MCDL-n40 (relative effective rank): the answers state it with Stein's interval (issue 46)."
+    from fake_runs import write_precision
+    from oelm_nb.studies.cvfp.report import cvfp_answers
+    root = three_seeds(tmp_path / 'b')
+    write_precision(root, 'val_er_percent', 'ODCM-n40', 'MCDL-n40', mean=0.1, low=0.06, high=0.14)
+    a = cvfp_answers(root)[-1]
+    assert (a.qid, a.verdict, a.estimate, a.interval, a.n) == ('SIZED', 'MCDL-n40 lower', '+10.00%', '95% CI +6.00% .. +14.00%', 8)
+    assert "Stein's two-stage" in a.method and any('assumes normal' in c for c in a.caveats)
+
+
 def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path, capsys):
     "What `oelm run cvfp` prints after the batch: the answers through the kit, and answers.json beside the runs."
     import json

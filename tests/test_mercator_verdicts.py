@@ -413,6 +413,16 @@ def test_registered_study_answers_through_the_kit(tmp_path):
     assert 'PPL' in answers_text(got)
 
 
+def test_a_precision_batch_answers_the_comparison_it_sized(tmp_path):
+    "--precision sized mercator-b0.01 vs no-distill: the answers state it with Stein's interval (issue 46)."
+    from fake_runs import write_precision
+    from oelm_nb.report.tables import load_runs
+    out = fake_batch(tmp_path, {'mercator-b0': [30.0, 30.5], 'mse': [31.0, 31.2], BASELINE: [32.0, 32.2]}, roles=True)
+    write_precision(out, 'best_val_ppl', 'mercator-b0.01', BASELINE, mean=-0.05, low=-0.09, high=-0.01)
+    a = mercator_answers(load_runs(out))[-1]
+    assert (a.qid, a.verdict, a.low, a.high, a.n) == ('SIZED', 'mercator-b0.01 lower', -0.09, -0.01, 8)
+
+
 def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path, capsys):
     "What `oelm run mercator` prints after the batch: the answers through the kit, and answers.json beside the runs."
     import json

@@ -203,6 +203,18 @@ def test_every_study_answers_through_the_kit(study, tmp_path):
     assert empty and all(isinstance(a, Answer) for a in empty), empty
 
 
+def test_a_pca_precision_batch_answers_the_comparison_it_sized(tmp_path):
+    "--precision sized pca-lora-k8 vs baseline-cont: pca_answers state it with Stein's interval, design's seeds (issue 46)."
+    from fake_runs import write_precision
+    runs = {'baseline': lambda s: pca_summary('baseline', 64, 2.0 + 0.1 * s), 'pca-k8': lambda s: pca_summary('pca', 8, 3.0 + 0.1 * s),
+            'pca-lora-k8': lambda s: pca_summary('pca-lora', 8, 2.4 + 0.1 * s)}
+    root = fake_batch(tmp_path, 'pca', runs, seeds=(0, 1), plan=PCA_PLAN)
+    write_precision(root, 'best_val_ppl', 'pca-lora-k8', 'baseline-cont', mean=0.02, low=-0.01, high=0.05, n=6)
+    got = get_study('pca').answers(load_runs(root))
+    assert [a.qid for a in got] == ['k=8 vs baseline', 'SIZED']
+    assert (got[1].verdict, got[1].n, got[1].seeds) == ('no resolvable difference', 6, '6 paired seeds')
+
+
 def test_registered_pca_study_answers(tmp_path):
     "`oelm run pca` prints `get_study('pca').answers(runs)`: Answers for a small batch."
     runs = {'baseline': lambda s: pca_summary('baseline', 64, 2.0 + 0.1 * s), 'pca-k8': lambda s: pca_summary('pca', 8, 3.0 + 0.1 * s),

@@ -16,19 +16,19 @@ import matplotlib.pyplot as plt
 from ..base.rundir import read_json, parse_run_name, run_name
 from ..base.rundir import flatten
 from .evidence import (t_interval, interval_text, Comparison, paired, threshold_verdict, difference_verdict,
-                              seeds_for_power, POWER, MIN_PILOT)
+                              seeds_for_power, POWER, MIN_PILOT, Answer, NO_DATA)
 from .convergence import (completed, run_curves, formation, formation_level, formation_note, convergence, convergence_note,
                                  convergence_caveat, budget_text)
 
 # %% auto #0
-__all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root',
-           'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'fmt', 'mean_of', 'mean_sd',
-           'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
+__all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'STEIN_NORMAL', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS',
+           'project_root', 'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'fmt', 'mean_of',
+           'mean_sd', 'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
            'formation_comparison', 'formed_count', 'seeds_needed', 'spread_interval', 'seeds_range', 'batch_command',
-           'seeds_command', 'read_precision', 'safe_markdown', 'safe_table', 'provenance_table', 'hyperparameter_table',
-           'run_links', 'completed', 't_interval', 'interval_text', 'Comparison', 'paired', 'threshold_verdict',
-           'difference_verdict', 'formation', 'formation_level', 'formation_note', 'convergence', 'convergence_note',
-           'convergence_caveat', 'budget_text']
+           'seeds_command', 'read_precision', 'precision_answer', 'precision_answers', 'safe_markdown', 'safe_table',
+           'provenance_table', 'hyperparameter_table', 'run_links', 'completed', 't_interval', 'interval_text',
+           'Comparison', 'paired', 'threshold_verdict', 'difference_verdict', 'formation', 'formation_level',
+           'formation_note', 'convergence', 'convergence_note', 'convergence_caveat', 'budget_text']
 
 # %% ../../nbs/report/32_tables.ipynb #a11c0e7e
 # re-exported: a report imports every tool from here
@@ -400,6 +400,34 @@ def read_precision(batch_dir) -> tuple[dict | None, str]:
     if any(r.get(k) is not None and not _typed(r[k], float) for k in ('mean', 'low', 'high')):
         return None, 'has a bad interval'
     return r, ''
+
+# %% ../../nbs/report/32_tables.ipynb #87097370
+STEIN_NORMAL = ("Stein's interval assumes normal per-seed log ratios (its coverage is exact only then): not checked "
+                "with these seeds")
+
+def precision_answer(batch_dir, qid: str = 'SIZED') -> Answer | None:
+    """The comparison a `--precision` batch sized (precision.json), answered on the design itself: Stein's interval,
+    estimate and interval from the design's seeds; None when the batch is no Stein design."""
+    r, why = read_precision(batch_dir)
+    if r is None:
+        return Answer(qid, 'the comparison --precision sized', NO_DATA, method=f'precision.json {why}') if why else None
+    q = f"{r['a']} vs {r['b']}: {METRIC_LABELS.get(r['metric'], r['metric'])}, the comparison --precision sized"
+    if r.get('low') is None:
+        return Answer(qid, q, NO_DATA, method=f"the design left {r['n_used']} paired seed(s): no interval")
+    lo, hi, m = r['low'], r['high'], r['mean']
+    verdict = f"{r['a']} lower" if hi < 0 else f"{r['b']} lower" if lo > 0 else 'no resolvable difference'
+    caveats = [STEIN_NORMAL] + ([f"the design hit its cap of {r['max_seeds']} seeds: the interval is wider than "
+                                 f"±{r['half_width']:.0%}"] if r['capped'] else [])
+    method = (f"ratio of geometric means (log scale), Stein's two-stage {r['confidence']:.0%} interval (pilot of "
+              f"{r['n0']}, t with {r['n0'] - 1} df, half-width asked ±{r['half_width']:.0%}); estimate and interval "
+              f"from the design's {r['n_used']} seeds")
+    return Answer(qid, q, verdict, f'{m:+.2%}', f"{r['confidence']:.0%} CI {lo:+.2%} .. {hi:+.2%}", method,
+                  f"{r['n_used']} paired seeds", caveats=caveats, value=m, low=lo, high=hi, n=r['n_used'])
+
+def precision_answers(answers: list[Answer], runs: pd.DataFrame) -> list[Answer]:
+    "`answers` with `precision_answer` of the runs' batch appended where the batch is a Stein design."
+    dirs = [x for x in runs.run_dir if isinstance(x, (str, Path))] if 'run_dir' in runs else []  # made-up: none
+    return answers + [a] if dirs and (a := precision_answer(Path(dirs[0]).parent)) is not None else answers
 
 # %% ../../nbs/report/32_tables.ipynb #b8e2f4a6
 import html

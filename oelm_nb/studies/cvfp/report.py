@@ -18,6 +18,7 @@ from .checks import pass_fail
 from .fixed_point import GUIDELINES_AGREEMENT
 from ...report.evidence import Answer, Comparison, NO_DATA, paired, threshold_verdict, exact_caveat, method_text
 from ...report.evidence import family_answers
+from ...report.tables import precision_answers
 from ...report.page import budget_text, seeds_text
 from .study import CVFP_STUDY
 
@@ -668,7 +669,7 @@ def cvfp_answers(runs) -> list[Answer]:
                           f"block, fixed point >= 0.99, near >= 0.90 (the New-LLM guidelines measured "
                           f"{GUIDELINES_AGREEMENT['cos_mean']})", seeds, budget,
                           value=n['fixed point'] / len(rec), n=len(rec)))
-    return family_answers(out, CVFP_FAMILY)
+    return precision_answers(family_answers(out, CVFP_FAMILY), table)  # a --precision batch: the sized comparison too
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #3033e832
 CVFP = dataclasses.replace(CVFP_STUDY, answers=cvfp_answers)  # what the entry point registers

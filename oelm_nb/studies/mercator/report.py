@@ -15,6 +15,7 @@ from .method import STAGES, STAGE_BOUNDS, COLLAPSE_GAP, PASS_LINES, collapsed, c
 from ...report.tables import compare, completed, interval_text, load_runs, log_ticks, mean_of
 from ...base.rundir import read_json
 from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, family_answers
+from ...report.tables import precision_answers
 from ...report.page import budget_text
 from .study import MERCATOR_STUDY
 
@@ -576,8 +577,9 @@ def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
                          method='an accuracy of 0 everywhere compares nothing', budget=budget, n=len(st))
                   if acc and (st == 0).all() else
                   _metric_kit_answer('ACC', qs['ACC'], acc, PTS, False, budget, f'{task_label(runs)} in points'))
-    return family_answers([_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget, 'best validation PPL'),
-                           acc_answer], MERCATOR_FAMILY)
+    return precision_answers(family_answers([_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget,
+                                                                'best validation PPL'), acc_answer], MERCATOR_FAMILY),
+                             runs)  # a --precision batch: the sized comparison too
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #4afc0255
 MERCATOR = dataclasses.replace(MERCATOR_STUDY, answers=mercator_answers)  # what the entry point registers

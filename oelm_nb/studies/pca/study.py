@@ -23,6 +23,7 @@ from ...train.checkpoint import load_weights
 from ...model.freeze import param_report
 from ...report.tables import compare, completed, t_interval, interval_text
 from ...report.evidence import Answer, Comparison, NO_DATA, exact_caveat, family_answers
+from ...report.tables import precision_answers
 from ...report.page import budget_text
 from ...model.pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_,
                          pca_factorize, save_pca_mats, apply_lora, merge_lora, unmerge_lora, attach_scale_layers_)
@@ -618,8 +619,9 @@ def pca_answers(runs: pd.DataFrame) -> list[Answer]:
     out = [_recovery_answer(k, m, r, budget_text(runs, [f'pca-lora-k{k}', m])) for k, r in gaps.iterrows()
            for m in REFERENCE_METHODS if r.get(f'_paired {m}', 0) and not pd.isna(r.get(f'_paired {m}'))]
     family_answers(out, {a.qid: PCA_FAMILY for a in out if a.verdict != NO_GAP})
-    return out or [Answer('recovery', 'does PCA + LoRA recover the gap PCA-only opens, at any k?', NO_DATA,
-                          method='needs completed PCA, PCA + LoRA and reference runs of a common seed')]
+    return precision_answers(out or [Answer('recovery', 'does PCA + LoRA recover the gap PCA-only opens, at any k?',
+                                            NO_DATA, method='needs completed PCA, PCA + LoRA and reference runs of a '
+                                            'common seed')], runs)  # a --precision batch: the sized comparison too
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #5b439dd6
 def plot_run(spec: RunSpec, summary: dict):

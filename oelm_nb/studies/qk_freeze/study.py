@@ -20,7 +20,7 @@ from ...model.gpt import GPT
 from ...report.tables import batch_command
 from ...report.tables import (compare, completed, Comparison, variant_table, threshold_verdict, difference_verdict, mean_sd,
                             interval_text, seeds_needed, seeds_range, seeds_command, formation_comparison, formed_count,
-                            read_precision)
+                            read_precision, STEIN_NORMAL)
 from ...report.convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
                                  budget_sentence, FLAGS)
 from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, answers_frame, MIN_PILOT, family_answers
@@ -163,7 +163,9 @@ def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, bat
     caveats, design = [], 't-interval'
     if stein:
         lo, hi = stein['low'], stein['high']
-        design = f"Stein's two-stage interval (pilot of {stein['n0']}, t with {stein['n0'] - 1} df)"
+        design = (f"Stein's two-stage interval (pilot of {stein['n0']}, t with {stein['n0'] - 1} df), estimate and "
+                  f"interval from the design's {stein['n_used']} seeds")
+        caveats.append(STEIN_NORMAL)
         if stein['capped']: caveats.append(f"the Stein design hit its cap of {stein['max_seeds']} seeds: the interval "
                                            "is wider than asked")
     else:
@@ -172,9 +174,10 @@ def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, bat
     verdict = threshold_verdict(c, limit, interval=(lo, hi) if stein else None)
     if verdict.startswith('inconclusive'): caveats.append(what_it_takes(c, limit, batch_dir, main))
     if curves is not None and len(curves): caveats.append(f'{a} vs {b} over the budget: {budget_sentence(curves, a, b)}')
-    return Answer(qid, question, verdict, _pct(c.mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
-                  method_text(c, limit, design, 'less'), _seeds(c), budget, caveats, value=c.mean, low=lo, high=hi,
-                  p=c.p_value(limit, 'less'), n=c.n)
+    mean, n = (stein['mean'], stein['n_used']) if stein else (c.mean, c.n)  # Stein: the design's seeds throughout
+    return Answer(qid, question, verdict, _pct(mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
+                  method_text(c, limit, design, 'less'), f"{n} paired seed{'s' if n != 1 else ''}", budget, caveats,
+                  value=mean, low=lo, high=hi, p=c.p_value(limit, 'less'), n=n)
 
 def _steps(t: dict) -> str:
     lo, hi = t['steps']
