@@ -343,6 +343,7 @@ def batch_command(batch_dir, # a batch directory: its batch.json gives study, pr
                   seeds=None, # the seeds to run (default: the batch's; none recorded: no --seeds)
                   study: str | None = None, # the study, where batch.json does not name one
                   extra=(), # more flags, appended as given (e.g. ['--precision', '0.05'])
+                  out=None, # the directory to train into (default: the batch itself)
                  ) -> str:
     """The `oelm run` command that trains `variants` x `seeds` into the batch with the batch's own settings (preset,
     data, steps, --set overrides, the study's flags): its completed runs are skipped, nothing else changes. Every
@@ -355,7 +356,7 @@ def batch_command(batch_dir, # a batch directory: its batch.json gives study, pr
     vs = list(variants if variants is not None else b.get('variants') if isinstance(b.get('variants'), list) else [])
     if vs: parts += ['--variants', q(','.join(map(str, vs)))]
     ss = seeds if seeds is not None else (b.get('seeds') if isinstance(b.get('seeds'), list) else None)
-    parts += [*(['--seeds', *(q(str(s)) for s in ss)] if ss else []), '--out', q(str(batch_dir))]
+    parts += [*(['--seeds', *(q(str(s)) for s in ss)] if ss else []), '--out', q(str(out or batch_dir))]
     for k, v in (b.get('overrides') if isinstance(b.get('overrides'), dict) else {}).items():
         parts += ['--set', q(f'{k}={_set_value(v)}')]
     for k, v in (b.get('options') if isinstance(b.get('options'), dict) else {}).items():  # --NAME VALUE
@@ -370,10 +371,12 @@ def seeds_command(batch_dir, # a batch directory: its batch.json gives study, pr
                   variants=None, # the variants to run (default: the batch's)
                   study: str | None = None, # the study, where batch.json does not name one
                   precision: float | None = None, # Stein's design: --precision with this half-width (0.05: 5%)
+                  out=None, # the directory to train into (default: the batch; a fresh one for a fresh pilot)
                  ) -> str:
-    """The `oelm run` command that trains seeds 0 .. n-1 of `variants` into the batch (`batch_command`); with
-    `precision`, those seeds are the pilot of a Stein design."""
-    return batch_command(batch_dir, variants, range(n), study, ['--precision', f'{precision:.3g}'] if precision else ())
+    """The `oelm run` command that trains seeds 0 .. n-1 of `variants` with the batch's settings into the batch (or
+    `out`; `batch_command`); with `precision`, those seeds are the pilot of a Stein design."""
+    return batch_command(batch_dir, variants, range(n), study, ['--precision', f'{precision:.3g}'] if precision else (),
+                         out=out)
 
 # %% ../../nbs/report/32_tables.ipynb #e04d05a4
 _NAME = re.compile(r'[A-Za-z0-9_.+-]{1,100}')

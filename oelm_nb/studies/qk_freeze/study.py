@@ -149,8 +149,12 @@ def what_it_takes(c: Comparison, threshold: float, batch_dir, main: bool) -> str
         most = f'{r[1]:,}' if r[1] is not None else 'more than 1,000'
         out += f" (over the spread's 95% interval, {r[0]:,} to {most} seeds)"
     if main:
-        cmd = seeds_command(batch_dir or 'DIR', max(MIN_PILOT, c.n), [c.a, c.b], QK_FREEZE.name, precision=threshold / 2)
-        out += f"; a design that keeps its interval valid: `{cmd}` (Stein's two stages, this batch as the pilot)"
+        d = batch_dir or 'DIR'
+        cmd = seeds_command(d, max(MIN_PILOT, c.n), [c.a, c.b], QK_FREEZE.name, precision=threshold / 2,
+                            out=f'{d}-stein')
+        out += (f"; a design that keeps its interval valid: `{cmd}` (Stein's two stages with a fresh pilot in a new "
+                "directory, this batch's settings: a pilot chosen because a batch was inconclusive, reused, would "
+                "change the design's level; a fresh design's coverage is simulated in the evidence chapter)")
     return out + '; adding seeds and testing again at the same level is optional stopping'
 
 def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, batch_dir, budget: str,
