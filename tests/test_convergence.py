@@ -384,3 +384,9 @@ def test_under_a_stein_design_h4_uses_steins_interval(tmp_path):
     assert "Stein's two-stage interval (pilot of 5, t with 4 df)" in h4.method
     assert h4.verdict == ('rejected' if math.expm1(lo) >= 0.10 else 'inconclusive' if math.expm1(hi) >= 0.10 else 'supported')
     assert not any('normal assumption' in c for c in h4.caveats)  # Stein's design: the interval is the design's own
+    assert any("Stein's interval assumes normal" in c for c in h4.caveats)  # ...which needs normality, said (issue 46)
+    four = {s: diffs[s] for s in list(diffs)[:4]}  # a design of 4 seeds beside a fifth run: estimate, p and n are the design's
+    rec4 = precision_record(plan, ('best_val_ppl', 'oelm-freeze', 'gpt'), list(diffs), list(four), diffs, four)
+    (root / 'precision.json').write_text(json.dumps(rec4))
+    h4 = {a.qid: a for a in qk_answers(runs)}['H4']
+    assert (h4.n, h4.seeds, h4.value) == (4, '4 paired seeds', rec4['mean']) and "the design's 4 seeds" in h4.method

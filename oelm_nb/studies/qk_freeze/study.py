@@ -178,10 +178,12 @@ def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, bat
     verdict = threshold_verdict(c, limit, interval=(lo, hi) if stein else None)
     if verdict.startswith('inconclusive'): caveats.append(what_it_takes(c, limit, batch_dir, main))
     if curves is not None and len(curves): caveats.append(f'{a} vs {b} over the budget: {budget_sentence(curves, a, b)}')
-    mean, n = (stein['mean'], stein['n_used']) if stein else (c.mean, c.n)  # Stein: the design's seeds throughout
-    return Answer(qid, question, verdict, _pct(mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
-                  method_text(c, limit, design, 'less'), f"{n} paired seed{'s' if n != 1 else ''}", budget, caveats,
-                  value=mean, low=lo, high=hi, p=c.p_value(limit, 'less'), n=n)
+    if stein and isinstance(stein.get('differences'), dict) and stein['differences']:  # the design's seeds throughout
+        dd = {int(s): float(v) for s, v in stein['differences'].items()}
+        c = Comparison(c.metric, a, b, {s: float(np.expm1(v)) for s, v in dd.items()}, stein['mean'], lo, hi, diffs=dd)
+    return Answer(qid, question, verdict, _pct(c.mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
+                  method_text(c, limit, design, 'less'), _seeds(c), budget, caveats,
+                  value=c.mean, low=lo, high=hi, p=c.p_value(limit, 'less'), n=c.n)
 
 def _steps(t: dict) -> str:
     lo, hi = t['steps']
