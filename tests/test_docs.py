@@ -117,6 +117,7 @@ class _Page(HTMLParser):
         if self._in_h1 and data.strip() not in ('', '¶'): self.h1.append(data.strip())
 
 
+@functools.lru_cache(maxsize=None)  # the site is built once a session; each page is parsed once (the tests only read it)
 def page(site: Path, html: str) -> tuple[str, _Page]:
     text = (site / html).read_text(encoding='utf-8')
     return text, _Page(text)
