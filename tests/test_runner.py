@@ -216,8 +216,10 @@ def test_ctrl_c_stops_in_one_line_and_the_rerun_resumes_with_the_uninterrupted_n
     out, args = tmp_path / 'ctrl-c', ['run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', *tiny_args(30), *sets]
     ckpts = out / 'gpt-s0' / 'checkpoints'
     # --jobs 2: one thread per run, as the in-process runs below train (the same numbers, not merely close ones)
+    # a shell's background job (`make test &`, some CI runners) starts with SIGINT ignored, and so would oelm: give it a
+    # terminal's default, as test_cluster's cancelled job does (on a fresh clone run so, the Ctrl-C was ignored)
     proc = subprocess.Popen(oelm(*args, '--out', str(out), '--jobs', '2'), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + TIMEOUT
         while not (ckpts.is_dir() and any(p.name.startswith('step_') for p in ckpts.iterdir())):
