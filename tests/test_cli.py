@@ -188,15 +188,30 @@ def test_version_and_study_help_lists_variants_options_and_defaults():
 
 @pytest.mark.slow
 def test_params_takes_the_study_variants():
-    "oelm params --variant uses the Q/K study's variant names and their model settings (freeze_layers of oelm-freeze-half)."
+    "oelm params --variant finds the one study that plans it (here the Q/K study) and counts its model settings (freeze_layers of oelm-freeze-half)."
     r = oelm_main('params', '--variant', 'oelm-freeze-half', '--json')
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d['config']['variant'] == 'oelm-freeze' and d['config']['freeze_layers'] == 1  # tiny: 2 layers, half frozen
     full = json.loads(oelm_main('params', '--variant', 'oelm-freeze', '--json').stdout)
     assert d['frozen'] < full['frozen']
-    bad = oelm_main('params', '--variant', 'oelm-freez')
+    bad = oelm_main('params', '--study', 'qk-freeze', '--variant', 'oelm-freez')
     assert bad.returncode == 2 and 'oelm-freeze-half' in bad.stderr
+    unknown = oelm_main('params', '--variant', 'oelm-freez')  # without --study: no study plans it, so name one
+    assert unknown.returncode == 2 and 'no registered study plans it; name the study with --study NAME' in unknown.stderr
+
+
+@pytest.mark.parametrize('study', study_names())  # every registered study, the toy of tests/toy_study too
+def test_params_counts_every_studys_variant(study):
+    "`oelm params --study NAME --variant V` counts the model a run of V trains (`Study.build_model`, else a GPT)."
+    import contextlib, io
+    from oelm_nb.app.cli import main
+    from oelm_nb.lab.experiment import get_study
+    v = get_study(study).planned()[-1]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf): assert main(['params', '--study', study, '--variant', v, '--json']) == 0
+    d = json.loads(buf.getvalue())
+    assert (d['study'], d['study_variant']) == (study, v) and d['total'] == d['trainable'] + d['frozen'] > 0
 
 
 def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path):

@@ -139,8 +139,10 @@ def test_cli_prepare_refuses_invalid_utf8(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ bench shapes and memory
+QK = ('--variants', 'oelm,oelm-freeze')  # what `oelm bench` timed by default before it named no study
+
 def test_bench_block_size_beyond_position_table_is_refused(capsys):
-    assert main(['bench', '--block-size', '100000', '--no-memory']) == 2
+    assert main(['bench', *QK, '--block-size', '100000', '--no-memory']) == 2
     err = capsys.readouterr().err
     assert 'oelm bench: error: block_size=100000 is too long' in err
     assert 'position table (wpe)' in err and 'at most 128 tokens' in err and '--set block_size=100000' in err
@@ -148,7 +150,7 @@ def test_bench_block_size_beyond_position_table_is_refused(capsys):
 
 @pytest.mark.parametrize('flag, value', [('--block-size', '0'), ('--block-size', '-5'), ('--batch-size', '0')])
 def test_bench_non_positive_sizes_are_refused(capsys, flag, value):
-    assert main(['bench', flag, value, '--no-memory']) == 2
+    assert main(['bench', *QK, flag, value, '--no-memory']) == 2
     assert f'{flag[2:].replace("-", "_")}={value} is invalid' in capsys.readouterr().err
 
 
@@ -158,7 +160,7 @@ def _no_model(*a, **k):
 
 def test_bench_huge_batch_is_refused_before_allocating(monkeypatch, capsys):
     monkeypatch.setattr('oelm_nb.lab.bench.build_variant', _no_model)
-    assert main(['bench', '--batch-size', '10000000', '--no-memory']) == 2
+    assert main(['bench', *QK, '--batch-size', '10000000', '--no-memory']) == 2
     err = capsys.readouterr().err
     assert 'oelm bench: error:' in err and 'Traceback' not in err
     assert 'batch_size=10000000 x block_size=128' in err
@@ -169,7 +171,7 @@ def test_bench_huge_batch_is_refused_before_allocating(monkeypatch, capsys):
 def test_bench_allocation_failure_becomes_config_error(monkeypatch, capsys):
     def oom(*a, **k): raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes")
     monkeypatch.setattr('oelm_nb.lab.bench.build_variant', oom)
-    assert main(['bench', '--no-memory', '--dtypes', 'float32']) == 2
+    assert main(['bench', *QK, '--no-memory', '--dtypes', 'float32']) == 2
     err = capsys.readouterr().err
     assert 'out of memory at batch_size=1 x block_size=128' in err and "can't allocate memory" in err
     assert 'Traceback' not in err and 'Lower --batch-size' in err

@@ -60,7 +60,7 @@ def test_a_copy_of_the_package_outside_a_checkout_has_no_commit(tmp_path):
 
 
 def test_summary_carries_the_start_recorded_and_the_end(tmp_path):
-    spec = resolve_spec(variant='gpt', out_dir=str(tmp_path))
+    spec = resolve_spec('qk-freeze', 'gpt', out_dir=str(tmp_path))
     s = write_summary(spec, {'status': 'completed'})  # a study that recorded no start
     assert s['provenance']['started'] is None and s['provenance']['commit'] == provenance()['commit']
     first = record_provenance(tmp_path)
@@ -75,11 +75,11 @@ def test_summary_carries_the_start_recorded_and_the_end(tmp_path):
 def test_prepare_run_records_provenance_after_the_configuration_check(tmp_path, monkeypatch):
     monkeypatch.setenv(COMMAND_ENV, 'oelm run qk-freeze --steps 20')
     small = {'data.n_train_stories': 400, 'data.n_val_stories': 50, 'data.vocab_size': 512, 'model.vocab_size': 512}
-    spec = resolve_spec(variant='gpt', steps=20, out_dir=str(tmp_path / 'run'), data_dir=str(tmp_path / 'data'), overrides=small)
+    spec = resolve_spec('qk-freeze', 'gpt', steps=20, out_dir=str(tmp_path / 'run'), data_dir=str(tmp_path / 'data'), overrides=small)
     prepare_run(spec)
     p = read_json(tmp_path / 'run' / 'provenance.json')
     assert p['command'] == 'oelm run qk-freeze --steps 20' and p['commit'] == provenance()['commit']
-    other = resolve_spec(variant='gpt', steps=20, out_dir=str(tmp_path / 'run'), data_dir=str(tmp_path / 'data'),
+    other = resolve_spec('qk-freeze', 'gpt', steps=20, out_dir=str(tmp_path / 'run'), data_dir=str(tmp_path / 'data'),
                          overrides={**small, 'train.lr': 1e-3})
     with pytest.raises(RunMismatch): prepare_run(other)
     assert read_json(tmp_path / 'run' / 'provenance.json') == p  # a refused run records nothing

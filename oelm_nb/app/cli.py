@@ -13,11 +13,11 @@ from ..base.core import ModelConfig, DataConfig, ConfigError
 jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)  # a field's docstring is its flag's help
 
 # %% auto #0
-__all__ = ['SET_SECTIONS', 'RETIRED_FLAGS', 'parse_sets', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report',
-           'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'retire_field_flags', 'study_variants_text',
-           'add_seed_options', 'option_shapes', 'with_lists', 'flag_error', 'StudyParser', 'add_study_parser',
-           'build_parser', 'main']
+__all__ = ['SET_SECTIONS', 'RETIRED_FLAGS', 'parse_sets', 'study_of', 'cmd_params', 'cmd_data_prepare', 'cmd_train',
+           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run',
+           'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'retire_field_flags',
+           'study_variants_text', 'add_seed_options', 'option_shapes', 'with_lists', 'flag_error', 'StudyParser',
+           'add_study_parser', 'build_parser', 'main']
 
 # %% ../../nbs/app/91_cli.ipynb #ec5943c2
 SET_SECTIONS = ('model', 'train', 'data', 'settings')
@@ -46,21 +46,42 @@ def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict 
     return out
 
 # %% ../../nbs/app/91_cli.ipynb #88a3342b
+def study_of(variants: list[str], preset: str, flag: str) -> str:
+    """The one registered study that plans every name of `variants` (at `preset`, its default flags): what a command
+    given variants without `--study` runs; a `ConfigError` asking for `--study` when no study or several plan them."""
+    from oelm_nb.lab.experiment import studies
+    def plans(st) -> bool:
+        try: return set(variants) <= set(st.variants(preset, 1000, {}))
+        except ConfigError: return False  # a study that plans nothing at this preset
+    known = studies(); have = [n for n, st in known.items() if plans(st)]
+    if len(have) == 1: return have[0]
+    names = ','.join(variants)
+    raise ConfigError(f"{flag} {names}: " + (
+        f"planned by the studies {', '.join(have)}; name one with --study NAME" if have else
+        f"no registered study plans {'it' if len(variants) == 1 else 'them all'}; name the study with --study NAME "
+        f"(one of {', '.join(known)}) and variants it plans"))
+
 def cmd_params(args) -> int:
     from oelm_nb.model.gpt import GPT, model_config
     from oelm_nb.model.freeze import param_report
-    from oelm_nb.lab.experiment import get_study
-    # the study's own model settings of this variant
-    planned = get_study('qk-freeze').variant(args.variant, args.preset).overrides
-    model = {k.split('.', 1)[1]: v for k, v in planned.items() if k.startswith('model.')}
-    user = {k.split('.', 1)[1]: v for k, v in parse_sets(args.set, ('model',)).items()}
-    cfg = model_config(args.preset, **{**model, **user})
-    rep = param_report(GPT(cfg, init_seed=0))
+    from oelm_nb.lab.experiment import get_study, resolve_spec
+    sets = parse_sets(args.set, ('model',))
+    if args.study is None and args.variant is None:  # the preset's plain GPT
+        cfg, study, variant = model_config(args.preset, **{k.split('.', 1)[1]: v for k, v in sets.items()}), None, None
+        model = GPT(cfg, init_seed=0)
+    else:  # a study's variant: its model settings (`resolve_spec`), its model (`Study.build_model`)
+        st = get_study(args.study or study_of([args.variant], args.preset, '--variant'))
+        variant = args.variant or st.planned(args.preset)[0]
+        spec = resolve_spec(st, variant, args.preset, overrides=sets)
+        cfg, study = spec.model, st.name
+        model = st.build_model(spec) if st.build_model else GPT(cfg, init_seed=0)
+    rep = param_report(model)
     if args.json:
-        print(json.dumps({'preset': args.preset, 'variant': cfg.variant, 'config': cfg.to_dict(), **rep.to_dict()},
-                         indent=2))
+        print(json.dumps({'preset': args.preset, 'study': study, 'study_variant': variant, 'variant': cfg.variant,
+                          'config': cfg.to_dict(), **rep.to_dict()}, indent=2))
     else:
-        print(f'preset {args.preset}, variant {args.variant} (model variant {cfg.variant})\n')
+        print(f"preset {args.preset}, {f'study {study}, variant {variant}' if study else 'no study'} "
+              f"(model variant {cfg.variant})\n")
         print(rep)
         print(f'\nfrozen share {rep.frozen_fraction:.2%}, trainable share {rep.trainable_fraction:.2%}')
     return 0
@@ -100,7 +121,8 @@ def print_batch_summary(batch_dir):
     from oelm_nb.report.evidence import answers_text, answers_json
     from oelm_nb.base.rundir import read_json, write_json
     from oelm_nb.lab.experiment import get_study
-    study = get_study((read_json(Path(batch_dir) / 'batch.json') or {}).get('study', 'qk-freeze'))
+    from oelm_nb.lab.runner import batch_study
+    study = get_study(batch_study(read_json(Path(batch_dir) / 'batch.json'), Path(batch_dir) / 'batch.json'))
     runs = load_runs(batch_dir)
     if runs.empty: return
     with pd.option_context('display.width', 160, 'display.max_colwidth', 120):
@@ -284,12 +306,16 @@ def cmd_bench(args) -> int:
     import pandas as pd
     overrides = parse_sets(args.set)
     variants = args.variants.split(',') if args.variants else None
+    if not (variants or args.study):
+        raise ConfigError('name what to time: --variants A,B (of the one study that plans them) or --study NAME (its '
+                          'variants), e.g. --study qk-freeze --variants oelm,oelm-freeze')
+    study = args.study or study_of(variants, args.preset, '--variants')
     if args.numerics:
-        t = numerics_check(args.numerics, seeds=args.seeds, variants=variants, steps=args.train_steps)
+        t = numerics_check(args.numerics, study, seeds=args.seeds, variants=variants, steps=args.train_steps)
         with pd.option_context('display.width', 200, 'display.max_columns', 30): print(t.to_string())
         print(f'[oelm bench] numerics: {args.numerics}/numerics.json, {args.numerics}/numerics.png')
         return 0
-    rows = bench(args.preset, variants or ['oelm', 'oelm-freeze'], args.steps, args.warmup, args.batch_size,
+    rows = bench(study, args.preset, variants, args.steps, args.warmup, args.batch_size,
                  args.block_size, args.device, dtypes=args.dtypes.split(','), reference=not args.no_reference,
                  overrides=overrides, memory=not args.no_memory, compile=args.compile,
                  log=None if args.json else (lambda s: print(s, file=sys.stderr)))
@@ -501,16 +527,18 @@ def add_study_parser(sub, study, presets):
     return r
 
 # %% ../../nbs/app/91_cli.ipynb #c69dc081
-def _add_model_commands(sub, lazy: bool = False):
-    """The subcommands that need no batch: `params`, `data prepare`, `train` (torchrun's entry point); `lazy`: the
-    command line is another command's, so `params` is built without importing the Q/K study for its variant names."""
+def _add_model_commands(sub):
+    """The subcommands that need no batch: `params`, `data prepare`, `train` (torchrun's entry point); none imports a
+    study to build its flags."""
     from oelm_nb.model.gpt import PRESETS
-    from oelm_nb.lab.experiment import get_study
-    q = sub.add_parser('params', help='parameter accounting of a preset and a Q/K study variant')
+    q = sub.add_parser('params', help="parameter accounting of a preset's GPT, or of a study's variant")
     q.add_argument('--preset', default='tiny', choices=list(PRESETS), help='default: tiny')
-    q.add_argument('--variant', default='gpt', choices=None if lazy else list(get_study('qk-freeze').variants('tiny', 1000, {})),
-                   help="a variant of the Q/K freeze study, the same names as `oelm run qk-freeze --variants` "
-                   "(default: gpt)")
+    q.add_argument('--study', default=None,
+                   help="the study whose variant is counted, e.g. --study pca --variant lowrank-k8 (default: the one "
+                   "registered study that plans --variant; neither: the preset's plain GPT)")
+    q.add_argument('--variant', default=None,
+                   help="a variant of the study, the names of `oelm run STUDY --variants` (default with --study: its "
+                   "first planned variant)")
     q.add_argument('--json', action='store_true', help='machine-readable output')
     q.add_argument('--set', action='append', metavar='model.FIELD=VALUE',
                    help='a ModelConfig field, e.g. --set model.vocab_size=10000 (repeatable)')
@@ -592,8 +620,10 @@ def _add_bench_command(sub):
     from oelm_nb.model.gpt import PRESETS
     b = sub.add_parser('bench', help='FLOPs, optimizer state and interleaved step time per variant')
     b.add_argument('--preset', default='tiny', choices=list(PRESETS))
+    b.add_argument('--study', default=None,
+                   help='the study whose variants are timed (default: the one registered study that plans --variants)')
     b.add_argument('--variants', default=None,
-                   help='comma-separated (default: oelm,oelm-freeze; with --numerics: all of the study)')
+                   help="comma-separated, e.g. oelm,oelm-freeze (default: the --study's planned variants)")
     b.add_argument('--steps', type=int, default=12); b.add_argument('--warmup', type=int, default=2)
     b.add_argument('--batch-size', type=int, default=1); b.add_argument('--block-size', type=int, default=None)
     b.add_argument('--device', default='auto'); b.add_argument('--json', action='store_true')
@@ -641,7 +671,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     a = [x for x in (argv or []) if not x.startswith('-')][:2]
     load = None if argv is None or not a or (a[0] == 'run' and (len(a) < 2 or a[1] not in study_names())) else \
         ({a[1]} if a[0] == 'run' else set())
-    _add_model_commands(sub, lazy=bool(a) and a[0] != 'params')
+    _add_model_commands(sub)
     for add in (_add_run_commands, _add_bench_command, _add_doctor_command): add(sub)
     _add_batch_commands(sub, load)
     return p

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..base.core import ConfigError, ModelConfig, DTYPES, TrainConfig
 from ..model.device import set_seed, pick_device, autocast_dtype, autocast, is_oom
 from ..model.gpt import GPT, model_config
-from .experiment import resolve_spec
+from .experiment import resolve_spec, get_study
 from ..train.trainer import build_optimizer
 from ..model.freeze import param_report
 from ..train.memory import GiB, _gib, available_memory, step_memory, _memory_message
@@ -307,8 +307,11 @@ def compile_failure(e: BaseException) -> str:
     return f'torch.compile failed at its first step: {type(e).__name__}: {first}'
 
 # %% ../../nbs/lab/53_bench.ipynb #fcebb0f5
-def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), steps: int = 12, warmup: int = 2,
-          batch_size: int = 1, block_size: int | None = None, device: str = 'auto', study: str = 'qk-freeze',
+def bench(study: str, # the registered study whose variants are timed
+          preset: str = 'tiny',
+          variants: list[str] | None = None, # its variants to time (None: those it plans, `Study.planned`)
+          steps: int = 12, warmup: int = 2,
+          batch_size: int = 1, block_size: int | None = None, device: str = 'auto',
           # each variant is timed in each of these (duplicates after 'auto' is resolved are dropped)
           dtypes: list[str] = ('auto',),
           reference: bool = True, # also time ReferenceGPT at the gpt shape
@@ -328,6 +331,7 @@ def bench(preset: str = 'tiny', variants: list[str] = ('oelm', 'oelm-freeze'), s
     dev = pick_device(device)
     labels = list(dict.fromkeys(dtype_label(dev, d) for d in dtypes))
     modes = (EAGER, COMPILED) if compile else (EAGER,)
+    variants = list(variants or get_study(study).planned(preset))
     entries = [(v, d, m) for m in modes for d in labels for v in [*variants, *([REFERENCE] if reference else [])]]
     names = list(dict.fromkeys(v for v, *_ in entries))
     if block_size is not None: _check_block_size(study, preset, names, block_size, overrides)
@@ -503,7 +507,7 @@ def plot_numerics(out_dir, ax=None):
     return ax
 
 # %% ../../nbs/lab/53_bench.ipynb #49671c9f
-def numerics_check(out_dir, study: str = 'qk-freeze', preset: str = 'tiny', seeds: list[int] = (0, 1),
+def numerics_check(out_dir, study: str, preset: str = 'tiny', seeds: list[int] = (0, 1),
                    variants: list[str] | None = None, steps: int | None = None, log=print) -> pd.DataFrame:
     "Train the study in fp32 and in bf16 with the same seeds (into out_dir/float32, out_dir/bfloat16), then compare."
     matplotlib.use('Agg')

@@ -21,7 +21,7 @@ from ..model.weights import load_init_weights
 from ..base.rundir import record_config, run_lock, check_same_run, fingerprint, child_env, run_name, parse_run_name, read_json, write_json
 
 # %% auto #0
-__all__ = ['Overrides', 'PlanVariants', 'RunOne', 'Answers', 'AfterBatch', 'LoadModel', 'MainComparison', 'PlotRun',
+__all__ = ['Overrides', 'PlanVariants', 'RunOne', 'Answers', 'AfterBatch', 'LoadModel', 'BuildModel', 'MainComparison', 'PlotRun',
            'STUDY_GROUP', 'STUDIES', 'SMALL_CORPUS', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'LAYERS',
            'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study',
            'register_study', 'study_names', 'get_study', 'studies', 'apply_overrides', 'split_scope', 'user_overrides',
@@ -47,8 +47,8 @@ class RunSpec(ConfigBase):
     train: TrainConfig
     data: DataConfig
     out_dir: str # the run directory
+    study: str # the registered study that runs it (`get_study`): `oelm run STUDY`
     data_dir: str | None = None # prepared data (default: <out_dir>/data)
-    study: str = 'qk-freeze'
     name: str = 'run' # the variant's label, e.g. 'oelm-freeze-half'
     preset: str = 'tiny'
     # the study's own settings, an instance of its `Study.settings`
@@ -83,9 +83,12 @@ class RunSpec(ConfigBase):
             )
         unknown = sorted(set(d) - set(cls.field_names()))
         if unknown: raise ConfigError(f"RunSpec has no field(s) {unknown}; valid fields: {cls.field_names()}")
-        missing = [k for k in ('model', 'train', 'data', 'out_dir') if k not in d]
-        if missing: raise ConfigError(f"RunSpec is missing {missing}")
-        settings = (study or get_study(d.get('study', 'qk-freeze'))).make_settings(d.get('settings'))
+        missing = [k for k in ('model', 'train', 'data', 'out_dir', 'study') if k not in d]
+        if missing:
+            raise ConfigError(f"RunSpec is missing {missing}" + (
+                f"; 'study' names the registered study that runs it (every config.json `oelm run` writes has it): add"
+                f" \"study\": NAME, one of {study_names()}" if 'study' in missing else ''))
+        settings = (study or get_study(d['study'])).make_settings(d.get('settings'))
         return cls(
             model=ModelConfig.from_dict(d['model']),
             train=TrainConfig.from_dict(d['train']),
@@ -134,6 +137,7 @@ RunOne = Callable[..., dict]  # (spec: RunSpec, progress=None) -> summary: one r
 Answers = Callable[['pd.DataFrame'], list]  # runs table (`report.tables.load_runs`) -> list of `evidence.Answer`
 AfterBatch = Callable[[Path, str, list, dict, Callable], None]  # (batch_dir, preset, completed, overrides, log)
 LoadModel = Callable[['RunSpec', Callable], tuple]  # (spec, find_checkpoint) -> (model, checkpoint dir)
+BuildModel = Callable[['RunSpec'], 'torch.nn.Module']  # (spec) -> the run's model before training, for counting
 MainComparison = Callable[[str, int, dict], tuple]  # (preset, steps, flags given) -> (metric, a, b)
 PlotRun = Callable[['RunSpec', dict], None]  # (spec, summary) -> None: draws one finished run's figures
 
@@ -159,6 +163,7 @@ class Study:
     answers: Answers | None = None # what `oelm run` prints and answers.json stores
     after_batch: AfterBatch | None = None # a measurement when a batch ends
     load_model: LoadModel | None = None # how sample/export rebuild a run's model (None: a plain GPT)
+    build_model: BuildModel | None = None # the model a run trains, untrained (`oelm params`; None: a GPT of spec.model)
     # the paired relative comparison a / b - 1 that `oelm run NAME --precision` sizes (`oelm_nb.lab.precision`): a
     # (metric, a, b) tuple, or a function of the flags that returns one
     main: tuple[str, str, str] | MainComparison | None = None
@@ -323,7 +328,7 @@ def planned_steps(train: dict) -> int:
     return train.get('max_steps', TrainConfig().max_steps)
 
 # %% ../../nbs/lab/50_experiment.ipynb #b18424f3
-def resolve_spec(study: str | Study = 'qk-freeze', variant: str = 'oelm-freeze', preset: str = 'tiny', seed: int = 0,
+def resolve_spec(study: str | Study, variant: str, preset: str = 'tiny', seed: int = 0,
                  steps: int | None = None, out_dir: str = 'runs/demo', data: str = 'synthetic',
                  data_dir: str | None = None, overrides: dict | None = None, data_vocab: int | None = None,
                  options: dict | None = None) -> RunSpec:
@@ -559,7 +564,10 @@ def run_in_notebook(config: str = '', # the notebook's parameter: the config.jso
                    ) -> tuple[RunSpec, dict]:
     """An experiment notebook's run: the RunSpec at `config` (or `example`, resolved), printed, run under the run
     directory's lock (`run_spec`) and its summary printed (samples apart); returns (spec, summary)."""
-    spec = RunSpec.load_json(config) if config else resolve_spec(**(example or {}))
+    if not (config or example):
+        raise ConfigError("run_in_notebook: give `config` (a run's config.json) or `example` (`resolve_spec`'s keyword "
+                          "arguments: study, variant, ...)")
+    spec = RunSpec.load_json(config) if config else resolve_spec(**example)
     print(json.dumps(spec.to_dict(), indent=1))
     st, nproc = get_study(spec.study), int(nproc)
     if nproc > 1 and 'nproc' not in inspect.signature(st.run).parameters:

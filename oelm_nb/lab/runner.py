@@ -14,7 +14,7 @@ from typing import Callable
 from ..base.core import ConfigError
 from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, planned_steps, run_identity, COMMAND_ENV
 from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
-from .experiment import get_study, split_scope
+from .experiment import get_study, split_scope, study_names
 from ..data.corpus import prepare_data, read_meta, DataError
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
@@ -30,8 +30,8 @@ __all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'INTERR
            'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text',
            'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source', 'open_batch', 'check_memory',
            'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study',
-           'after_batch', 'fit_vocabulary', 'cpu_threads', 'report_html', 'write_answers', 'check_batch_record',
-           'execute_report', 'render_report']
+           'after_batch', 'fit_vocabulary', 'cpu_threads', 'report_html', 'write_answers', 'batch_study',
+           'check_batch_record', 'execute_report', 'render_report']
 
 # %% ../../nbs/lab/52_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -631,9 +631,11 @@ def pending_jobs(
     return all_jobs, todo
 
 # %% ../../nbs/lab/52_runner.ipynb #1f4f3a15
-def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synthetic',
+def run_study(study: str, # the registered study (`oelm run STUDY`)
+              preset: str = 'tiny', data: str = 'synthetic',
               variants: list[str] | None = None, seeds: list[int] = (0, 1), steps: int | None = None,
-              out_dir: str | Path = 'runs/qk-freeze', gpus: str | None = None, parallel: bool = False,
+              out_dir: str | Path | None = None, # the batch directory (default: runs/<study>)
+              gpus: str | None = None, parallel: bool = False,
               jobs: int = 1, overrides: dict | None = None, report: bool = True, options: dict | None = None,
               restart: bool = False, # set existing runs of this invocation aside and train them afresh
               # (job, batch, gpu_set, threads, log) -> status; default `execute_run` (the notebook)
@@ -641,7 +643,7 @@ def run_study(study: str = 'qk-freeze', preset: str = 'tiny', data: str = 'synth
               log=print) -> BatchResult:
     """Run every (variant, seed) of a study (by default one papermill execution each), upstream runs first, under the
     batch's lock; then render its report."""
-    out = Path(out_dir)
+    out = Path(out_dir or Path('runs') / study)
     if jobs < 1: raise ConfigError(f"--jobs {jobs}: give at least 1 concurrent run")
     batch, names, plan = open_batch(study, out, preset, data, steps, options, overrides, variants, seeds, log, restart)
     sets = parse_gpu_sets(gpus); check_gpus(sets)
@@ -766,13 +768,20 @@ def write_answers(batch_dir: str | Path, study: Study) -> Path | None:
     return Path(batch_dir) / 'answers.json'
 
 # %% ../../nbs/lab/52_runner.ipynb #e27548f5
+def batch_study(b: dict, path) -> str:
+    """The study a batch's batch.json (`b`, read from `path`) names; every batch.json `oelm run` has written names it,
+    so one without it is refused with the fix."""
+    if isinstance(b, dict) and isinstance(b.get('study'), str) and b['study']: return b['study']
+    raise ConfigError(f"{path}: no 'study' (every batch.json `oelm run` writes names the study its runs belong to); "
+                      f"add \"study\": NAME to it, NAME one of {study_names()}")
+
 def check_batch_record(batch_dir) -> dict:
     """A batch's batch.json, read as data and checked before a report reads it: a JSON object naming a known study,
     variants the study plans for the batch's flags (or that have runs), and seeds that are non-negative integers."""
     path = Path(batch_dir) / 'batch.json'
     b, fix = read_json(path), f'correct it in {path} (the report reads the run directories it names)'
     if not isinstance(b, dict): raise ConfigError(f'{path}: not a JSON object; {fix}')
-    try: st = get_study(b.get('study', 'qk-freeze'))
+    try: st = get_study(batch_study(b, path))
     except ConfigError as e: raise ConfigError(f'{path}: study: {e}; {fix}') from None
     vs, seeds = b.get('variants', []), b.get('seeds', [])
     if not isinstance(vs, list) or not all(isinstance(v, str) for v in vs):
@@ -802,7 +811,7 @@ def render_report(run_dir: str | Path, study: str | None = None, log=print) -> P
     and answers.json."""
     run_dir = Path(run_dir).resolve()
     batch = check_batch_record(run_dir) if (run_dir / 'batch.json').exists() else {}
-    st = get_study(study or batch.get('study', 'qk-freeze'))
+    st = get_study(study or batch_study(batch, run_dir / 'batch.json'))
     nb_out = run_dir / 'report.ipynb'
     if (error := execute_report(notebook_path(st.report), nb_out, run_dir)) is not None:
         raise RuntimeError(f"the report notebook failed; see {nb_out}:\n{error}")

@@ -24,7 +24,7 @@ from .checks import phase1_evaluation, phase1_agreement
 __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP_STUDY',
            'CVFPSettings', 'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding', 'embed_run',
            'cvfp_run', 'speed_run', 'run_cvfp', 'CVFPOptions', 'sample_schedule', 'sample_sizes', 'common_settings',
-           'cvfp_variants', 'load_cvfp_model', 'plot_run', 'cvfp_main']
+           'cvfp_variants', 'cvfp_model', 'load_cvfp_model', 'plot_run', 'cvfp_main']
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -505,6 +505,13 @@ def cvfp_variants(preset: str, steps: int, opts: dict) -> dict[str, Variant]:
     return out
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #c5bda94d
+def cvfp_model(spec: RunSpec) -> torch.nn.Module:
+    """A CVFP-study run's model, untrained (`Study.build_model`, what `oelm params` counts): the embedding run's GPT, or
+    the context and token blocks over a frozen table of the embedding GPT's shape (vocab_size x n_embd)."""
+    if spec.settings.kind == 'embed': return GPT(spec.model, init_seed=0)
+    cfg = spec.settings.config(spec.train.seed)
+    return CVFPModel(cfg.replace(vocab_size=spec.model.vocab_size, embed_dim=spec.model.n_embd))
+
 def load_cvfp_model(spec: RunSpec, find_checkpoint):
     """None (a plain GPT) for the embedding run; a `ConfigError` that names the run to sample instead for every other
     run."""
@@ -560,6 +567,7 @@ def cvfp_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'val_er_percent', f'ODCM-n{n}', f'MCDL-n{n}'
 
 CVFP_STUDY = Study(
+    build_model=cvfp_model,
     plot=plot_run,
     load_model=load_cvfp_model,
     name='cvfp',

@@ -35,7 +35,7 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
            'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means',
            'ppl_table', 'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references',
            'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff',
-           'load_pca_model', 'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
+           'pca_model', 'load_pca_model', 'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -559,6 +559,15 @@ def plot_tradeoff(runs: pd.DataFrame):
     return fig
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #1972c0c6
+def pca_model(spec: RunSpec) -> GPT:
+    """A PCA-study run's model as it trains, untrained (`Study.build_model`, what `oelm params` counts): PCA + LoRA with
+    its adapters, PCA-only with every weight frozen (it is evaluated only), the others as they train."""
+    s, model = spec.settings, GPT(spec.model, init_seed=0)
+    if s.method in ('pca', 'pca-lora') and not spec.model.factorized: attach_scale_layers_(model)  # as pca_factorize
+    if s.method == 'pca': model.requires_grad_(False)
+    if s.method == 'pca-lora': apply_lora(model, s.lora_targets, s.lora_rank, s.lora_alpha, s.lora_dropout)
+    return model
+
 def load_pca_model(spec: RunSpec, find_checkpoint) -> tuple[GPT, Path]:
     """A PCA-study run's model and checkpoint dir: PCA-only from its baseline, PCA + LoRA with its adapters, others as
     trained."""
@@ -566,10 +575,7 @@ def load_pca_model(spec: RunSpec, find_checkpoint) -> tuple[GPT, Path]:
     if s.method == 'pca':  # evaluated only, no checkpoint: the baseline's, cut to k again
         base, ckpt = load_baseline(spec)
         return pca_factorize(base, spec.model.wte_dim), ckpt
-    ckpt, model = find_checkpoint(), GPT(spec.model, init_seed=0)
-    if s.method == 'pca-lora':  # the adapters must exist before their weights load
-        if not spec.model.factorized: attach_scale_layers_(model)  # k = n_embd: pca_factorize attached them
-        apply_lora(model, s.lora_targets, s.lora_rank, s.lora_alpha, s.lora_dropout)
+    ckpt, model = find_checkpoint(), pca_model(spec)  # PCA + LoRA: the adapters exist before their weights load
     load_weights(model, ckpt, 'model')
     return model, ckpt
 
@@ -664,6 +670,7 @@ def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'best_val_ppl', f'pca-lora-k{k}', 'baseline-cont'
 
 PCA_STUDY = Study(
+    build_model=pca_model,
     plot=plot_run,
     name='pca', settings=PCASettings, variants=pca_variants, run=pca_run, load_model=load_pca_model,
     description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, '
