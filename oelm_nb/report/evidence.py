@@ -11,12 +11,12 @@ import numpy as np
 import pandas as pd
 
 # %% auto #0
-__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'FAMILY_ALPHA', 't_bounds', 't_interval',
-           'signflip_pvalues', 'signflip_p', 'smallest_signflip_p', 'Comparison', 'interval_text', 'paired',
-           'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power',
+__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'HYPOTHESES', 'METHOD', 'FAMILY_ALPHA', 't_bounds',
+           't_interval', 'signflip_pvalues', 'signflip_p', 'smallest_signflip_p', 'Comparison', 'interval_text',
+           'paired', 'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power',
            'stein_size', 'simulate_stein', 'Answer', 'shared_caveats', 'answers_frame', 'answers_footer',
            'answers_text', 'answers_json', 'threshold_verdict', 'difference_verdict', 'exact_caveat', 'method_text',
-           'holm', 'family_answers']
+           'comparison_answer', 'holm', 'family_answers']
 
 # %% ../../nbs/report/30_evidence.ipynb #7c618333
 def t_bounds(d, # (..., n) paired differences, one batch per row
@@ -337,12 +337,14 @@ def threshold_verdict(c: Comparison | None, # a paired comparison (None: no data
                       limit: float, # the threshold on the difference (shown scale)
                       below: bool = True, # True: the hypothesis says the difference is below `limit`
                       interval: tuple | None = None, # (low, high) to judge instead of c's (Stein's, say)
+                      strict: bool = False, # with below=False: the difference must exceed `limit` (touching it is not)
                      ) -> str:
     "'supported', 'rejected' or 'inconclusive' when the 95% interval lies on one side of `limit` or straddles it."
     if c is None: return NO_DATA
     lo, hi = interval or (c.low, c.high)
     if c.n < 2 or lo is None: return 'inconclusive (needs >= 2 seeds)'
     if below: return 'supported' if hi < limit else 'rejected' if lo >= limit else 'inconclusive'
+    if strict: return 'supported' if lo > limit else 'rejected' if hi <= limit else 'inconclusive'
     return 'supported' if lo >= limit else 'rejected' if hi < limit else 'inconclusive'
 
 def difference_verdict(c: Comparison | None, none: str = 'no resolvable difference') -> str:
@@ -369,6 +371,41 @@ def method_text(c: Comparison, limit: float = 0.0, design: str = 't-interval', a
     p = c.p_value(limit, alternative)
     side = '' if alternative == 'two-sided' else ' (one-sided)'
     return f"{scale}, {design}" + (f'; sign-flip p = {p:.3g}{side}' if p is not None else '')
+
+# %% ../../nbs/report/30_evidence.ipynb #942aae38
+HYPOTHESES = {'below': 'less', 'at least': 'greater', 'above': 'greater', 'differs': 'two-sided'}  # -> its test's side
+METHOD = '{method}'  # in a study's method words: where the kit's `method_text` goes
+
+def comparison_answer(qid: str, question: str, # the answer's id ('H2') and its question, one line
+                      c: Comparison | None, # the comparison it rests on (None: no data; `method` says why)
+                      threshold: float = 0.0, # the hypothesis's limit on the difference, shown scale (0.05: 5%)
+                      hypothesis: str = 'below', # the difference is below it, 'at least' it, 'above' it, or 'differs'
+                      fmt: str = '{:+.1%}', # how the estimate and the interval's ends are written
+                      shift: float = 0.0, # added to every shown number (1: a ratio - 1 shown as the ratio, '2.3x')
+                      interval: tuple | None = None, # (low, high) judged and shown instead of c's (a Stein design's)
+                      verdict: str | None = None, # the study's own words (None: the kit's verdict, see above)
+                      estimate: str | None = None, # the estimate's words (None: c's mean by `fmt`)
+                      method: str = METHOD, # how it was computed: the study's words, METHOD for `method_text`
+                      design: str = 't-interval', # the interval's design, for `method_text`
+                      seeds: str | None = None, # None: 'n paired seeds'
+                      budget: str = '', # what one run trained
+                      caveats: list | None = None, # None: the exact test's caveat at `threshold`, if any
+                     ) -> Answer:
+    "The `Answer` to `question` from comparison `c`: verdict, numbers, interval, method, p-value and seeds from `c`."
+    if c is None: return Answer(qid, question, NO_DATA, method='no comparison' if method == METHOD else method,
+                                budget=budget)
+    if hypothesis not in HYPOTHESES: raise ValueError(f'hypothesis {hypothesis!r}: one of {list(HYPOTHESES)}')
+    side, (lo, hi) = HYPOTHESES[hypothesis], interval or (c.low, c.high)
+    if verdict is None:
+        verdict = difference_verdict(c) if hypothesis == 'differs' else threshold_verdict(
+            c, threshold, below=hypothesis == 'below', interval=interval, strict=hypothesis == 'above')
+    show, num = (lambda x: fmt.format(x + shift)), (lambda x: None if x is None else x + shift)
+    return Answer(qid, question, verdict, show(c.mean) if estimate is None else estimate,
+                  '' if lo is None else f'95% CI {show(lo)} .. {show(hi)}',
+                  method.replace(METHOD, method_text(c, threshold, design, side)),
+                  f"{c.n} paired seed{'s' if c.n != 1 else ''}" if seeds is None else seeds, budget,
+                  [x for x in (exact_caveat(c, threshold),) if x] if caveats is None else list(caveats),
+                  value=num(c.mean), low=num(lo), high=num(hi), p=c.p_value(threshold, side), n=c.n)
 
 # %% ../../nbs/report/30_evidence.ipynb #e3f4bf8d
 def holm(p) -> np.ndarray:

@@ -16,7 +16,7 @@ from ...base.metrics import read_metrics
 from .study import DIVERSITY_DESCRIPTIONS
 from .checks import pass_fail
 from .fixed_point import GUIDELINES_AGREEMENT
-from ...report.evidence import Answer, Comparison, NO_DATA, paired, threshold_verdict, exact_caveat, method_text
+from ...report.evidence import Answer, Comparison, NO_DATA, paired, exact_caveat, comparison_answer, METHOD
 from ...report.evidence import family_answers
 from ...report.tables import precision_answers
 from ...report.page import budget_text, seeds_text
@@ -593,16 +593,6 @@ def speed_comparison(runs) -> Comparison | None:
     return paired(sp.sequential.astype(float), sp.parallel.astype(float), 'Phase 1 seconds', 'sequential', 'parallel')
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b9176805
-def _paired_seeds(c: Comparison) -> str: return f"{c.n} paired seed{'s' if c.n != 1 else ''}"
-
-def _raises(c: Comparison) -> str:
-    "Q1's verdict: supported when the interval lies above 0 (a difference of exactly 0 raises nothing), rejected at or below."
-    if c.n < 2 or c.low is None: return 'inconclusive (needs >= 2 seeds)'
-    return 'supported' if c.low > 0 else 'rejected' if c.high <= 0 else 'inconclusive'
-
-def _interval(c: Comparison, fmt) -> str:
-    return '' if c.low is None else f'95% CI {fmt(c.low)} .. {fmt(c.high)}'
-
 def _caveats(c: Comparison, limit: float) -> list[str]:
     "One seed, or a verdict that rests on the normal assumption (`exact_caveat`)."
     return [ONE_SEED] if c.n < 2 else [x for x in (exact_caveat(c, limit),) if x]
@@ -627,25 +617,18 @@ def cvfp_answers(runs) -> list[Answer]:
     if (c := er_comparison(cv)) is None:
         out.append(Answer(*q, NO_DATA, method=f'no sample size with completed MCDL and ODCM runs ({cmd} trains both)'))
     else:
-        pts = lambda x: f'{x:+.1f} points'
-        out.append(Answer(*q, _raises(c), pts(c.mean), _interval(c, pts),
-                          'per seed, ODCM - MCDL averaged over the sample sizes both ran; '
-                          + method_text(c, 0.0, alternative='greater'),
-                          _paired_seeds(c), budget, _caveats(c, 0.0), value=c.mean, low=c.low, high=c.high,
-                          p=c.p_value(0.0, 'greater'), n=c.n))
+        # 'above': an interval that only touches 0 raises nothing
+        out.append(comparison_answer(*q, c, 0.0, 'above', '{:+.1f} points', budget=budget, caveats=_caveats(c, 0.0),
+                                     method='per seed, ODCM - MCDL averaged over the sample sizes both ran; ' + METHOD))
     q = ('Q2', f'parallel Phase 1 is at least {SPEEDUP_TARGET}x faster than sequential')
     if (c := speed_comparison(sp)) is None:
         out.append(Answer(*q, NO_DATA, method=f'no completed phase1-speed run ({cmd} times it)'))
     else:
-        x = lambda v: f'{v + 1:.1f}x'
-        out.append(Answer(*q, threshold_verdict(c, SPEEDUP_TARGET - 1, below=False), x(c.mean), _interval(c, x),
-                          f'speed-up = sequential / parallel seconds per seed; '
-                          f"{method_text(c, SPEEDUP_TARGET - 1, alternative='greater')} "
-                          f'against {SPEEDUP_TARGET}x', _paired_seeds(c),
-                          budget_text(table, [r.variant for r in sp], SPEED_BUDGET),
-                          [SHARED_CPU, *_caveats(c, SPEEDUP_TARGET - 1)], value=c.mean + 1,
-                          low=None if c.low is None else c.low + 1, high=None if c.high is None else c.high + 1,
-                          p=c.p_value(SPEEDUP_TARGET - 1, 'greater'), n=c.n))
+        out.append(comparison_answer(*q, c, SPEEDUP_TARGET - 1, 'at least', '{:.1f}x', shift=1,  # shown as the ratio
+                                     method=f'speed-up = sequential / parallel seconds per seed; {METHOD} against '
+                                            f'{SPEEDUP_TARGET}x',
+                                     budget=budget_text(table, [r.variant for r in sp], SPEED_BUDGET),
+                                     caveats=[SHARED_CPU, *_caveats(c, SPEEDUP_TARGET - 1)]))
     counts = checks_counts(cv)
     fixed = counts.pop(CHECKS['agreement'])
     q = ('Q3', "every CVFP run passes the New-LLM guidelines' three checks")

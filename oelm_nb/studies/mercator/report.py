@@ -14,7 +14,7 @@ import pandas as pd
 from .method import STAGES, STAGE_BOUNDS, COLLAPSE_GAP, PASS_LINES, collapsed, cosine_stage, pass_label
 from ...report.tables import compare, completed, interval_text, load_runs, log_ticks, mean_of
 from ...base.rundir import read_json
-from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, family_answers
+from ...report.evidence import Answer, NO_DATA, exact_caveat, family_answers, comparison_answer, METHOD
 from ...report.tables import precision_answers
 from ...report.page import budget_text
 from .study import MERCATOR_STUDY
@@ -552,11 +552,12 @@ def _metric_kit_answer(qid: str, question: str, cmps: dict, fmt: str, lower_bett
     verdict += f"; resolvably worse: {some(p['worse'])}" if p['worse'] else ''
     caveats = [x for v in p['won'] + p['worse'] if (x := exact_caveat(cmps[v], 0.0))]
     if (note := seeds_note(cmps)): caveats.append(note.strip()[1:-1])
-    return Answer(qid, question, verdict, f"best {p['best']} {fmt.format(c.mean)}",
-                  '' if c.low is None else f'95% CI {fmt.format(c.low)} .. {fmt.format(c.high)}',
-                  f'{what}, each distilled student vs {BASELINE} paired by seed, the best by its mean; '
-                  + method_text(c, 0.0), f"{_range([x.n for x in cmps.values()])} paired seed{'s' if c.n > 1 else ''}",
-                  budget, list(dict.fromkeys(caveats)), value=c.mean, low=c.low, high=c.high, p=c.p_value(0.0), n=c.n)
+    return comparison_answer(qid, question, c, 0.0, 'differs', fmt, verdict=verdict,
+                             estimate=f"best {p['best']} {fmt.format(c.mean)}",
+                             method=f'{what}, each distilled student vs {BASELINE} paired by seed, the best by its '
+                                    f'mean; {METHOD}',
+                             seeds=f"{_range([x.n for x in cmps.values()])} paired seed{'s' if c.n > 1 else ''}",
+                             budget=budget, caveats=list(dict.fromkeys(caveats)))
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #8da2a7d0
 MERCATOR_FAMILY = {q: f'two-sided, the best student vs {BASELINE}' for q in ('PPL', 'ACC')}

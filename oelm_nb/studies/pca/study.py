@@ -22,7 +22,7 @@ from ...train.trainer import Trainer, evaluate
 from ...train.checkpoint import load_weights
 from ...model.freeze import param_report
 from ...report.tables import compare, completed, t_interval, interval_text
-from ...report.evidence import Answer, Comparison, NO_DATA, exact_caveat, family_answers
+from ...report.evidence import Answer, Comparison, NO_DATA, exact_caveat, family_answers, comparison_answer
 from ...report.tables import precision_answers
 from ...report.page import budget_text
 from ...model.pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconstruction_curve, init_factorized_,
@@ -600,20 +600,19 @@ def _recovery_answer(k: int, m: str, r: pd.Series, budget: str) -> Answer:
                       f"{paired} paired seed{'s' if paired != 1 else ''}", budget, value=float(r[f'_gap {m}']), n=paired)
     mean, (low, high) = r[f'recovered vs {m}'], r[f'_ci {m}']
     cls, caveats = _classify(mean, (low, high)), [NOT_MATCHED] if m == 'baseline' else []
+    c = Comparison('recovered', 'PCA + LoRA', m, rec, float(mean), low, high, relative=False, diffs=rec)
     method = RECOVERY_METHOD.format(ref=m)
-    p = None
     if low is None: caveats.append(ONE_SEED)
-    else:
-        c = Comparison('recovered', 'PCA + LoRA', m, rec, mean, low, high, relative=False, diffs=rec)
-        p = c.p_value(0.0)  # answers.json's p: against recovering nothing (the one against 100% is in the method)
-        method += f'; sign-flip p = {p:.3g} against 0%, {c.p_value(1.0):.3g} against 100%'
+    else:  # answers.json's p: against recovering nothing (the one against 100% is in the method)
+        method += f'; sign-flip p = {c.p_value(0.0):.3g} against 0%, {c.p_value(1.0):.3g} against 100%'
         if (lims := _LIMITS[cls]):  # the bound whose exact test is weakest
             if (cav := exact_caveat(c, max(lims, key=lambda x: c.p_value(x) or 0.0))): caveats.append(cav)
     if r[f'_nogap {m}']:
         caveats.append(f'seed(s) {r[f"_nogap {m}"]} left out against {m}: PCA-only is within {GAP_TOL:g} nats of it '
                        'or better there')
-    return Answer(q, question, cls, f'{mean:.0%} of the gap', '' if low is None else f'95% CI {low:.0%} .. {high:.0%}',
-                  method, seeds, budget, caveats, value=float(mean), low=low, high=high, p=p, n=n)
+    # two-sided against 0; the verdict is the recovery class, the interval's ends as percentages
+    return comparison_answer(q, question, c, 0.0, 'differs', '{:.0%}', verdict=cls, estimate=f'{mean:.0%} of the gap',
+                             method=method, seeds=seeds, budget=budget, caveats=caveats)
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #5082ee3b
 PCA_FAMILY = 'two-sided, against recovering nothing (0%)'  # every (k, reference) answer with a gap is in the family

@@ -23,7 +23,7 @@ from ...report.tables import (compare, completed, Comparison, variant_table, thr
                             read_precision, STEIN_NORMAL)
 from ...report.convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
                                  budget_sentence, FLAGS)
-from ...report.evidence import Answer, NO_DATA, exact_caveat, method_text, answers_frame, MIN_PILOT, family_answers
+from ...report.evidence import Answer, NO_DATA, answers_frame, MIN_PILOT, family_answers, comparison_answer
 from ...report.page import budget_text
 
 # %% auto #0
@@ -135,7 +135,6 @@ def _batch_dir(runs: pd.DataFrame) -> Path | None:
     return Path(runs.run_dir.iloc[0]).parent if len(runs) and 'run_dir' in runs else None
 
 # %% ../../../nbs/studies/qk_freeze/60_study.ipynb #25308411
-def _seeds(c: Comparison) -> str: return f"{c.n} paired seed{'s' if c.n != 1 else ''}"
 def _pct(x) -> str: return f'{x:+.1%}'
 
 def what_it_takes(c: Comparison, threshold: float, batch_dir, main: bool) -> str:
@@ -164,26 +163,22 @@ def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, bat
     if c is None: return Answer(qid, question, NO_DATA, method=f'needs completed {a} and {b} runs')
     r = read_precision(batch_dir)[0] if batch_dir is not None else None
     stein = r if r and (r['metric'], r['a'], r['b']) == (c.metric, a, b) and r['low'] is not None else None
-    caveats, design = [], 't-interval'
+    shown, caveats, design = c, None, 't-interval'  # without a design: the batch's comparison, the kit's caveat
     if stein:
-        lo, hi = stein['low'], stein['high']
         design = (f"Stein's two-stage interval (pilot of {stein['n0']}, t with {stein['n0'] - 1} df), estimate and "
                   f"interval from the design's {stein['n_used']} seeds")
-        caveats.append(STEIN_NORMAL)
-        if stein['capped']: caveats.append(f"the Stein design hit its cap of {stein['max_seeds']} seeds: the interval "
-                                           "is wider than asked")
-    else:
-        lo, hi = c.low, c.high
-        if (cav := exact_caveat(c, limit)): caveats.append(cav)
-    verdict = threshold_verdict(c, limit, interval=(lo, hi) if stein else None)
-    if verdict.startswith('inconclusive'): caveats.append(what_it_takes(c, limit, batch_dir, main))
-    if curves is not None and len(curves): caveats.append(f'{a} vs {b} over the budget: {budget_sentence(curves, a, b)}')
-    if stein and isinstance(stein.get('differences'), dict) and stein['differences']:  # the design's seeds throughout
-        dd = {int(s): float(v) for s, v in stein['differences'].items()}
-        c = Comparison(c.metric, a, b, {s: float(np.expm1(v)) for s, v in dd.items()}, stein['mean'], lo, hi, diffs=dd)
-    return Answer(qid, question, verdict, _pct(c.mean), f'95% CI {_pct(lo)} .. {_pct(hi)}' if lo is not None else '',
-                  method_text(c, limit, design, 'less'), _seeds(c), budget, caveats,
-                  value=c.mean, low=lo, high=hi, p=c.p_value(limit, 'less'), n=c.n)
+        caveats = [STEIN_NORMAL] + ([f"the Stein design hit its cap of {stein['max_seeds']} seeds: the interval is "
+                                     "wider than asked"] if stein['capped'] else [])
+        if isinstance(stein.get('differences'), dict) and stein['differences']:  # the design's seeds throughout
+            dd = {int(s): float(v) for s, v in stein['differences'].items()}
+            shown = Comparison(c.metric, a, b, {s: float(np.expm1(v)) for s, v in dd.items()}, stein['mean'],
+                               stein['low'], stein['high'], diffs=dd)
+    ans = comparison_answer(qid, question, shown, limit, 'below', interval=(stein['low'], stein['high']) if stein else
+                            None, design=design, budget=budget, caveats=caveats)
+    if ans.verdict.startswith('inconclusive'): ans.caveats.append(what_it_takes(c, limit, batch_dir, main))
+    if curves is not None and len(curves): ans.caveats.append(f'{a} vs {b} over the budget: '
+                                                              f'{budget_sentence(curves, a, b)}')
+    return ans
 
 def _steps(t: dict) -> str:
     lo, hi = t['steps']
