@@ -363,11 +363,11 @@ def test_answers_one_seed_slow_and_empty(tmp_path):
 
 
 def test_registered_cvfp_study_answers(tmp_path):
-    "`oelm run cvfp` prints `get_study('cvfp').answers(runs)`: Answers for a small batch."
+    "`oelm run cvfp` prints `study_answers(get_study('cvfp'))(runs)`: Answers for a small batch."
     from oelm_nb.report.evidence import Answer, answers_text
     from oelm_nb.report.tables import load_runs
-    from oelm_nb.lab.experiment import get_study
-    got = get_study('cvfp').answers(load_runs(three_seeds(tmp_path / 'b')))
+    from oelm_nb.lab.experiment import get_study, study_answers
+    got = study_answers(get_study('cvfp'))(load_runs(three_seeds(tmp_path / 'b')))
     assert [a.qid for a in got] == ['Q1', 'Q2', 'Q3', 'Q4'] and all(isinstance(a, Answer) for a in got)
     assert got[0].estimate == '+5.0 points' and 'Q4' in answers_text(got)
 

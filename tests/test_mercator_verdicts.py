@@ -401,12 +401,12 @@ def test_answers_one_seed_and_no_baseline(tmp_path):
 
 
 def test_registered_study_answers_through_the_kit(tmp_path):
-    "`oelm run mercator` prints `get_study('mercator').answers(runs)`: Answers for a small batch."
+    "`oelm run mercator` prints `study_answers(get_study('mercator'))(runs)`: Answers for a small batch."
     from oelm_nb.report.evidence import Answer, answers_text
     from oelm_nb.report.tables import load_runs
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.experiment import get_study, study_answers
     out = fake_batch(tmp_path, {'mercator-b0': [30.0, 30.5], 'mse': [31.0, 31.2], BASELINE: [32.0, 32.2]}, roles=True)
-    got = get_study('mercator').answers(load_runs(out))
+    got = study_answers(get_study('mercator'))(load_runs(out))
     assert [a.qid for a in got] == ['PPL', 'ACC'] and all(isinstance(a, Answer) for a in got)
     m = t_interval([30.0, 30.5], [32.0, 32.2])[0]
     assert got[0].estimate == f'best mercator-b0 {m:+.2%}' and got[1].verdict == 'no data'

@@ -19,7 +19,7 @@ def test_it_is_registered_by_its_entry_point_alone():
     from importlib import metadata
     from oelm_nb.lab.experiment import study_names, get_study
     eps = {ep.name: ep.value for ep in metadata.entry_points(group='oelm_nb.studies')}
-    assert eps.get('toy') == 'toy_study:STUDY' and 'toy' in study_names()
+    assert eps.get('toy') == 'toy_study:TOY' and 'toy' in study_names()
     assert get_study('toy').report == str(HERE / 'toy_study' / 'report.ipynb')
     # another process sees it where its path holds the folder and the registration, as after `pip install`
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(HERE), os.environ.get('PYTHONPATH', '')]).rstrip(os.pathsep)}

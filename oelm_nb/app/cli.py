@@ -120,14 +120,14 @@ def print_batch_summary(batch_dir):
     from oelm_nb.report.tables import load_runs, variant_table, people_table
     from oelm_nb.report.evidence import answers_text, answers_json
     from oelm_nb.base.rundir import read_json, write_json
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.experiment import get_study, study_answers
     from oelm_nb.lab.runner import batch_study
     study = get_study(batch_study(read_json(Path(batch_dir) / 'batch.json'), Path(batch_dir) / 'batch.json'))
     runs = load_runs(batch_dir)
     if runs.empty: return
     with pd.option_context('display.width', 160, 'display.max_colwidth', 120):
         print('\n' + people_table(variant_table(runs)).to_string() + '\n')
-    answers = study.answers(runs) if study.answers else []
+    answers = fn(runs) if (fn := study_answers(study)) else []
     if answers:
         print(answers_text(answers) + '\n')
         write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(answers)})

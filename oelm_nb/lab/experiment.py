@@ -4,7 +4,7 @@
 
 # %% ../../nbs/lab/50_experiment.ipynb #1153f946
 from __future__ import annotations
-import datetime, fnmatch, inspect, json, os, platform, re, socket, subprocess, sys, warnings
+import datetime, fnmatch, importlib, inspect, json, os, platform, re, socket, subprocess, sys, warnings
 from importlib import metadata
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -24,10 +24,10 @@ from ..base.rundir import record_config, run_lock, check_same_run, fingerprint, 
 __all__ = ['Overrides', 'PlanVariants', 'RunOne', 'Answers', 'AfterBatch', 'LoadModel', 'BuildModel', 'MainComparison', 'PlotRun',
            'STUDY_GROUP', 'STUDIES', 'SMALL_CORPUS', 'TRAIN_PRESETS', 'DATA_PRESETS', 'SECTIONS', 'LAYERS',
            'COMMAND_ENV', 'SAMPLE_PROMPTS', 'NoSettings', 'run_identity', 'RunSpec', 'Variant', 'Study',
-           'register_study', 'study_names', 'get_study', 'studies', 'apply_overrides', 'split_scope', 'user_overrides',
-           'train_settings', 'planned_steps', 'resolve_spec', 'utc_now', 'provenance', 'record_provenance',
-           'write_summary', 'generate_samples', 'sample_prompts', 'run_samples', 'start_run', 'prepare_run',
-           'train_run', 'launch_run', 'run_spec', 'run_in_notebook', 'plot_run']
+           'register_study', 'study_names', 'get_study', 'studies', 'study_answers', 'apply_overrides', 'split_scope',
+           'user_overrides', 'train_settings', 'planned_steps', 'resolve_spec', 'utc_now', 'provenance',
+           'record_provenance', 'write_summary', 'generate_samples', 'sample_prompts', 'run_samples', 'start_run',
+           'prepare_run', 'train_run', 'launch_run', 'run_spec', 'run_in_notebook', 'plot_run']
 
 # %% ../../nbs/lab/50_experiment.ipynb #172d917b
 @dataclass
@@ -160,7 +160,9 @@ class Study:
     default_seeds: tuple[int, ...] = (0, 1, 2)
     notebook: str = 'experiments/train_lm.ipynb' # experiment notebook, relative to nbs/ (or an absolute path)
     report: str | None = None # report notebook, relative to nbs/ (or an absolute path)
-    answers: Answers | None = None # what `oelm run` prints and answers.json stores
+    # what `oelm run` prints and answers.json stores; or 'module:function', imported on first use (`study_answers`),
+    # for a study whose answers live in its report module, which sits above the study's own
+    answers: Answers | str | None = None
     after_batch: AfterBatch | None = None # a measurement when a batch ends
     load_model: LoadModel | None = None # how sample/export rebuild a run's model (None: a plain GPT)
     build_model: BuildModel | None = None # the model a run trains, untrained (`oelm params`; None: a GPT of spec.model)
@@ -230,6 +232,20 @@ def make_settings(self: Study, d: dict | None = None) -> ConfigBase:
         s.check_types()  # also where the class has no __post_init__ of its own
         return s
     except ConfigError as e: raise ConfigError(f"study {self.name!r}, settings: {e}") from None
+
+# %% ../../nbs/lab/50_experiment.ipynb #7bdb1f3a
+def study_answers(study: Study) -> Answers | None:
+    """The study's answers function (`Study.answers`); a 'module:function' string is imported on first use and kept
+    (a study's report module sits above its study module: the study names its answers, the lab imports them)."""
+    a = study.answers
+    if isinstance(a, str):
+        mod, _, name = a.partition(':')
+        try: a = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"study {study.name!r}: answers={study.answers!r} cannot be loaded ({type(e).__name__}: "
+                              f"{e}); give the function as 'package.module:function'") from None
+        study.answers = a
+    return a
 
 # %% ../../nbs/lab/50_experiment.ipynb #ef8d0bd4
 @patch

@@ -14,7 +14,7 @@ from typing import Callable
 from ..base.core import ConfigError
 from .experiment import Study, RunSpec, resolve_spec, run_spec, train_settings, planned_steps, run_identity, COMMAND_ENV
 from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
-from .experiment import get_study, split_scope, study_names
+from .experiment import get_study, split_scope, study_names, study_answers
 from ..data.corpus import prepare_data, read_meta, DataError
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
@@ -763,8 +763,8 @@ def write_answers(batch_dir: str | Path, study: Study) -> Path | None:
     from ..report.tables import load_runs
     from ..report.evidence import answers_json
     runs = load_runs(batch_dir)
-    if not study.answers or runs.empty: return None
-    write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(study.answers(runs))})
+    if not (answers := study_answers(study)) or runs.empty: return None
+    write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(answers(runs))})
     return Path(batch_dir) / 'answers.json'
 
 # %% ../../nbs/lab/52_runner.ipynb #e27548f5

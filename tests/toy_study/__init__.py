@@ -40,10 +40,10 @@ def plot(spec, summary: dict):
     plt.figure(figsize=(5, 2.5)); plt.plot([r['step'] for r in recs], [r['train_loss'] for r in recs]); plt.xlabel('step')
 
 
-STUDY = Study('toy', 'Does a second layer help on a tiny story corpus?', NoSettings, variants, run=train_run,
-              train={'tiny': dict(max_steps=12, batch_size=4, lr=5e-3, min_lr=5e-4, warmup_steps=2, eval_every=6,
-                                  eval_batches=2, log_every=3)},
-              data={'tiny': dict(vocab_size=300, n_train_stories=150, n_val_stories=20)},
-              options=ToyOptions, default_seeds=(0, 1), notebook=str(HERE / 'experiment.ipynb'),
-              report=str(HERE / 'report.ipynb'), answers=answers, plot=plot,
-              main=('best_val_ppl', 'depth-2', 'depth-1'))
+TOY = Study('toy', 'Does a second layer help on a tiny story corpus?', NoSettings, variants, run=train_run,
+            train={'tiny': dict(max_steps=12, batch_size=4, lr=5e-3, min_lr=5e-4, warmup_steps=2, eval_every=6,
+                                eval_batches=2, log_every=3)},
+            data={'tiny': dict(vocab_size=300, n_train_stories=150, n_val_stories=20)},
+            options=ToyOptions, default_seeds=(0, 1), notebook=str(HERE / 'experiment.ipynb'),
+            report=str(HERE / 'report.ipynb'), answers=answers, plot=plot,
+            main=('best_val_ppl', 'depth-2', 'depth-1'))

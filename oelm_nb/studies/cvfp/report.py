@@ -4,7 +4,6 @@
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #9a763a04
 from __future__ import annotations
-import dataclasses
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -20,17 +19,15 @@ from ...report.evidence import Answer, Comparison, NO_DATA, paired, exact_caveat
 from ...report.evidence import family_answers
 from ...report.tables import precision_answers
 from ...report.page import budget_text, seeds_text
-from .study import CVFP_STUDY
 
 # %% auto #0
 __all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'CVFP_BUDGET', 'SPEED_BUDGET', 'COUNT', 'ONE_SEED',
-           'SHARED_CPU', 'CVFP_FAMILY', 'CVFP', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs',
-           'er_text', 'rate_text', 'small_num', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table',
-           'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table',
-           'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts',
-           'checks_summary', 'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves',
-           'phase2_curves', 'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison',
-           'cvfp_answers']
+           'SHARED_CPU', 'CVFP_FAMILY', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'er_text',
+           'rate_text', 'small_num', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences',
+           'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table', 'iteration_sentence',
+           'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts', 'checks_summary',
+           'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves',
+           'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison', 'cvfp_answers']
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b74e1bc8
 class Run(NamedTuple):
@@ -653,6 +650,3 @@ def cvfp_answers(runs) -> list[Answer]:
                           f"{GUIDELINES_AGREEMENT['cos_mean']})", seeds, budget,
                           value=n['fixed point'] / len(rec), n=len(rec)))
     return precision_answers(family_answers(out, CVFP_FAMILY), table)  # a --precision batch: the sized comparison too
-
-# %% ../../../nbs/studies/cvfp/74_report.ipynb #3033e832
-CVFP = dataclasses.replace(CVFP_STUDY, answers=cvfp_answers)  # what the entry point registers

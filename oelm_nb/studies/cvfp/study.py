@@ -21,10 +21,10 @@ from ...data.corpus import prepare_data, load_split
 from .checks import phase1_evaluation, phase1_agreement
 
 # %% auto #0
-__all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP_STUDY',
-           'CVFPSettings', 'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding', 'embed_run',
-           'cvfp_run', 'speed_run', 'run_cvfp', 'CVFPOptions', 'sample_schedule', 'sample_sizes', 'common_settings',
-           'cvfp_variants', 'cvfp_model', 'load_cvfp_model', 'plot_run', 'cvfp_main']
+__all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP', 'CVFPSettings',
+           'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding', 'embed_run', 'cvfp_run', 'speed_run',
+           'run_cvfp', 'CVFPOptions', 'sample_schedule', 'sample_sizes', 'common_settings', 'cvfp_variants',
+           'cvfp_model', 'load_cvfp_model', 'plot_run', 'cvfp_main']
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -566,7 +566,8 @@ def cvfp_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     n = max(sample_sizes(options, preset))
     return 'val_er_percent', f'ODCM-n{n}', f'MCDL-n{n}'
 
-CVFP_STUDY = Study(
+CVFP = Study(
+    answers='oelm_nb.studies.cvfp.report:cvfp_answers',  # the report chapter's, imported on first use
     build_model=cvfp_model,
     plot=plot_run,
     load_model=load_cvfp_model,

@@ -4,7 +4,6 @@
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #f7c78a32
 from __future__ import annotations
-import dataclasses
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -17,17 +16,16 @@ from ...base.rundir import read_json
 from ...report.evidence import Answer, NO_DATA, exact_caveat, family_answers, comparison_answer, METHOD
 from ...report.tables import precision_answers
 from ...report.page import budget_text
-from .study import MERCATOR_STUDY
 
 # %% auto #0
 __all__ = ['BASELINE', 'NOT_STUDENTS', 'RUN_COLUMNS', 'CAPACITY', 'TASK_LABELS', 'GUIDE', 'STAGE_COLORS', 'PCT', 'PTS',
-           'ONE_SEED_NOTE', 'MERCATOR_FAMILY', 'MERCATOR', 'with_report_columns', 'mercator_runs', 'is_student',
-           'student_variants', 'distilled_variants', 'is_mercator', 'task_label', 'pass_of', 'stage_of', 'yes_no',
-           'runs_table', 'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text',
-           'protocol_text', 'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard',
-           'style_agreement', 'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl',
-           'vs_text', 'style_ppl', 'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer',
-           'comparisons', 'seeds_note', 'headline', 'mercator_answers']
+           'ONE_SEED_NOTE', 'MERCATOR_FAMILY', 'with_report_columns', 'mercator_runs', 'is_student', 'student_variants',
+           'distilled_variants', 'is_mercator', 'task_label', 'pass_of', 'stage_of', 'yes_no', 'runs_table',
+           'style_runs_table', 'failed_runs_note', 'protocol_values', 'start_text', 'guide_text', 'protocol_text',
+           'stage_bands', 'plot_kv_curves', 'layer_means', 'agreement_table', 'collapse_guard', 'style_agreement',
+           'plot_agreement', 'layer_table', 'plot_layer_heatmap', 'ppl_table', 'teacher_ppl', 'vs_text', 'style_ppl',
+           'plot_ppl', 'acc_compare', 'acc_table', 'style_acc', 'beats', 'metric_answer', 'comparisons', 'seeds_note',
+           'headline', 'mercator_answers']
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #b36f5e5a
 BASELINE = 'no-distill'  # the undistilled student every distilled one is compared with, seed by seed
@@ -581,6 +579,3 @@ def mercator_answers(runs: pd.DataFrame) -> list[Answer]:
     return precision_answers(family_answers([_metric_kit_answer('PPL', qs['PPL'], ppl, PCT, True, budget,
                                                                 'best validation PPL'), acc_answer], MERCATOR_FAMILY),
                              runs)  # a --precision batch: the sized comparison too
-
-# %% ../../../nbs/studies/mercator/84_report.ipynb #4afc0255
-MERCATOR = dataclasses.replace(MERCATOR_STUDY, answers=mercator_answers)  # what the entry point registers

@@ -30,7 +30,7 @@ from ...data.corpus import batch as make_batch
 from ...data.corpus import synthetic_splits
 
 # %% auto #0
-__all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR_STUDY',
+__all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR',
            'MercatorSettings', 'teacher_model', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'task_records',
            'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants', 'plot_run',
            'MercatorOptions']
@@ -555,7 +555,8 @@ class MercatorOptions:
     CUDA only)"""
 
 # %% ../../../nbs/studies/mercator/83_study.ipynb #354d740e
-MERCATOR_STUDY = Study(
+MERCATOR = Study(
+    answers='oelm_nb.studies.mercator.report:mercator_answers',  # the report chapter's, imported on first use
     plot=plot_run,
     name='mercator',
     description='Mercator KV-cache distillation (the Mercator guide): '

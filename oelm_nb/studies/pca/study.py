@@ -30,12 +30,12 @@ from ...model.pca import (LORA_TARGETS, FACTORIZED_INITS, embedding_pca, reconst
 
 # %% auto #0
 __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_TRAIN', 'PCA_METHOD_LABELS', 'GAP_TOL',
-           'PCA_COLORS', 'RECOVERY_METHOD', 'ONE_SEED', 'NOT_MATCHED', 'NO_GAP', 'PCA_FAMILY', 'PCA_STUDY',
-           'PCASettings', 'default_ks', 'check_ks', 'finetune_schedule', 'lora_finetune', 'pca_variants',
-           'token_embedding_params', 'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means',
-           'ppl_table', 'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references',
-           'best_method_per_k', 'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff',
-           'pca_model', 'load_pca_model', 'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
+           'PCA_COLORS', 'RECOVERY_METHOD', 'ONE_SEED', 'NOT_MATCHED', 'NO_GAP', 'PCA_FAMILY', 'PCA', 'PCASettings',
+           'default_ks', 'check_ks', 'finetune_schedule', 'lora_finetune', 'pca_variants', 'token_embedding_params',
+           'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
+           'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references', 'best_method_per_k',
+           'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff', 'pca_model',
+           'load_pca_model', 'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -668,7 +668,7 @@ def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     k = min(check_ks(options.get('ks') or default_ks(preset), preset))
     return 'best_val_ppl', f'pca-lora-k{k}', 'baseline-cont'
 
-PCA_STUDY = Study(
+PCA = Study(
     build_model=pca_model,
     plot=plot_run,
     name='pca', settings=PCASettings, variants=pca_variants, run=pca_run, load_model=load_pca_model,
