@@ -16,7 +16,7 @@ from __future__ import annotations
 import fcntl, json, os, shutil, time, traceback
 from pathlib import Path
 
-from oelm_nb.lab.experiment import SMALL_CORPUS  # noqa: E402  (cli_helpers.tiny_args sets these on the command line)
+from oelm_nb.lab.study import SMALL_CORPUS  # noqa: E402  (cli_helpers.tiny_args sets these on the command line)
 
 
 def session_root(tmp_path_factory) -> Path:

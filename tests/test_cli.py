@@ -12,7 +12,7 @@ import json, subprocess
 import numpy as np
 import pytest
 from cli_helpers import oelm_main, run_oelm
-from oelm_nb.lab.experiment import study_names
+from oelm_nb.lab.study import study_names
 
 
 def run_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
@@ -168,7 +168,7 @@ def test_the_console_script_returns_mains_exit_status():
 @pytest.mark.slow
 def test_version_and_study_help_lists_variants_options_and_defaults():
     import oelm_nb
-    from oelm_nb.lab.experiment import studies
+    from oelm_nb.lab.study import studies
     from oelm_nb.app.cli import build_parser
     v = oelm_main('--version')
     assert v.returncode == 0 and v.stdout.strip() == f'oelm_nb {oelm_nb.__version__}'
@@ -206,7 +206,7 @@ def test_params_counts_every_studys_variant(study):
     "`oelm params --study NAME --variant V` counts the model a run of V trains (`Study.build_model`, else a GPT)."
     import contextlib, io
     from oelm_nb.app.cli import main
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.study import get_study
     v = get_study(study).planned()[-1]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf): assert main(['params', '--study', study, '--variant', v, '--json']) == 0
@@ -216,7 +216,7 @@ def test_params_counts_every_studys_variant(study):
 
 def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path):
     from oelm_nb.app.cli import build_parser, study_plan
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.study import get_study
     args = build_parser().parse_args(['run', 'qk-freeze', '--loggers', 'tensorboard,wandb'])
     assert study_plan(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
     r = oelm_main('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
@@ -237,7 +237,7 @@ def test_one_meaning_per_flag_the_old_spellings_are_refused_naming_the_new(study
 # ---------------------------------------------------------------- a study's flags: one per field of its options dataclass
 def test_study_flags_come_from_the_options_dataclass(capsys):
     from oelm_nb.app.cli import build_parser, study_plan
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.study import get_study
     parse = lambda *argv: build_parser(['run', *argv]).parse_args(['run', *argv])
     pca, cvfp = get_study('pca'), get_study('cvfp')
     # a list takes its values one after another (as argparse's nargs='+') or as one list: the same plan either way

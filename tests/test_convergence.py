@@ -331,7 +331,7 @@ def test_seeds_needed_is_a_power_calculation():
 
 def test_seeds_command_is_a_valid_oelm_run_of_the_same_batch(tmp_path):
     from oelm_nb.app.cli import build_parser, study_plan
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.study import get_study
     root = fake_batch(tmp_path / 'my batch', 'qk-freeze', {'gpt': lambda s: False, 'oelm-freeze': lambda s: False})
     b = json.loads((root / 'batch.json').read_text())
     b.update(preset='tiny', data='synthetic', steps=3000, overrides={'train.lr': 0.01, 'data.n_stories': 300})

@@ -232,8 +232,8 @@ def parse(*argv):
 
 def test_flags_reach_the_plan_and_the_runs():
     from oelm_nb.app.cli import study_plan
-    from oelm_nb.lab.experiment import resolve_spec
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.spec import resolve_spec
+    from oelm_nb.lab.study import get_study
     st = get_study('cvfp')
     a = parse('--phase1', 'sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
     assert a.phase1 == 'sequential' and a.concurrent is True  # Phase 1's version and the runner's concurrency: two flags
@@ -309,7 +309,7 @@ def test_embed_run_takes_a_hf_style_directory(tiny_data, tmp_path):
     from safetensors.torch import save_file, load_file
     from oelm_nb.base.core import ConfigError
     from oelm_nb.studies.cvfp.study import run_cvfp, load_embedding
-    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.lab.spec import resolve_spec
     hf = tmp_path / 'hf-model'; hf.mkdir()
     w = torch.randn(300, 24)
     save_file({'transformer.h.0.attn.c_attn.weight': torch.randn(24, 72), 'transformer.wte.weight': w, 'lm_head.weight': torch.zeros(300, 24)},
@@ -335,7 +335,7 @@ def test_train_embedding_twin(tiny_data, tmp_path):
     "--train-embedding: same Phase 1 as the frozen run, Phase 2 trains the tied embedding; the frozen run's embedding is the upstream one."
     from safetensors.torch import save_file, load_file
     from oelm_nb.studies.cvfp.study import run_cvfp
-    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.lab.spec import resolve_spec
     src = tmp_path / 'emb.safetensors'
     save_file({'model.embed_tokens.weight': torch.randn(300, 16, generator=torch.Generator().manual_seed(0))}, str(src))
     b = tmp_path / 'b'
@@ -362,7 +362,7 @@ def test_train_embedding_twin(tiny_data, tmp_path):
 def test_cvfp_run_needs_its_embed_run_and_valid_settings(tiny_data, tmp_path):
     from oelm_nb.base.core import ConfigError
     from oelm_nb.studies.cvfp.study import run_cvfp
-    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.lab.spec import resolve_spec
     spec = resolve_spec('cvfp', 'MCDL-n2', 'tiny', 0, None, str(tmp_path / 'MCDL-n2-s0'), str(tiny_data), None, options={'samples': [2]})
     with pytest.raises(ConfigError, match="'embed' run of seed 0 must complete first"): run_cvfp(spec)
     with pytest.raises(ConfigError, match=r"study 'cvfp', settings: CVFPSettings has no field\(s\) \['contxt_dim'\]"):

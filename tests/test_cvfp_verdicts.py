@@ -366,7 +366,7 @@ def test_registered_cvfp_study_answers(tmp_path):
     "`oelm run cvfp` prints `study_answers(get_study('cvfp'))(runs)`: Answers for a small batch."
     from oelm_nb.report.evidence import Answer, answers_text
     from oelm_nb.report.tables import load_runs
-    from oelm_nb.lab.experiment import get_study, study_answers
+    from oelm_nb.lab.study import get_study, study_answers
     got = study_answers(get_study('cvfp'))(load_runs(three_seeds(tmp_path / 'b')))
     assert [a.qid for a in got] == ['Q1', 'Q2', 'Q3', 'Q4'] and all(isinstance(a, Answer) for a in got)
     assert got[0].estimate == '+5.0 points' and 'Q4' in answers_text(got)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from oelm_nb.lab.experiment import studies
+from oelm_nb.lab.study import studies
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'tools'))

@@ -249,7 +249,7 @@ def test_pca_study_runs_export_merged_and_factorized(tmp_path_factory, tmp_path)
         assert hf.config.tie_word_embeddings == (name == 'baseline-s0')
     s = json.loads((out / 'pca-k16-s0' / 'summary.json').read_text())
     from oelm_nb.studies.pca.study import _eval
-    from oelm_nb.lab.experiment import prepare_run
+    from oelm_nb.lab.run import prepare_run
     ours, spec, _ = load_run_model(out / 'pca-k16-s0', device='cpu')
     assert abs(_eval(ours, spec, prepare_run(spec)[2])['val_loss'] - s['val_loss']) < 1e-5  # the model the run evaluated
 
@@ -258,7 +258,7 @@ def test_dropouts_are_read_from_the_source_and_written_on_export(tmp_path):
     "GPT-2's three dropouts: --init-from carries them into the run's model (--set wins), the model applies each, export writes them back."
     transformers = pytest.importorskip('transformers')
     from oelm_nb.app.cli import build_parser, study_plan
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.study import get_study
     from oelm_nb.lab.export import hf_config
     from oelm_nb.model.weights import init_dropouts
     from oelm_nb.model.gpt import GPT, model_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools, json
 
 from oelm_nb.lab import runner
-from oelm_nb.lab.experiment import SMALL_CORPUS, studies
+from oelm_nb.lab.study import SMALL_CORPUS, studies
 from oelm_nb.studies.qk_freeze.study import interleaved_timing, h3_answer, load_timing
 
 

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from oelm_nb.base.core import ConfigError
-from oelm_nb.lab.experiment import resolve_spec
-from oelm_nb.lab.experiment import get_study
+from oelm_nb.lab.spec import resolve_spec
+from oelm_nb.lab.study import get_study
 from oelm_nb.studies.mercator.method import cosine_stage, layer_map, pass_label
 from oelm_nb.studies.mercator.study import mercator_common, mercator_run, MercatorSettings
 from oelm_nb.studies.mercator.hf import resolve_checkpoint, resolve_dataset, load_texts, load_records
@@ -104,7 +104,7 @@ def test_students_start_from_the_same_weights(batch):
     assert a['ce_loss'] == pytest.approx(b['ce_loss'], rel=1e-6) == pytest.approx(k['ce_loss'], rel=1e-6)
     assert a['kv_loss'] == pytest.approx(b['kv_loss'], rel=1e-6)  # both score with Mercator beta 0.01; no-distill only detaches the student
     # the start is the pre-trained student: its step-1 cross-entropy equals the pre-trained model's on that batch, not a random init's
-    from oelm_nb.lab.experiment import RunSpec
+    from oelm_nb.lab.spec import RunSpec
     from oelm_nb.model.gpt import GPT
     from oelm_nb.train.checkpoint import load_weights
     spec = RunSpec.load_json(out / 'no-distill-s0' / 'config.json')

@@ -404,7 +404,7 @@ def test_registered_study_answers_through_the_kit(tmp_path):
     "`oelm run mercator` prints `study_answers(get_study('mercator'))(runs)`: Answers for a small batch."
     from oelm_nb.report.evidence import Answer, answers_text
     from oelm_nb.report.tables import load_runs
-    from oelm_nb.lab.experiment import get_study, study_answers
+    from oelm_nb.lab.study import get_study, study_answers
     out = fake_batch(tmp_path, {'mercator-b0': [30.0, 30.5], 'mse': [31.0, 31.2], BASELINE: [32.0, 32.2]}, roles=True)
     got = study_answers(get_study('mercator'))(load_runs(out))
     assert [a.qid for a in got] == ['PPL', 'ACC'] and all(isinstance(a, Answer) for a in got)

@@ -17,7 +17,7 @@ HERE = Path(__file__).parent
 
 def test_it_is_registered_by_its_entry_point_alone():
     from importlib import metadata
-    from oelm_nb.lab.experiment import study_names, get_study
+    from oelm_nb.lab.study import study_names, get_study
     eps = {ep.name: ep.value for ep in metadata.entry_points(group='oelm_nb.studies')}
     assert eps.get('toy') == 'toy_study:TOY' and 'toy' in study_names()
     assert get_study('toy').report == str(HERE / 'toy_study' / 'report.ipynb')

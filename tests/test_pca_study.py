@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from oelm_nb.base.core import ConfigError
-from oelm_nb.lab.experiment import resolve_spec
-from oelm_nb.lab.experiment import get_study
+from oelm_nb.lab.spec import resolve_spec
+from oelm_nb.lab.study import get_study
 from oelm_nb.model.pca import LORA_TARGETS
 from oelm_nb.studies.pca.study import pca_variants
 from cli_helpers import oelm_main, oelm_inline, read_json, html_text, tiny_args
@@ -61,7 +61,7 @@ def test_baseline_cont_trains_exactly_the_lora_runs_schedule(preset, steps):
 
 def test_lowrank_with_the_models_own_init_is_the_plain_training_run(tmp_path):
     "lowrank trains through its own path (to re-draw the factors); with lowrank_init='gpt' that path gives train_run's losses exactly."
-    from oelm_nb.lab.experiment import train_run
+    from oelm_nb.lab.run import train_run
     from oelm_nb.studies.pca.study import pca_run
     from oelm_nb.base.metrics import read_metrics
     over = {'data.n_train_stories': 300, 'data.n_val_stories': 40, 'data.vocab_size': 300, 'model.vocab_size': 300,

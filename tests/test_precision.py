@@ -14,7 +14,7 @@ from scipy import stats
 
 from oelm_nb.base.core import ConfigError
 from oelm_nb.app.cli import main
-from oelm_nb.lab.experiment import studies
+from oelm_nb.lab.study import studies
 from oelm_nb.lab.precision import (MAX_SEEDS, check_precision, design_seeds, parse_precision, precision_record,
                                precision_text, run_with_precision, stein_interval, stein_seeds)
 from oelm_nb.report.tables import compare, load_runs, safe_markdown

@@ -17,7 +17,10 @@ import torch
 
 import oelm_nb
 from oelm_nb.data.corpus import TokenData
-from oelm_nb.lab.experiment import (COMMAND_ENV, SAMPLE_PROMPTS, provenance, record_provenance, write_summary, resolve_spec, prepare_run, sample_prompts)
+from oelm_nb.lab.spec import resolve_spec
+from oelm_nb.lab.provenance import COMMAND_ENV, provenance, record_provenance, write_summary
+from oelm_nb.lab.sample import SAMPLE_PROMPTS, sample_prompts
+from oelm_nb.lab.run import prepare_run
 from oelm_nb.base.rundir import read_json
 from oelm_nb.base.rundir import RunMismatch
 from oelm_nb.report.tables import (load_runs, load_curves, convergence, convergence_note, convergence_caveat, provenance_table,
@@ -50,7 +53,7 @@ def test_a_copy_of_the_package_outside_a_checkout_has_no_commit(tmp_path):
     "An installed wheel (here: the package copied out of the checkout) reports commit None, not some checkout's commit."
     import shutil
     shutil.copytree(REPO / 'oelm_nb', tmp_path / 'oelm_nb', ignore=shutil.ignore_patterns('__pycache__'))
-    code = 'import json, oelm_nb, oelm_nb.lab.experiment as e; print(json.dumps([oelm_nb.__file__, e.provenance()]))'
+    code = 'import json, oelm_nb, oelm_nb.lab.provenance as e; print(json.dumps([oelm_nb.__file__, e.provenance()]))'
     res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, 'PYTHONPATH': str(tmp_path)})
     assert res.returncode == 0, res.stderr

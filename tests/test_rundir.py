@@ -11,7 +11,8 @@ from oelm_nb.studies.qk_freeze.study import QK_TRAIN
 import torch
 from cli_helpers import TIMEOUT, oelm_cmd as oelm, oelm_inline, oelm_main, run_oelm, read_json, tiny_args
 
-from oelm_nb.lab.experiment import resolve_spec, prepare_run
+from oelm_nb.lab.spec import resolve_spec
+from oelm_nb.lab.run import prepare_run
 from oelm_nb.base.rundir import parse_run_name
 from oelm_nb.base.rundir import RunMismatch, read_workers, run_lock
 

@@ -125,7 +125,7 @@ def test_batch_completes_with_complete_run_directories(batch):
 
 def test_report_preset_accounting_matches_the_models(batch):
     "The report's second parameter table is the tiny preset's own configuration, counted by building the models."
-    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.lab.spec import resolve_spec
     from oelm_nb.model.freeze import param_report
     from oelm_nb.model.gpt import GPT
     out, rc, stdout, stderr = batch
@@ -142,7 +142,7 @@ def test_report_preset_accounting_matches_the_models(batch):
 
 # ====================================================================== medium512 accounting, as the report does it
 def test_medium512_preset_accounting_as_the_report_computes_it(tmp_path):
-    from oelm_nb.lab.experiment import resolve_spec
+    from oelm_nb.lab.spec import resolve_spec
     from oelm_nb.model.freeze import param_report
     from oelm_nb.model.gpt import GPT
     total = expected_total(50257, 512, 6, 512, 2048)
@@ -421,8 +421,8 @@ def test_gpu_set_of_two_is_one_job_on_both_devices(tmp_path, monkeypatch):
 def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_path, monkeypatch):
     "The runner adds missing upstream variants, starts dependents only after them, and records blocked runs as failed."
     from oelm_nb.lab import runner
-    from oelm_nb.lab.experiment import Study, Variant, NoSettings
-    from oelm_nb.lab.experiment import STUDIES
+    from oelm_nb.lab.study import Study, Variant, NoSettings
+    from oelm_nb.lab.study import STUDIES
     variants = lambda preset, steps, opts: {'base': Variant({'model.variant': 'gpt'}), 'child-1': Variant({'model.variant': 'oelm'}, ('base',))}
     monkeypatch.setitem(STUDIES, 'chain-test', Study('chain-test', 'a chain', NoSettings, variants, run=lambda spec, progress=None: {},
                                                      train={}, data={}, default_variants=('child-1',), report=None))
@@ -445,7 +445,7 @@ def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_
 def test_every_study_has_its_own_run_command(capsys):
     "`oelm run --help` lists the studies; each has its notebooks and its own flags (in-process; the console script's help: test_cli)."
     from oelm_nb.app.cli import main
-    from oelm_nb.lab.experiment import studies as _studies; studies = _studies()
+    from oelm_nb.lab.study import studies as _studies; studies = _studies()
     from oelm_nb.lab.runner import notebook_path
     def help_of(*args) -> tuple[int, str]:
         try: rc = main([*args, '--help'])

@@ -8,7 +8,7 @@ import pytest
 
 from oelm_nb.base.core import ConfigError
 from oelm_nb.base.rundir import fingerprint
-from oelm_nb.lab.experiment import resolve_spec, LAYERS, RunSpec
+from oelm_nb.lab.spec import resolve_spec, LAYERS, RunSpec
 from oelm_nb.lab.runner import Batch, plan_batch, override_notes
 
 

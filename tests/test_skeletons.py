@@ -11,7 +11,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
-from oelm_nb.lab.experiment import get_study, resolve_spec, plot_run, study_names
+from oelm_nb.lab.study import get_study, study_names
+from oelm_nb.lab.spec import resolve_spec
+from oelm_nb.lab.run import plot_run
 from oelm_nb.report.tables import completed, fmt, mean_of, people_number
 
 ROOT = Path(__file__).resolve().parent.parent

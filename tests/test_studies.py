@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, strategies as st_
 
 from oelm_nb.base.core import ConfigError
-from oelm_nb.lab.experiment import resolve_spec
+from oelm_nb.lab.spec import resolve_spec
 from oelm_nb.base.rundir import parse_run_name, run_name
 from oelm_nb.report.tables import compare, load_runs
-from oelm_nb.lab.experiment import studies, get_study, study_names
+from oelm_nb.lab.study import studies, get_study, study_names
 from oelm_nb.studies.qk_freeze.study import hypotheses
 from oelm_nb.studies.pca.study import ppl_table, recovery_table, recovery_verdict, pca_answers
 from oelm_nb.report.evidence import Answer
@@ -196,7 +196,7 @@ def test_pca_answers_one_seed_says_so(tmp_path):
 @pytest.mark.parametrize('study', study_names())  # every registered study (tests/toy_study among them)
 def test_every_study_answers_through_the_kit(study, tmp_path):
     "Each study answers its questions itself (`Study.answers`), as evidence.Answer rows, even for a batch with no run."
-    from oelm_nb.lab.experiment import study_answers
+    from oelm_nb.lab.study import study_answers
     st = get_study(study)
     answers = study_answers(st)  # a 'module:function' string (a study whose report sits above it) imported here
     assert callable(answers), f'{study}: no answers: `oelm run` would print none and answers.json would be empty'

@@ -21,7 +21,8 @@ import oelm_nb.train.trainer as T
 from oelm_nb.train.checkpoint import CheckpointError, list_checkpoints, load_weights, read_checkpoint_meta
 from oelm_nb.base.core import ConfigError, DataConfig, ModelConfig, TrainConfig
 from oelm_nb.data.corpus import TokenData, load_split, prepare_data
-from oelm_nb.lab.experiment import resolve_spec, train_run
+from oelm_nb.lab.spec import resolve_spec
+from oelm_nb.lab.run import train_run
 from oelm_nb.base.rundir import read_json
 from oelm_nb.model.gpt import GPT
 from oelm_nb.base.metrics import read_metrics

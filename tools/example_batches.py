@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def examples() -> dict[str, dict]:
     "study -> its example batch: the study's own smoke batch (`Study.smoke`, run_study keyword arguments on SMALL_CORPUS)."
-    from oelm_nb.lab.experiment import studies
+    from oelm_nb.lab.study import studies
     return {name: st.smoke for name, st in studies().items() if st.smoke and st.report}
 
 
@@ -44,7 +44,7 @@ def describe(study: str) -> str:
 def run_example(study: str, out: Path, log=print):
     "Run the example batch of `study` into `out` (runs in this process) and render its report; returns the BatchResult."
     from oelm_nb.lab.runner import run_study, execute_inline
-    from oelm_nb.lab.experiment import SMALL_CORPUS
+    from oelm_nb.lab.study import SMALL_CORPUS
     ex = examples()[study]
     res = run_study(study, seeds=[0, 1], steps=ex['steps'], out_dir=out, options=ex.get('options'),
                     overrides={**SMALL_CORPUS, **ex.get('overrides', {})}, execute=execute_inline, report=True, log=log)
@@ -54,7 +54,7 @@ def run_example(study: str, out: Path, log=print):
 
 def report_studies() -> dict[str, str]:
     "Report notebook (relative to nbs/) -> its study."
-    from oelm_nb.lab.experiment import studies
+    from oelm_nb.lab.study import studies
     return {st.report: name for name, st in studies().items() if st.report}
 
 

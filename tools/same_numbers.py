@@ -14,7 +14,7 @@ SMALL = ['--set', 'train.dtype=float32', '--seeds', '0', '--no-report', '--jobs'
 
 def smoke_args(study) -> list[str]:
     "The command-line arguments of a study's smoke batch (`Study.smoke` on the small corpus)."
-    from oelm_nb.lab.experiment import SMALL_CORPUS
+    from oelm_nb.lab.study import SMALL_CORPUS
     sm = study.smoke
     args = ['--preset', 'tiny', '--steps', str(sm.get('steps', 30))]
     for k, v in sm.get('options', {}).items(): args += ['--' + k.replace('_', '-'), json.dumps(v)]  # one options field
@@ -25,7 +25,7 @@ def smoke_args(study) -> list[str]:
 
 def batches() -> dict[str, list[str]]:
     "study -> the arguments of its smoke batch, for every study that declares one (the same batches the docs run)."
-    from oelm_nb.lab.experiment import studies
+    from oelm_nb.lab.study import studies
     return {name: smoke_args(st) for name, st in studies().items() if st.smoke}
 
 

@@ -49,7 +49,7 @@ def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict 
 def study_of(variants: list[str], preset: str, flag: str) -> str:
     """The one registered study that plans every name of `variants` (at `preset`, its default flags): what a command
     given variants without `--study` runs; a `ConfigError` asking for `--study` when no study or several plan them."""
-    from oelm_nb.lab.experiment import studies
+    from oelm_nb.lab.study import studies
     def plans(st) -> bool:
         try: return set(variants) <= set(st.variants(preset, 1000, {}))
         except ConfigError: return False  # a study that plans nothing at this preset
@@ -64,7 +64,8 @@ def study_of(variants: list[str], preset: str, flag: str) -> str:
 def cmd_params(args) -> int:
     from oelm_nb.model.gpt import GPT, model_config
     from oelm_nb.model.freeze import param_report
-    from oelm_nb.lab.experiment import get_study, resolve_spec
+    from oelm_nb.lab.study import get_study
+    from oelm_nb.lab.spec import resolve_spec
     sets = parse_sets(args.set, ('model',))
     if args.study is None and args.variant is None:  # the preset's plain GPT
         cfg, study, variant = model_config(args.preset, **{k.split('.', 1)[1]: v for k, v in sets.items()}), None, None
@@ -105,7 +106,8 @@ def cmd_data_prepare(args) -> int:
 
 # %% ../../nbs/app/91_cli.ipynb #9431c9f6
 def cmd_train(args) -> int:
-    from oelm_nb.lab.experiment import RunSpec, run_spec
+    from oelm_nb.lab.spec import RunSpec
+    from oelm_nb.lab.run import run_spec
     spec = RunSpec.load_json(args.config)
     summary = run_spec(spec, progress=False if args.no_progress else None)  # under the run's lock
     from oelm_nb.train.trainer import init_distributed
@@ -120,7 +122,7 @@ def print_batch_summary(batch_dir):
     from oelm_nb.report.tables import load_runs, variant_table, people_table
     from oelm_nb.report.evidence import answers_text, answers_json
     from oelm_nb.base.rundir import read_json, write_json
-    from oelm_nb.lab.experiment import get_study, study_answers
+    from oelm_nb.lab.study import get_study, study_answers
     from oelm_nb.lab.runner import batch_study
     study = get_study(batch_study(read_json(Path(batch_dir) / 'batch.json'), Path(batch_dir) / 'batch.json'))
     runs = load_runs(batch_dir)
@@ -208,7 +210,7 @@ def precision_flags(args, study, seeds, variants, options) -> float | None:
 def cmd_run(args) -> int:
     from oelm_nb.lab.runner import run_study, open_batch, skip_slow_imports
     skip_slow_imports()  # this process writes the report page with nbconvert (runner: the papermill child)
-    from oelm_nb.lab.experiment import get_study
+    from oelm_nb.lab.study import get_study
     from oelm_nb.lab.cluster import ClusterBackend, detach, follow
     study = get_study(args.study)
     variants, overrides, options = study_plan(study, args)
@@ -564,7 +566,7 @@ def _add_batch_commands(sub, load=None):
     """The subcommands of batches: `run STUDY`, `status`, `report`; `load`, when given, names the studies whose parsers
     are built (the others are listed by name only, their modules not imported)."""
     from oelm_nb.model.gpt import PRESETS
-    from oelm_nb.lab.experiment import get_study, study_names
+    from oelm_nb.lab.study import get_study, study_names
     r = sub.add_parser('run', help='run a study as a papermill batch and render its report',
                        description='Run a study: one papermill execution of its experiment notebook per '
                        '(variant, seed), then its report.')
@@ -662,7 +664,7 @@ def _add_doctor_command(sub):
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The `oelm` command line: one subcommand per task. Given the arguments, it imports only the study they name (or
     none, for a command that is not `run`): `oelm status` need not load four studies to start."""
-    from oelm_nb.lab.experiment import study_names
+    from oelm_nb.lab.study import study_names
     from oelm_nb import __version__
     p = argparse.ArgumentParser(prog='oelm',
                                 description='Train small GPT-style models that save trainable parameters by structure.')

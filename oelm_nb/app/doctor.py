@@ -25,7 +25,8 @@ from ..data.corpus import prepare_data
 from ..train.trainer import Trainer, DDP_LOSS_TOL, build_optimizer, copy_task_data
 from ..train.checkpoint import load_weights
 from ..base.metrics import read_metrics
-from ..lab.experiment import resolve_spec, launch_run
+from ..lab.spec import resolve_spec
+from ..lab.run import launch_run
 from ..lab.bench import peak_flops, train_step_flops, bench_config, build_variant, dtype_label, step_inputs, timed_step
 from ..studies.cvfp.method import CVFPConfig, CVFPModel, markov_tokens, phase2_batch_size, train_phase2
 from ..studies.mercator.method import load_causal_lm

@@ -7,7 +7,8 @@ study" tests (test_cli, test_skeletons, test_precision, test_studies, test_runne
 would cover any study registered later, and test_new_study runs it end to end."""
 from dataclasses import dataclass
 from pathlib import Path
-from oelm_nb.lab.experiment import Study, Variant, NoSettings, train_run
+from oelm_nb.lab.study import Study, Variant, NoSettings
+from oelm_nb.lab.run import train_run
 from oelm_nb.report.evidence import Answer
 from oelm_nb.report.tables import compare
 

@@ -12,7 +12,10 @@ import numpy as np
 import torch
 from ...base.core import ConfigError, check
 from ...model.device import pick_device
-from ...lab.experiment import start_run, Study, Variant, RunSpec, train_run, write_summary, TRAIN_PRESETS, DATA_PRESETS
+from ...lab.study import Study, Variant, TRAIN_PRESETS, DATA_PRESETS
+from ...lab.spec import RunSpec
+from ...lab.provenance import write_summary
+from ...lab.run import start_run, train_run
 from .method import (CVFPConfig, CVFP_PRESETS, DIVERSITY_LOSSES, CVFPModel, Phase1Result, effective_rank,
                           val_effective_rank, build_context_cache, train_phase1, train_phase2, evaluate_cached)
 from ...model.gpt import GPT

@@ -13,8 +13,10 @@ from torch import nn
 import torch.nn.functional as F
 from ...base.core import ConfigError, ModelConfig, check
 from ...model.device import set_seed, pick_device
-from ...lab.experiment import (start_run, Study, Variant, RunSpec, train_run, prepare_run, write_summary, TRAIN_PRESETS,
-                         DATA_PRESETS)
+from ...lab.study import Study, Variant, TRAIN_PRESETS, DATA_PRESETS
+from ...lab.spec import RunSpec
+from ...lab.provenance import write_summary
+from ...lab.run import start_run, train_run, prepare_run
 from ...base.rundir import read_json, run_name
 from ...model.gpt import GPT, model_config
 from .method import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,

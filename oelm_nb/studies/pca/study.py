@@ -14,8 +14,10 @@ import torch
 from torch import nn
 from ...base.core import ConfigBase, ConfigError, check
 from ...model.device import pick_device, autocast_dtype, set_seed
-from ...lab.experiment import (RunSpec, Study, Variant, train_run, prepare_run, run_samples, write_summary,
-                                TRAIN_PRESETS, DATA_PRESETS)
+from ...lab.study import Study, Variant, TRAIN_PRESETS, DATA_PRESETS
+from ...lab.spec import RunSpec
+from ...lab.provenance import write_summary
+from ...lab.run import train_run, prepare_run, run_samples
 from ...base.rundir import read_json, write_json, run_name
 from ...model.gpt import GPT, PRESETS, model_config
 from ...train.trainer import Trainer, evaluate
