@@ -227,3 +227,18 @@ def test_registered_pca_study_answers(tmp_path):
     d = got[0].to_dict()  # answers.json's record: numbers beside the text (issue 46)
     assert (round(d['estimate'], 9), round(d['low'], 9), round(d['high'], 9), d['p'], d['n']) == (0.6, 0.6, 0.6, 0.5, 2), d
     assert any('rests on the normal assumption' in c for c in got[0].caveats)  # two seeds: the exact test cannot go below 0.5
+
+
+def test_every_study_tests_take_the_studies_from_the_registry():
+    """A test over every study takes them from the registry (`studies()`, `study_names()`, the toy of tests/toy_study
+    among them), never from a list of names: a new study is covered without editing a test."""
+    import ast
+    from pathlib import Path
+    assert 'toy' in study_names(), 'tests/toy_study is not registered: the every-study tests would not cover it'
+    names, found = set(study_names()), []
+    for p in sorted(Path(__file__).parent.glob('*.py')):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                listed = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(listed & names) >= 3: found.append(f'{p.name}:{node.lineno} {sorted(listed & names)}')
+    assert not found, f'lists of studies by name (take them from oelm_nb.lab.study.studies()): {found}'
