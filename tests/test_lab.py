@@ -6,7 +6,7 @@ import json, os, shutil, socket, subprocess, sys, time, urllib.request
 from pathlib import Path
 
 import pytest
-from shared_runs import copy_batch, qk_freeze_batch
+from shared_runs import copy_batch, execute_inline_notebook, qk_freeze_batch
 
 pytestmark = pytest.mark.slow  # batches and processes end to end: `make test` runs them, `make test-fast` does not
 
@@ -75,7 +75,7 @@ def test_lab_server_starts_and_saving_without_an_edit_changes_nothing(project):
         except subprocess.TimeoutExpired: proc.kill()
 
 
-def test_report_notebook_runs_from_its_own_folder(project, tmp_path_factory, monkeypatch):
+def test_report_notebook_runs_from_its_own_folder(project, tmp_path, tmp_path_factory, monkeypatch):
     """The report's opening (`open_report`, its first call) from the working directory JupyterLab uses (the notebook's
     folder) with the notebook's own run_dir, in-process; the batch is a copy of the session's shared Q/K freeze batch
     (tests/shared_runs.py) where `make run` puts its batch. Then papermill in that folder without a batch: the clear message."""
@@ -90,9 +90,8 @@ def test_report_notebook_runs_from_its_own_folder(project, tmp_path_factory, mon
     found, batch, runs = open_report(ns['run_dir'], 'qk-freeze', 'run')
     assert found == (project / 'runs' / 'qk-freeze').resolve() and batch['study'] == 'qk-freeze'  # found under the project root
     assert set(runs.variant) == {'gpt', 'oelm-freeze'} and (runs.status == 'completed').all()
-    # without a batch: a clear message saying what to run
+    # without a batch: the whole notebook, executed in that folder as papermill would (in a fork of this process: the
+    # notebook's first cells are the subject, not a kernel's start), stops with a clear message saying what to run
     shutil.rmtree(project / 'runs')
-    env = {k: v for k, v in os.environ.items() if k != 'OELM_PROJECT'}
-    r = subprocess.run([str(BIN / 'papermill'), 'qk_freeze.ipynb', 'out2.ipynb', '--cwd', str(reports), '--no-progress-bar'],
-                       cwd=reports, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode != 0 and 'Run `make run` (or `oelm run qk-freeze`) first' in r.stderr
+    error = execute_inline_notebook(reports / 'qk_freeze.ipynb', tmp_path / 'out2.ipynb', reports, {})
+    assert error is not None and 'Run `make run` (or `oelm run qk-freeze`) first' in error, error

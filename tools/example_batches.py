@@ -3,7 +3,7 @@
 
 The report pages of the site would otherwise show code without a single output. At docs time this
 script runs one small batch per study (the tiny preset, a 300-story corpus with a 300-token
-vocabulary, 2 seeds, a few dozen steps) in one process per study, each run called in-process
+vocabulary, seeds 0 and 1 (`SEEDS`), a few dozen steps) in one process per study, each run called in-process
 (`oelm_nb.lab.runner.execute_inline`, no notebook per run), and renders the study's report on it with
 papermill, as `oelm run` does. The numbers on those pages show what the report computes; runs this
 short answer nothing, and each page says so.
@@ -27,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+SEEDS = (0, 1)  # the seeds of every example batch
+
+
 def examples() -> dict[str, dict]:
     "study -> its example batch: the study's own smoke batch (`Study.smoke`, run_study keyword arguments on SMALL_CORPUS)."
     from oelm_nb.lab.study import studies
@@ -37,8 +40,9 @@ def describe(study: str) -> str:
     "One sentence for the page: what the example batch ran."
     ex = examples()[study]
     opts = ''.join(f", --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in ex.get('options', {}).items())
-    return (f"the tiny preset, {ex['steps']} optimizer steps per run, seeds 0 and 1{opts}, on a 300-story corpus with a "
-            f"300-token vocabulary")
+    seeds = ' and '.join(map(str, SEEDS))
+    return (f"the tiny preset, {ex['steps']} optimizer steps per run, seed{'s' if len(SEEDS) > 1 else ''} {seeds}{opts}, on a "
+            f"300-story corpus with a 300-token vocabulary")
 
 
 def run_example(study: str, out: Path, log=print):
@@ -46,7 +50,7 @@ def run_example(study: str, out: Path, log=print):
     from oelm_nb.lab.runner import run_study, execute_inline
     from oelm_nb.lab.study import SMALL_CORPUS
     ex = examples()[study]
-    res = run_study(study, seeds=[0, 1], steps=ex['steps'], out_dir=out, options=ex.get('options'),
+    res = run_study(study, seeds=list(SEEDS), steps=ex['steps'], out_dir=out, options=ex.get('options'),
                     overrides={**SMALL_CORPUS, **ex.get('overrides', {})}, execute=execute_inline, report=True, log=log)
     if res.failed: raise RuntimeError(f"example batch {study}: run(s) {', '.join(res.failed)} did not complete; see {out}")
     return res
