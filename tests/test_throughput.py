@@ -150,3 +150,20 @@ def test_trainer_cuts_micro_batches_only_on_cuda_and_when_asked(monkeypatch):
         plans['cuda', mode] = t._micro_plan()
     assert plans == {('cpu', 'auto'): (2, 3), ('cpu', 'config'): (2, 3), ('cuda', 'auto'): (6, 1),
                      ('cuda', 'config'): (2, 3)}
+
+
+def test_bench_without_a_study_times_the_presets_model_variants():
+    "`oelm bench --preset tiny` names no study: it times the preset's model as each of the model layer's Q/K structures."
+    from oelm_nb.lab.bench import MODEL_VARIANTS
+    res = oelm_main('bench', '--preset', 'tiny', '--no-reference', '--steps', '10', '--warmup', '0', '--block-size', '16',
+                    '--dtypes', 'float32', '--no-memory', '--json')
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert [r['variant'] for r in rows] == list(MODEL_VARIANTS) == ['gpt', 'oelm', 'oelm-freeze']
+    # the frozen Q/K are the only difference between oelm and oelm-freeze: 2 x d x d weights per layer
+    from oelm_nb.model.gpt import PRESETS
+    d, L = PRESETS['tiny']['n_embd'], PRESETS['tiny']['n_layer']
+    by = {r['variant']: r for r in rows}
+    assert by['oelm']['trainable_params'] - by['oelm-freeze']['trainable_params'] == L * 2 * d * d
+    numerics = oelm_main('bench', '--preset', 'tiny', '--numerics', 'x')  # training runs needs a study: said so
+    assert numerics.returncode == 2 and '--study' in numerics.stderr

@@ -308,11 +308,10 @@ def cmd_bench(args) -> int:
     import pandas as pd
     overrides = parse_sets(args.set)
     variants = args.variants.split(',') if args.variants else None
-    if not (variants or args.study):
-        raise ConfigError('name what to time: --variants A,B (of the one study that plans them) or --study NAME (its '
-                          'variants), e.g. --study qk-freeze --variants oelm,oelm-freeze')
-    study = args.study or study_of(variants, args.preset, '--variants')
+    # a study's variants (--study, or the one study that plans --variants); neither: the preset's model variants
+    study = args.study or (study_of(variants, args.preset, '--variants') if variants else None)
     if args.numerics:
+        if study is None: raise ConfigError('--numerics trains runs of a study: name it, e.g. --study qk-freeze')
         t = numerics_check(args.numerics, study, seeds=args.seeds, variants=variants, steps=args.train_steps)
         with pd.option_context('display.width', 200, 'display.max_columns', 30): print(t.to_string())
         print(f'[oelm bench] numerics: {args.numerics}/numerics.json, {args.numerics}/numerics.png')
@@ -623,7 +622,8 @@ def _add_bench_command(sub):
     b = sub.add_parser('bench', help='FLOPs, optimizer state and interleaved step time per variant')
     b.add_argument('--preset', default='tiny', choices=list(PRESETS))
     b.add_argument('--study', default=None,
-                   help='the study whose variants are timed (default: the one registered study that plans --variants)')
+                   help='the study whose variants are timed (default: the one registered study that plans --variants; '
+                   'neither given: the preset\'s model as gpt, oelm and oelm-freeze, no study)')
     b.add_argument('--variants', default=None,
                    help="comma-separated, e.g. oelm,oelm-freeze (default: the --study's planned variants)")
     b.add_argument('--steps', type=int, default=12); b.add_argument('--warmup', type=int, default=2)

@@ -23,11 +23,12 @@ from ..model.freeze import param_report
 from ..train.memory import GiB, _gib, available_memory, step_memory, _memory_message
 
 # %% auto #0
-__all__ = ['PEAK_DTYPES', 'SHORT_DTYPE', 'DATA_SHEETS', 'REFERENCE', 'EAGER', 'COMPILED', 'NUMERICS_DTYPES', 'step_inputs',
-           'train_step_flops', 'optimizer_state_bytes', 'RefAttention', 'RefBlock', 'ReferenceGPT', 'data_sheet_peak',
-           'matmul_peak_flops', 'peak_dtype', 'peak_flops', 'reset_peak_rss', 'peak_rss_bytes', 'BenchRow',
-           'bench_config', 'build_variant', 'timed_step', 'cpu_peak_memory', 'dtype_label', 'compile_unavailable',
-           'compile_failure', 'bench', 'bench_table', 'numerics_table', 'plot_numerics', 'numerics_check']
+__all__ = ['PEAK_DTYPES', 'SHORT_DTYPE', 'DATA_SHEETS', 'REFERENCE', 'MODEL_VARIANTS', 'EAGER', 'COMPILED', 'NUMERICS_DTYPES',
+           'step_inputs', 'train_step_flops', 'optimizer_state_bytes', 'RefAttention', 'RefBlock', 'ReferenceGPT',
+           'data_sheet_peak', 'matmul_peak_flops', 'peak_dtype', 'peak_flops', 'reset_peak_rss', 'peak_rss_bytes',
+           'BenchRow', 'bench_config', 'build_variant', 'timed_step', 'cpu_peak_memory', 'dtype_label',
+           'compile_unavailable', 'compile_failure', 'bench', 'bench_table', 'numerics_table', 'plot_numerics',
+           'numerics_check']
 
 # %% ../../nbs/lab/57_bench.ipynb #6818645a
 def step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
@@ -231,13 +232,21 @@ class BenchRow:
 
 # %% ../../nbs/lab/57_bench.ipynb #b0e1672f
 REFERENCE = 'reference'
+# what a bench without a study times: the three Q/K structures of the model layer (`ModelConfig.variant`), trained,
+# orthogonal and frozen orthogonal
+MODEL_VARIANTS = ('gpt', 'oelm', 'oelm-freeze')
 EAGER, COMPILED = 'eager', 'compiled'
 
 # %% ../../nbs/lab/57_bench.ipynb #d1cd41ee
-def bench_config(study: str, preset: str, variant: str, block_size: int | None, overrides: dict | None) -> ModelConfig:
-    "The model config a bench entry runs at: the study's variant (or the gpt shape for the reference), without dropout."
-    spec = resolve_spec(study, 'gpt' if variant == REFERENCE else variant, preset, 0, 1000, overrides=overrides)
-    mcfg = spec.model if block_size is None else spec.model.replace(block_size=block_size)
+def bench_config(study: str | None, preset: str, variant: str, block_size: int | None, overrides: dict | None) -> ModelConfig:
+    """The model config a bench entry runs at: the study's variant, or without a study the preset's model of that model
+    variant (`ModelConfig.variant`, with the `model.*` overrides); the gpt shape for the reference; without dropout."""
+    v = 'gpt' if variant == REFERENCE else variant
+    if study is None:
+        mcfg = model_config(preset, variant=v, **{k.split('.', 1)[1]: x for k, x in (overrides or {}).items()
+                                                   if k.startswith('model.')})
+    else: mcfg = resolve_spec(study, v, preset, 0, 1000, overrides=overrides).model
+    mcfg = mcfg if block_size is None else mcfg.replace(block_size=block_size)
     return mcfg.replace(dropout=0.0)
 
 # %% ../../nbs/lab/57_bench.ipynb #1bff5915
@@ -308,9 +317,10 @@ def compile_failure(e: BaseException) -> str:
     return f'torch.compile failed at its first step: {type(e).__name__}: {first}'
 
 # %% ../../nbs/lab/57_bench.ipynb #fcebb0f5
-def bench(study: str, # the registered study whose variants are timed
+def bench(study: str | None, # the registered study whose variants are timed (None: the preset's model variants)
           preset: str = 'tiny',
-          variants: list[str] | None = None, # its variants to time (None: those it plans, `Study.planned`)
+          # its variants to time (None: those it plans, `Study.planned`; without a study, `MODEL_VARIANTS`)
+          variants: list[str] | None = None,
           steps: int = 12, warmup: int = 2,
           batch_size: int = 1, block_size: int | None = None, device: str = 'auto',
           # each variant is timed in each of these (duplicates after 'auto' is resolved are dropped)
@@ -332,7 +342,7 @@ def bench(study: str, # the registered study whose variants are timed
     dev = pick_device(device)
     labels = list(dict.fromkeys(dtype_label(dev, d) for d in dtypes))
     modes = (EAGER, COMPILED) if compile else (EAGER,)
-    variants = list(variants or get_study(study).planned(preset))
+    variants = list(variants or (get_study(study).planned(preset) if study else MODEL_VARIANTS))
     entries = [(v, d, m) for m in modes for d in labels for v in [*variants, *([REFERENCE] if reference else [])]]
     names = list(dict.fromkeys(v for v, *_ in entries))
     if block_size is not None: _check_block_size(study, preset, names, block_size, overrides)
