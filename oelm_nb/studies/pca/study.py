@@ -297,7 +297,8 @@ def with_method_k(runs: pd.DataFrame) -> pd.DataFrame:
     runs = runs.copy()
     plan_m = runs.get('settings.method', pd.Series(np.nan, index=runs.index))
     plan_k = runs.get('model.n_embd_wte', pd.Series(np.nan, index=runs.index))
-    runs['method'] = runs.get('method', pd.Series(np.nan, index=runs.index)).fillna(plan_m).fillna('baseline')
+    method = runs.get('method', pd.Series(np.nan, index=runs.index)).astype(object)  # a string label, also when all are NaN
+    runs['method'] = method.fillna(plan_m).fillna('baseline')
     has_k = ~runs.method.isin(REFERENCE_METHODS)
     runs['k'] = runs.get('k', pd.Series(np.nan, index=runs.index)).where(has_k).fillna(plan_k.where(has_k))
     return runs
