@@ -3,14 +3,14 @@ own settings, a command with other settings is refused before it touches the bat
 run a full disk stopped resumes, and bad input is one line naming the file or field and the fix.
 
 Ctrl-C on a real `oelm run` process is test_runner's (its subject is the process boundary); everything here runs
-in-process, on a copy of the session's shared Q/K batch or on runs of a few steps."""
+in-process, on runs of a few steps."""
 from __future__ import annotations
 import errno, json, re, shlex
 from pathlib import Path
 from unittest import mock
 
 import pytest
-from shared_runs import SMALL_CORPUS, qk_freeze_batch, copy_batch, inline_batch
+from shared_runs import SMALL_CORPUS, inline_batch
 from cli_helpers import oelm_main, oelm_inline, read_json, read_jsonl, tiny_args
 
 
@@ -30,17 +30,17 @@ def state(d: Path) -> dict:
 
 # ====================================================================== 1. suggested commands keep the batch's settings
 @pytest.mark.slow
-def test_every_suggested_command_keeps_the_batch_settings_and_other_settings_are_refused(tmp_path_factory, tmp_path):
+def test_every_suggested_command_keeps_the_batch_settings_and_other_settings_are_refused(tmp_path):
     from oelm_nb.report.tables import load_runs, batch_command
     from oelm_nb.studies.qk_freeze.study import control_table
-    d = copy_batch(qk_freeze_batch(tmp_path_factory), tmp_path / 'b', 'checkpoints')
+    d = inline_batch(tmp_path / 'b', 'qk-freeze', variants=['gpt', 'oelm-freeze'], steps=4)  # the commands train 3 more runs
     before = state(d)
     recorded = read_json(d / 'batch.json')
 
     # the report's old controls command (no --steps, no --set) is refused, naming what differs, and changes nothing
     plain = oelm_inline('run', 'qk-freeze', '--variants', 'gauss,gauss-freeze', '--seeds', '0', '--out', str(d))
     msg = one_line_error(plain)
-    assert '--steps: 30 -> ' in msg and '--set data.vocab_size: 300 -> not given' in msg, msg
+    assert '--steps: 4 -> ' in msg and '--set data.vocab_size: 300 -> not given' in msg, msg
     assert state(d) == before
     # ... and the command the refusal suggests, the report's controls command and every control's command all run
     suggested = [msg.split("Run it with the batch's own settings: ")[1].split(' ; ')[0],
@@ -63,7 +63,7 @@ def test_every_suggested_command_keeps_the_batch_settings_and_other_settings_are
         old, new = read_json(d / 'gpt-s0' / 'config.json'), read_json(d / run / 'config.json')
         assert new['train'] == old['train'] and new['data'] == old['data'], run
         assert new['model']['vocab_size'] == old['model']['vocab_size'] == 300
-        assert read_json(d / run / 'summary.json')['steps'] == 30
+        assert read_json(d / run / 'summary.json')['steps'] == 4
     assert not any('.failed-' in p.name or '.replaced-' in p.name for p in d.iterdir())
 
 

@@ -191,13 +191,15 @@ def library_modules() -> list[str]:
     lib = nbdev_config().lib_name
     return [m.name for m in pkgutil.walk_packages([str(ROOT / nbdev_config().lib_path)], f'{lib}.') if not m.name.endswith('_modidx')]
 
-def _mp_context():
+def _mp_context(n: int):
     """A fresh process per notebook, forked from a server that imported torch, IPython, nbdev and the package's modules
-    once (saves ~3 s and ~2 s a notebook): a notebook's own cells still run in its own process, after nothing else."""
-    if 'forkserver' not in mp.get_all_start_methods(): return mp.get_context('spawn')
+    once (saves ~3 s and ~2 s a notebook): a notebook's own cells still run in its own process, after nothing else.
+    torch._dynamo too: an optimizer's first step imports it (2.7 s; 22 of 50 notebooks step one). For fewer than 3
+    notebooks (`--changed`, a small project) the server's imports cost more than they save: a plain new process each."""
+    if n < 3 or 'forkserver' not in mp.get_all_start_methods(): return mp.get_context('spawn')
     ctx = mp.get_context('forkserver')
-    ctx.set_forkserver_preload(['__main__', 'build_docs', 'torch', 'IPython', 'execnb.shell', 'nbdev.processors',
-                                'matplotlib.pyplot', 'pandas', *library_modules()])
+    ctx.set_forkserver_preload(['__main__', 'build_docs', 'torch', 'torch._dynamo', 'IPython', 'execnb.shell',
+                                'nbdev.processors', 'matplotlib.pyplot', 'pandas', *library_modules()])
     return ctx
 
 def _in_fresh_process(ctx, *args) -> tuple[bool, float | str]:
@@ -225,7 +227,7 @@ def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cach
     os.environ.setdefault('PYTHONHASHSEED', '0')
     for v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'):  # oversubscribed cores: torch's QR ~10x slower
         os.environ.setdefault(v, str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
-    ctx = _mp_context()
+    ctx = _mp_context(len(todo))
     with cf.ThreadPoolExecutor(max(1, jobs)) as ex:  # `jobs` notebooks at a time, each in a process of its own
         futs = {ex.submit(_in_fresh_process, ctx, str(d.src), str(dst), d.library): (d, keyf, key) for d, dst, keyf, key in todo}
         for f in cf.as_completed(futs):
