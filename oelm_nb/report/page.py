@@ -17,13 +17,13 @@ from pandas.io.formats.style import Styler
 
 from .tables import (completed, hyperparameter_table, safe_table, safe_markdown, find_batch_dir, load_runs,
                                    load_curves, convergence, convergence_note, provenance_table, run_links)
-from .evidence import NO_DATA
+from .evidence import NO_DATA, answers_frame
 from ..base.rundir import read_json
 
 # %% auto #0
-__all__ = ['BUDGET', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'plot_comparisons',
-           'split_no_data', 'config_diff_table', 'html_of', 'folded', 'configuration', 'open_report', 'batch_line',
-           'provenance_footer']
+__all__ = ['BUDGET', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'answers_table',
+           'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded', 'configuration',
+           'open_report', 'batch_line', 'provenance_footer']
 
 # %% ../../nbs/report/33_page.ipynb #efb0fc55
 def code_span(text) -> str:
@@ -76,6 +76,15 @@ def seeds_text(runs: pd.DataFrame, variants=None) -> str:
     span = str(n.min()) if n.min() == n.max() else f'{n.min()}-{n.max()}'
     text = f"{span} seed{'' if n.max() == 1 else 's'}"
     return text + ' per variant' if n.size > 1 else text
+
+# %% ../../nbs/report/33_page.ipynb #b7e1c2d4
+def answers_table(answers: list) -> Styler:
+    """A study's answers (`evidence.Answer`s) as a report shows them: `evidence.answers_frame` with its text
+    escaped (`safe_table`), left-aligned and wrapped under left-aligned headers, in one header row (no row for the
+    index's name)."""
+    left = {'text-align': 'left', 'white-space': 'normal'}
+    t = answers_frame(answers).rename_axis(None).style.set_properties(**left)
+    return safe_table(t.set_table_styles([{'selector': 'th', 'props': [('text-align', 'left')]}]))
 
 # %% ../../nbs/report/33_page.ipynb #a8d9d6dc
 def plot_comparisons(cmps: dict, # label -> `report.Comparison` (None: left out)
