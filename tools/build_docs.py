@@ -194,12 +194,11 @@ def library_modules() -> list[str]:
 def _mp_context(n: int):
     """A fresh process per notebook, forked from a server that imported torch, IPython, nbdev and the package's modules
     once (saves ~3 s and ~2 s a notebook): a notebook's own cells still run in its own process, after nothing else.
-    torch._dynamo too: an optimizer's first step imports it (2.7 s; 22 of 50 notebooks step one). For fewer than 3
-    notebooks (`--changed`, a small project) the server's imports cost more than they save: a plain new process each."""
-    if n < 3 or 'forkserver' not in mp.get_all_start_methods(): return mp.get_context('spawn')
+    From 3 notebooks on, torch._dynamo too: an optimizer's first step imports it (2.7 s; 22 of 50 notebooks step one)."""
+    if 'forkserver' not in mp.get_all_start_methods(): return mp.get_context('spawn')
     ctx = mp.get_context('forkserver')
-    ctx.set_forkserver_preload(['__main__', 'build_docs', 'torch', 'torch._dynamo', 'IPython', 'execnb.shell',
-                                'nbdev.processors', 'matplotlib.pyplot', 'pandas', *library_modules()])
+    ctx.set_forkserver_preload(['__main__', 'build_docs', 'torch', *(['torch._dynamo'] if n >= 3 else []), 'IPython',
+                                'execnb.shell', 'nbdev.processors', 'matplotlib.pyplot', 'pandas', *library_modules()])
     return ctx
 
 def _in_fresh_process(ctx, *args) -> tuple[bool, float | str]:
