@@ -669,6 +669,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='oelm',
                                 description='Train small GPT-style models that save trainable parameters by structure.')
     p.add_argument('--version', action='version', version=f'oelm_nb {__version__}')
+    if argv is not None and argv[:1] == ['--version']: return p  # the version alone: no subcommand, no torch import
     sub = p.add_subparsers(dest='command', required=True)
     a = [x for x in (argv or []) if not x.startswith('-')][:2]
     load = None if argv is None or not a or (a[0] == 'run' and (len(a) < 2 or a[1] not in study_names())) else \
