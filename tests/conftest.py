@@ -71,21 +71,6 @@ def _reports_in_process():
         yield
 
 
-@pytest.fixture(autouse=True, scope='session')
-def _short_measurements_after_a_batch():
-    """A study's measurement after a batch that takes `steps` and `warmup` (the Q/K study's interleaved timing: 20 rounds
-    after 3 warm-up, about 8 s of CPU for two variants) takes 6 rounds after 1 in batches trained in a test process: the
-    same file with a wider interval (6 rounds still give a 95% interval for the median). A test of the measurement sets
-    its own rounds (test_h3_timing); `oelm` started as a process measures as a user's does."""
-    import functools, inspect
-    from oelm_nb.lab.study import studies
-    with pytest.MonkeyPatch.context() as mp:
-        for st in studies().values():
-            if st.after_batch and {'steps', 'warmup'} <= set(inspect.signature(st.after_batch).parameters):
-                mp.setattr(st, 'after_batch', functools.partial(st.after_batch, steps=6, warmup=1))
-        yield
-
-
 @pytest.fixture(autouse=True)
 def _seed_torch():
     "Every test starts from the same global RNG state (tests that need other seeds set them)."

@@ -301,12 +301,17 @@ def timing_rounds(models: dict, steps: int, warmup: int, device: str = 'auto') -
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #ceaef2d2
 def interleaved_timing(batch_dir, preset: str, variants: list[str], overrides: dict | None = None,
-                       steps: int = 20, warmup: int = 3, log=print) -> pd.DataFrame | None:
+                       steps: int | None = None, warmup: int | None = None, log=print) -> pd.DataFrame | None:
     """Time `variants` interleaved in this process as the batch's runs trained them (`timed_models`), `oelm` first;
-    write batch_dir/timing.json."""
+    write batch_dir/timing.json. `steps` rounds after `warmup` (None: 20 after 3; for runs of fewer than 20 optimizer
+    steps, as many rounds as they took steps but at least 6, after 1: a smoke batch's timing costs no more than its
+    runs, and 6 rounds still give a 95% interval for the median ratio)."""
     order = sorted(dict.fromkeys(variants), key=lambda v: v != 'oelm')  # ratios are relative to the first: oelm (H3)
     if len(order) < 2: return None
     models = timed_models(batch_dir, preset, order, overrides)
+    run_steps = max(tr.max_steps for _, tr, _ in models.values())
+    steps = steps if steps is not None else min(20, max(6, run_steps))
+    warmup = warmup if warmup is not None else 3 if run_steps >= 20 else 1
     log(
         f"[oelm run] timing {', '.join(order)} interleaved in one process ({steps} rounds after {warmup} warm-up)"
         " for H3, as the runs trained them"
