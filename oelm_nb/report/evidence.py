@@ -431,8 +431,8 @@ def family_answers(answers: list[Answer], # a study's answers
     if not two: return answers
     adjusted = dict(zip(two, holm(list(two.values()))))
     for a in members: a.p_holm = float(adjusted[a.qid]) if a.qid in adjusted else None
-    line = (f"one family of {len(family)} tests, Holm-adjusted at a familywise {FAMILY_ALPHA:.0%} (a one-sided test "
-            f"is at {FAMILY_ALPHA / 2:.1%}, its p doubled before the adjustment): "
+    line = (f"one family of {len(family)} test{'s' if len(family) != 1 else ''}, Holm-adjusted at a familywise "
+            f"{FAMILY_ALPHA:.0%} (a one-sided test is at {FAMILY_ALPHA / 2:.1%}, its p doubled before the adjustment): "
             + '; '.join(f'{q} {s}, ' + (f'adjusted p = {adjusted[q]:.3g}' if q in adjusted else 'no test')
                         for q, s in family.items()))
     for a in members:
