@@ -267,10 +267,16 @@ def test_site_is_self_contained_for_offline_viewing(site):
 
 @pytest.mark.slow  # reads the site built once per session (about 35 s): `make test` runs it, `make test-fast` does not
 def test_site_is_polished(site):
-    "Figures are described by their section, 404.html works at any depth, the search index has no copy-button text."
+    """Figures are described by their section, every image has alt text and every cell's input and output take the keyboard
+    focus (nbconvert's accessibility pass, done by regex in tools/build_docs.py), 404.html works at any depth, the search
+    index has no copy-button text."""
     pages = {p: p.read_text(encoding='utf-8') for p in site.rglob('*.html')}
     assert not [p.name for p, t in pages.items() if bd.NO_ALT in t]
     assert any('alt="Figure: ' in t for t in pages.values())
+    assert not [p.name for p, t in pages.items() if re.search(r'<img(?![^>]*\salt=)', t)], 'an image without alt text'
+    cells = re.compile(r'<div\b[^>]*class="[^"]*\b(?:jp-Cell-inputWrapper|jp-OutputArea-output)\b[^>]*>')
+    tags = [m[0] for t in pages.values() for m in cells.finditer(t)]
+    assert len(tags) > 500 and all('tabindex="0"' in m for m in tags), [m for m in tags if 'tabindex' not in m][:3]
     assert f'"{BASE_PATH}/assets' not in pages[site / '404.html'] and f'<base href="{BASE_PATH}/">' in pages[site / '404.html']
     assert 'Copied!' not in (site / 'search' / 'search_index.json').read_text()
 

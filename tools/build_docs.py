@@ -194,11 +194,13 @@ def library_modules() -> list[str]:
 def _mp_context(n: int):
     """A fresh process per notebook, forked from a server that imported torch, IPython, nbdev and the package's modules
     once (saves ~3 s and ~2 s a notebook): a notebook's own cells still run in its own process, after nothing else.
-    From 3 notebooks on, torch._dynamo too: an optimizer's first step imports it (2.7 s; 22 of 50 notebooks step one)."""
+    From 3 notebooks to execute on, torch._dynamo too: an optimizer's first step imports it (2.7 s; 22 of 50 notebooks
+    step one). With none to execute (pages of notebooks that are not run here), nbdev alone: torch would cost ~10 s."""
     if 'forkserver' not in mp.get_all_start_methods(): return mp.get_context('spawn')
     ctx = mp.get_context('forkserver')
-    ctx.set_forkserver_preload(['__main__', 'build_docs', 'torch', *(['torch._dynamo'] if n >= 3 else []), 'IPython',
-                                'execnb.shell', 'nbdev.processors', 'matplotlib.pyplot', 'pandas', *library_modules()])
+    ctx.set_forkserver_preload(['__main__', 'build_docs'] + (n > 0) * [
+        'torch', *(['torch._dynamo'] if n >= 3 else []), 'IPython', 'execnb.shell', 'nbdev.processors',
+        'matplotlib.pyplot', 'pandas', *library_modules()])
     return ctx
 
 def _in_fresh_process(ctx, *args) -> tuple[bool, float | str]:
@@ -226,7 +228,7 @@ def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cach
     os.environ.setdefault('PYTHONHASHSEED', '0')
     for v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'):  # oversubscribed cores: torch's QR ~10x slower
         os.environ.setdefault(v, str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
-    ctx = _mp_context(len(todo))
+    ctx = _mp_context(sum(d.library for d, *_ in todo))  # the notebooks it executes
     with cf.ThreadPoolExecutor(max(1, jobs)) as ex:  # `jobs` notebooks at a time, each in a process of its own
         futs = {ex.submit(_in_fresh_process, ctx, str(d.src), str(dst), d.library): (d, keyf, key) for d, dst, keyf, key in todo}
         for f in cf.as_completed(futs):
@@ -341,7 +343,7 @@ EXTRA_CSS = """.md-grid { max-width: 1400px; }
 # ---------------------------------------------------------------------------------------------- the site
 # mkdocs-jupyter converts each page with a new nbconvert exporter, whose Jinja environment compiles the same templates
 # again: 880 compilations for 56 pages, a quarter of the build (cProfile). One cache of compiled templates for the process.
-SHARED_TEMPLATES = """
+SHARED_TEMPLATES = r"""
 import jinja2, nbconvert.exporters.templateexporter as _te
 class _Compiled(jinja2.BytecodeCache):
     store = {}
@@ -352,6 +354,18 @@ _create = _te.TemplateExporter._create_environment
 def _environment(self):
     env = _create(self); env.bytecode_cache = _Compiled(); return env
 _te.TemplateExporter._create_environment = _environment
+# nbconvert's HTMLExporter parses every finished page with BeautifulSoup (html.parser) only to give images without alt
+# text a placeholder (polish_site replaces it) and cells tabindex="0", then serialises it again: 37% of the build
+# (py-spy). The same two edits as regexes; the pages' text and the tags they edit are unchanged (compared on every page).
+import re as _re, nbconvert.exporters.html as _h
+_IMG = _re.compile(r'<img\b(?![^>]*\salt=)')
+_FOCUS = _re.compile(r'(<div\b[^>]*\sclass="[^"]*\b(?:jp-Cell-inputWrapper|jp-OutputArea-output)\b[^"]*")')
+class _Page:
+    def __init__(self, page, features=None): self.page = page
+    def select(self, css): return []
+    def __str__(self):
+        return _FOCUS.sub(r'\1 tabindex="0"', _IMG.sub('<img alt="No description has been provided for this image"', self.page))
+_h.BeautifulSoup = _Page
 """
 
 def run_mkdocs(docs_dir: Path, site_dir: Path) -> None:
