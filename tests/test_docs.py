@@ -161,25 +161,27 @@ def test_chapter_numbers_follow_dependencies():
     assert not late, late
 
 
-def _title(d) -> str:
-    "The notebook's title as nbdev reads it (its frontmatter, or the '# title' cell)."
-    from nbdev.frontmatter import FrontmatterProc
-    from nbdev.process import NBProcessor
-    return NBProcessor(d.src, procs=FrontmatterProc, process=True).nb.frontmatter_['title']
-
-
-def test_mkdocs_yml_lists_every_notebook_and_matches_settings():
-    "mkdocs.yml is static: its nav lists every notebook, in reading order and by package, under its title; its site settings are settings.ini's."
+def test_nav_is_made_from_the_notebooks_and_site_settings_match():
+    """The nav (tools/build_docs.py `nav`, not mkdocs.yml) lists every notebook once, in reading order and by package, under
+    its title; a study's section is headed by its registered title; mkdocs.yml's site settings are settings.ini's."""
     from mkdocs.utils import yaml_load
+    from oelm_nb.lab.study import studies
     conf = yaml_load((ROOT / 'mkdocs.yml').read_text())
-    entry = lambda d: {'Home' if d.dest == 'index.ipynb' else _title(d): d.dest}
+    assert 'nav' not in conf, 'mkdocs.yml has no nav: tools/build_docs.py makes it from the notebooks'
+    entry = lambda d: {'Home' if d.dest == 'index.ipynb' else bd.title(d): d.dest}
     expected = [entry(LIB_NBS[0])]
-    for folder, title in bd.sections(LIB_NBS[1:], ROOT / 'nbs').items():
-        expected.append({title: [entry(d) for d in LIB_NBS[1:] if d.src.parent.relative_to(ROOT / 'nbs').as_posix() == folder]})
+    for folder, heading in bd.sections(LIB_NBS[1:], ROOT / 'nbs').items():
+        expected.append({heading: [entry(d) for d in LIB_NBS[1:] if d.src.parent.relative_to(ROOT / 'nbs').as_posix() == folder]})
     for section in dict.fromkeys(d.dest.split('/')[0] for d in DOCS if not d.library):
         expected.append({section.title(): [entry(d) for d in DOCS if not d.library and d.dest.split('/')[0] == section]})
-    assert conf['nav'] == expected, ('mkdocs.yml nav does not list the notebooks (a new, renamed or retitled notebook?); '
-                                     'it should read:\n' + yaml.dump({'nav': expected}, sort_keys=False, allow_unicode=True))
+    got = bd.nav(DOCS)
+    assert got == expected
+    pages = [p for sec in got for v in sec.values() for p in ([v] if isinstance(v, str) else [q for e in v for q in e.values()])]
+    assert sorted(pages) == sorted(d.dest for d in DOCS) and len(pages) == len(set(pages))  # every notebook, once
+    headings = [h for sec in got for h in sec]
+    for name, st in studies().items():
+        if st.title and st.report: assert f'Study: {st.title}' in headings, (name, headings)  # the registry's title
+    assert 'Study: Q/K freeze' in headings and 'Study: qk_freeze' not in headings
     cfg = bd.nbdev_config()
     assert (conf['site_name'], conf['site_description'], conf['repo_url']) == (cfg.title, cfg.description, cfg.git_url)
     assert conf['site_url'] == BASE_URL + '/' and conf['site_dir'] == cfg.doc_path.name
@@ -290,7 +292,7 @@ def test_a_page_missing_from_the_nav_fails_the_build(site, tmp_path):
         (tmp_path / 'docs' / name).parent.mkdir(parents=True, exist_ok=True); shutil.copy(built / name, tmp_path / 'docs' / name)
     shutil.copy(built / 'base' / 'core.ipynb', tmp_path / 'docs' / 'new_chapter.ipynb')
     with pytest.raises(bd.DocsBuildError, match=r'(?s)nav.*new_chapter\.ipynb'):
-        bd.run_mkdocs(tmp_path / 'docs', tmp_path / 'site')
+        bd.run_mkdocs(tmp_path / 'docs', tmp_path / 'site', [{'Home': 'index.ipynb'}, {'Core': 'base/core.ipynb'}])
 
 
 # ------------------------------------------------------------------------------ one notebook: nbdev's test_nb, then its docs processors
@@ -453,10 +455,14 @@ def test_site_links_made_internal(tmp_path):
 
 
 def test_a_new_study_folder_gets_its_docs_section(tmp_path):
-    "A study's chapters in nbs/studies/NAME/ are a section of the docs without editing tools/build_docs.py."
+    """A study's chapters in nbs/studies/NAME/ are a section of the docs without editing tools/build_docs.py or mkdocs.yml:
+    headed by its registered title, or by its folder's name before it is registered."""
     nbs = tmp_path / 'nbs'
     chapter = lambda rel: bd.DocNb(nbs / rel, rel, True)
-    got = bd.sections([chapter('app/91_cli.ipynb'), chapter('base/00_core.ipynb'), chapter('studies/toy/95_study.ipynb')], nbs)
+    chapters = [chapter('app/91_cli.ipynb'), chapter('base/00_core.ipynb'), chapter('studies/toy/95_study.ipynb')]
+    got = bd.sections(chapters, nbs, studies={})
     assert got == {'base': bd.SECTIONS['base'], 'app': 'Application', 'studies/toy': 'Study: toy'}  # by chapter number
+    assert bd.sections(chapters, nbs, studies={'studies/toy': 'Study: A toy'})['studies/toy'] == 'Study: A toy'
+    assert bd.study_sections()['studies/qk_freeze'] == 'Study: Q/K freeze'  # from the entry points and Study.title
     with pytest.raises(KeyError, match='package folder'):
         bd.sections([chapter('misc/99_notes.ipynb')], nbs)

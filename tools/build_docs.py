@@ -10,8 +10,8 @@
    `--check-only` (`make nbtest`) stops here.
 2. A study's report page is the report executed on an example batch (tools/example_batches.py, cached).
 3. For mkdocs-jupyter, what Quarto would do: frontmatter as title, show_doc's markdown as text, cell options applied.
-4. `mkdocs build` (mkdocs.yml); nbdev's links to the docs host made internal, 404 page, figure alt text and search index
-   fixed, internal links checked (tools/check_links.py).
+4. `mkdocs build` (mkdocs.yml, the nav made from the notebooks); nbdev's links to the docs host made internal,
+   404 page, figure alt text and search index fixed, internal links checked (tools/check_links.py).
 Usage: python tools/build_docs.py [--check-only] [--jobs N] [--no-cache] [--no-examples] [--no-check-links]
                                   [--site-dir DIR] [--build-dir DIR]
 """
@@ -71,23 +71,55 @@ def chapter_number(nb: Path) -> int:
     m = re.match(r'(\d+)', nb.name)
     return int(m.group(1)) if m else -1
 
-# the docs' sections: one per package folder of nbs/ (mkdocs.yml's nav, checked by tests/test_docs.py); a study's folder
-# not named here is headed 'Study: <folder>'
+# the docs' sections (the nav of the site, made by `nav`): one per package folder of nbs/, in reading order; a registered
+# study's folder is headed by its title (`study_sections`), an unregistered one 'Study: <folder>'
 SECTIONS = {'base': 'Base: configurations, run directories, metrics', 'data': 'Data', 'model': 'Model',
-            'report': 'Reports and evidence', 'train': 'Training', 'lab': 'The lab: studies, batches, tools',
-            'studies/qk_freeze': 'Study: Q/K freeze', 'studies/pca': 'Study: PCA embeddings', 'studies/cvfp': 'Study: CVFP',
-            'studies/mercator': 'Study: Mercator', 'app': 'Application'}
+            'report': 'Reports and evidence', 'train': 'Training', 'lab': 'The lab: studies, batches, tools', 'app': 'Application'}
 
-def sections(chapters: list[DocNb], nbs: Path) -> dict[str, str]:
+def study_sections() -> dict[str, str]:
+    """{folder of nbs/: 'Study: TITLE'} of the studies registered by this package's entry points: the folder its module is
+    exported from (oelm_nb.studies.qk_freeze.study -> studies/qk_freeze), its `Study.title` (or name) as the heading."""
+    from importlib.metadata import entry_points
+    from oelm_nb.lab.study import STUDY_GROUP, studies
+    lib, registered, out = nbdev_config().lib_name, studies(), {}
+    for ep in entry_points(group=STUDY_GROUP):
+        parts = ep.module.split('.')
+        if parts[0] == lib and ep.name in registered:  # a study of another package has its own docs
+            out['/'.join(parts[1:-1])] = 'Study: ' + (registered[ep.name].title or ep.name)
+    return out
+
+def sections(chapters: list[DocNb], nbs: Path, studies: dict[str, str] | None = None) -> dict[str, str]:
     """{folder: heading} of the library chapters' package folders, in reading order (each folder where its first
-    chapter's number puts it); a folder that is neither in SECTIONS nor a study's raises."""
-    out = {}
+    chapter's number puts it); `studies`: the study folders' headings (default: `study_sections()`). A folder that is
+    neither a package's nor a study's raises."""
+    studies, out = study_sections() if studies is None else studies, {}
     for d in sorted(chapters, key=lambda d: chapter_number(d.src)):
         folder = d.src.parent.relative_to(nbs).as_posix()
         if folder in out or folder == '.': continue
         if folder in SECTIONS: out[folder] = SECTIONS[folder]
+        elif folder in studies: out[folder] = studies[folder]
         elif folder.startswith('studies/') and folder.count('/') == 1: out[folder] = 'Study: ' + folder.split('/')[1]
         else: raise KeyError(f'{d.src}: a chapter lives in a package folder of nbs/ ({", ".join(SECTIONS)} or studies/NAME)')
+    return out
+
+def title(d: DocNb) -> str:
+    "The notebook's title as nbdev reads it (its frontmatter, or the '# title' cell)."
+    from nbdev.frontmatter import FrontmatterProc
+    return NBProcessor(d.src, procs=FrontmatterProc, process=True).nb.frontmatter_['title']
+
+def nav(docs: list[DocNb]) -> list:
+    """The site's navigation (mkdocs' `nav`): Home, each package folder's chapters under its section heading, in reading
+    order, then the other notebooks (experiments, reports) by folder; each under its title. Made from the notebooks, so
+    a new chapter or study folder needs no edit of mkdocs.yml."""
+    nbs, lib = nbdev_config().nbs_path.resolve(), [d for d in docs if d.library]
+    entry = lambda d: {'Home' if d.dest == 'index.ipynb' else title(d): d.dest}
+    out = [entry(d) for d in lib if d.dest == 'index.ipynb']
+    chapters = [d for d in lib if d.dest != 'index.ipynb']
+    for folder, heading in sections(chapters, nbs).items():
+        out.append({heading: [entry(d) for d in chapters if d.src.parent.relative_to(nbs).as_posix() == folder]})
+    others = [d for d in docs if not d.library]
+    for folder in dict.fromkeys(d.dest.split('/')[0] for d in others):
+        out.append({folder.title(): [entry(d) for d in others if d.dest.split('/')[0] == folder]})
     return out
 
 # ---------------------------------------------------------------------------------------------- nbdev, one notebook
@@ -368,11 +400,15 @@ class _Page:
 _h.BeautifulSoup = _Page
 """
 
-def run_mkdocs(docs_dir: Path, site_dir: Path) -> None:
-    "`mkdocs build` with mkdocs.yml on the pages in docs_dir (its `!ENV` default: _mkdocs/docs); strict: a warning fails it."
+def run_mkdocs(docs_dir: Path, site_dir: Path, nav: list) -> None:
+    """`mkdocs build` on the pages in docs_dir with mkdocs.yml and `nav` (written beside docs_dir as a mkdocs.yml that
+    inherits the project's); strict: a warning fails it, a page in docs_dir that `nav` lacks too."""
+    import yaml
     from oelm_nb.lab.runner import module_args  # `python -m mkdocs` without the imports nbformat does not need
+    conf = docs_dir.parent / 'mkdocs.yml'
+    conf.write_text(yaml.safe_dump({'INHERIT': str(ROOT / 'mkdocs.yml'), 'nav': nav}, sort_keys=False, allow_unicode=True))
     flag, code = module_args('mkdocs')
-    r = subprocess.run([sys.executable, flag, SHARED_TEMPLATES + code, 'build', '-f', str(ROOT / 'mkdocs.yml'), '-d', str(site_dir)],
+    r = subprocess.run([sys.executable, flag, SHARED_TEMPLATES + code, 'build', '-f', str(conf), '-d', str(site_dir)],
                        capture_output=True, text=True, env={**os.environ, 'OELM_DOCS_DIR': str(docs_dir)})
     if r.returncode: raise DocsBuildError('mkdocs build failed:\n' + '\n'.join(l for l in r.stderr.splitlines() if 'INFO' not in l))
 
@@ -419,10 +455,11 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
     t0, cfg = time.time(), nbdev_config()
     site_dir, build_dir = Path(site_dir or cfg.doc_path).resolve(), Path(build_dir or ROOT / '_mkdocs').resolve()
     docs = discover(cfg.nbs_path)
+    site_nav = nav(docs)
     if examples: docs = add_examples(docs, build_dir / 'examples', use_cache, None if examples is True else tuple(examples))
     write_pages(docs, process_notebooks(docs, build_dir / 'proc', jobs, use_cache), build_dir / 'docs')
-    log(f'rendering {len(docs)} page(s) with mkdocs-material + mkdocs-jupyter (mkdocs.yml) into {site_dir}')
-    run_mkdocs(build_dir / 'docs', site_dir)
+    log(f'rendering {len(docs)} page(s) with mkdocs-material + mkdocs-jupyter (mkdocs.yml, the nav from the notebooks) into {site_dir}')
+    run_mkdocs(build_dir / 'docs', site_dir, site_nav)
     base_url, base_path = cfg.doc_host + cfg.doc_baseurl, urlsplit(cfg.doc_host + cfg.doc_baseurl).path
     n, n404, fixed = relink(site_dir, base_url, slugify), relative_404(site_dir, base_path), polish_site(site_dir)
     log(f"{n} link(s) to {base_url} and {n404} of 404.html made relative, {fixed['alt']} figure(s) given alt text, "

@@ -54,6 +54,7 @@ class Study:
     settings: type # a ConfigBase dataclass: the study's own settings (`--set settings.FIELD=...`)
     variants: PlanVariants # what to run
     run: RunOne # how to run one of them
+    title: str | None = None # a few words for headings (the docs' section 'Study: TITLE'); None: the name
     train: dict[str, dict] = field(default_factory=lambda: TRAIN_PRESETS) # preset -> TrainConfig fields
     data: dict[str, dict] = field(default_factory=lambda: DATA_PRESETS) # preset -> DataConfig fields
     default_variants: tuple | None = None # run when none are named (None: every variant `variants` returns)

@@ -570,6 +570,7 @@ def cvfp_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'val_er_percent', f'ODCM-n{n}', f'MCDL-n{n}'
 
 CVFP = Study(
+    title='CVFP',
     answers='oelm_nb.studies.cvfp.report:cvfp_answers',  # the report chapter's, imported on first use
     build_model=cvfp_model,
     plot=plot_run,

@@ -558,6 +558,7 @@ class MercatorOptions:
 
 # %% ../../../nbs/studies/mercator/83_study.ipynb #354d740e
 MERCATOR = Study(
+    title='Mercator',
     answers='oelm_nb.studies.mercator.report:mercator_answers',  # the report chapter's, imported on first use
     plot=plot_run,
     name='mercator',

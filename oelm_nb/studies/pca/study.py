@@ -672,6 +672,7 @@ def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
     return 'best_val_ppl', f'pca-lora-k{k}', 'baseline-cont'
 
 PCA = Study(
+    title='PCA embeddings',
     build_model=pca_model,
     plot=plot_run,
     name='pca', settings=PCASettings, variants=pca_variants, run=pca_run, load_model=load_pca_model,

@@ -455,6 +455,7 @@ def plot_run(spec, # the run's `RunSpec`
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #d54873c0
 QK_FREEZE = Study(
+    title='Q/K freeze',
     plot=plot_run,
     name='qk-freeze',
     description='Orthogonal and frozen attention Q/K (the Q/K freeze log), with controls for initial scale: '
