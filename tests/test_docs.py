@@ -36,9 +36,9 @@ LIB_NBS = [d for d in DOCS if d.library]
 # the site's report pages run an example batch each (`make docs`: every study, about 2 minutes); here one study's, to
 # keep `make test` short: the machinery is the same for all, and each study's report is tested on real batches by its own suite
 EXAMPLE_STUDIES = ('qk-freeze',)
-# ...on a smaller batch than `make docs` runs (the study's smoke batch at 10 steps, seed 0 alone, 5 timing rounds): the
-# page is built the same way, and what it shows of such runs is no answer either way
-EXAMPLE_STEPS, EXAMPLE_SEEDS, EXAMPLE_TIMING_ROUNDS = 10, (0,), 5
+# ...on a smaller batch than `make docs` runs (the study's smoke batch at 10 steps, seed 0 alone, its first 2 variants,
+# 5 timing rounds): the page is built the same way, and what it shows of such runs is no answer either way
+EXAMPLE_STEPS, EXAMPLE_SEEDS, EXAMPLE_TIMING_ROUNDS, EXAMPLE_VARIANTS = 10, (0,), 5, 2
 BASE_PATH = '/' + bd.nbdev_config().get('doc_baseurl', '').strip('/')
 BASE_URL = bd.nbdev_config().doc_host + bd.nbdev_config().doc_baseurl
 
@@ -64,7 +64,9 @@ def site(tmp_path_factory, request) -> Path:
                     mp_.setattr(eb, 'run_batch', example_batch_in_a_fork)
                     mp_.setattr(eb, 'SEEDS', EXAMPLE_SEEDS)
                     smoke = eb.examples
-                    mp_.setattr(eb, 'examples', lambda: {k: {**v, 'steps': min(v['steps'], EXAMPLE_STEPS)} for k, v in smoke().items()})
+                    mp_.setattr(eb, 'examples', lambda: {k: {**v, 'steps': min(v['steps'], EXAMPLE_STEPS), 'variants': v.get('variants') or
+                                                             list(studies()[k].variants('tiny', EXAMPLE_STEPS, {}))[:EXAMPLE_VARIANTS]}
+                                                         for k, v in smoke().items()})
                     qk = studies()['qk-freeze']
                     mp_.setattr(qk, 'after_batch', functools.partial(qk.after_batch, steps=EXAMPLE_TIMING_ROUNDS, warmup=1))
                     bd.build(site_dir=out / 'site', build_dir=out / 'build', jobs=2, use_cache=True, check_links=False,
@@ -124,6 +126,16 @@ def page(site: Path, html: str) -> tuple[str, _Page]:
     return text, _Page(text)
 
 
+def default_exp(d: bd.DocNb) -> str | None:
+    """The module a chapter exports (its code cells' `#| default_exp`); None for a guide, a chapter with no exported
+    cell (it may show a default_exp line in its prose)."""
+    cells = [''.join(c['source']) for c in json.loads(d.src.read_text())['cells'] if c['cell_type'] == 'code']
+    mods = [m[1] for s in cells if (m := re.match(r'#\|\s*default_exp\s+([\w.]+)', s))]
+    exports = any(re.match(r'#\|\s*export', s) for s in cells)
+    assert mods or not exports, f'{d.src}: exported cells but no default_exp'
+    return mods[0] if mods else None
+
+
 def test_notebooks_are_discovered():
     """The notebooks nbdev_test runs are the library chapters (index first, then in reading order, one folder per package);
     nbs/experiments and nbs/reports hold a .notest file."""
@@ -134,8 +146,8 @@ def test_notebooks_are_discovered():
     folders = bd.sections(LIB_NBS[1:], ROOT / 'nbs')  # raises for a chapter outside the package folders
     assert list(folders)[:2] == ['base', 'data'] and list(folders)[-1] == 'app', folders  # in reading order
     for d in LIB_NBS[1:]:
-        folder = d.src.parent.relative_to(ROOT / 'nbs').as_posix()
-        mod = re.search(r'#\|\s*default_exp\s+([\w.]+)', d.src.read_text()).group(1)
+        folder, mod = d.src.parent.relative_to(ROOT / 'nbs').as_posix(), default_exp(d)
+        if mod is None: continue  # a guide: no module
         assert mod.rsplit('.', 1)[0].replace('.', '/') == folder, f'{d.src}: exports {mod}, not a module of {folder}'
     assert {d.html for d in LIB_NBS} >= {'index.html', 'model/gpt.html'}, 'pages named as nbdev names them (23_gpt -> gpt)'
     for folder in ('experiments', 'reports'):
@@ -146,10 +158,7 @@ def test_notebooks_are_discovered():
 
 def test_chapter_numbers_follow_dependencies():
     "Reading order: a chapter's exported code imports only modules of chapters numbered before it."
-    number = {}
-    for d in LIB_NBS[1:]:
-        mod = re.search(r'#\|\s*default_exp\s+([\w.]+)', d.src.read_text()).group(1)
-        number[f'oelm_nb.{mod}'] = bd.chapter_number(d.src)
+    number = {f'oelm_nb.{default_exp(d)}': bd.chapter_number(d.src) for d in LIB_NBS[1:] if default_exp(d)}
     late = []
     for d in LIB_NBS[1:]:
         me = bd.chapter_number(d.src)
@@ -248,8 +257,9 @@ def test_report_page_is_executed_on_an_example_batch(site, study):
     assert 'summary.json">' not in text and 'metrics.jsonl">' not in text  # the run files are not on the site
     batch = site.parent / 'build' / 'examples' / 'runs' / study
     summaries = [json.loads(p.read_text()) for p in batch.glob('*-s[0-9]*/summary.json')]
-    assert len(summaries) >= 4 and all(s['status'] == 'completed' for s in summaries)
-    assert {s['seed'] for s in summaries} == set(EXAMPLE_SEEDS) and f"seed {EXAMPLE_SEEDS[0]}, on a" in text  # the note says which
+    assert len(summaries) == EXAMPLE_VARIANTS and all(s['status'] == 'completed' for s in summaries)
+    variants = ', '.join(list(studies()[study].variants('tiny', EXAMPLE_STEPS, {}))[:EXAMPLE_VARIANTS])
+    assert {s['seed'] for s in summaries} == set(EXAMPLE_SEEDS) and f"seed {EXAMPLE_SEEDS[0]}, variants {variants}, on a" in text  # the note says which
     # the site shows the reports under nbs/ (a study registered from elsewhere, like tests/toy_study, has its own)
     others = [r for r, st in eb.report_studies().items() if st not in EXAMPLE_STUDIES and not Path(r).is_absolute()]
     for r in others: assert 'Not executed for this site' in (site / r.replace('.ipynb', '.html')).read_text()  # shown as saved

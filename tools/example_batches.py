@@ -41,6 +41,7 @@ def describe(study: str) -> str:
     ex = examples()[study]
     opts = ''.join(f", --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in ex.get('options', {}).items())
     seeds = ' and '.join(map(str, SEEDS))
+    if ex.get('variants'): opts += f", variants {', '.join(ex['variants'])}"
     return (f"the tiny preset, {ex['steps']} optimizer steps per run, seed{'s' if len(SEEDS) > 1 else ''} {seeds}{opts}, on a "
             f"300-story corpus with a 300-token vocabulary")
 
@@ -51,6 +52,7 @@ def run_example(study: str, out: Path, log=print):
     from oelm_nb.lab.study import SMALL_CORPUS
     ex = examples()[study]
     res = run_study(study, seeds=list(SEEDS), steps=ex['steps'], out_dir=out, options=ex.get('options'),
+                    variants=ex.get('variants'),  # as tools/same_numbers.py reads `Study.smoke` (None: the study's own)
                     overrides={**SMALL_CORPUS, **ex.get('overrides', {})}, execute=execute_inline, report=True, log=log)
     if res.failed: raise RuntimeError(f"example batch {study}: run(s) {', '.join(res.failed)} did not complete; see {out}")
     return res
