@@ -51,7 +51,7 @@ MEDIUM_QK = MEDIUM['L'] * 2 * MEDIUM['d'] ** 2  # Q and K weights of every layer
 @pytest.mark.slow
 def test_params_medium512_accounting_and_overrides():
     assert MEDIUM_TOTAL == 44_896_768 and MEDIUM_QK == 3_145_728  # the documented counts, from arithmetic alone
-    p = '--preset', 'medium512', '--json'
+    p = '--preset', 'medium512', '--json', '--study', 'qk-freeze'  # another study may plan 'gpt' too: name the one counted
     gpt, frz, vocab, wte, bad = run_all(('params', *p, '--variant', 'gpt'), ('params', *p, '--variant', 'oelm-freeze'),
                                         ('params', *p, '--variant', 'gpt', '--set', 'model.vocab_size=10000'),
                                         ('params', *p, '--variant', 'oelm-freeze', '--set', 'model.n_embd_wte=128'),
@@ -161,7 +161,7 @@ def test_the_console_script_returns_mains_exit_status():
     import oelm_nb
     v = run_oelm('--version')
     assert v.returncode == 0 and v.stdout.strip() == f'oelm_nb {oelm_nb.__version__}', v.stdout + v.stderr
-    bad = run_oelm('params', '--variant', 'gpt', '--set', 'model.n_head=7')
+    bad = run_oelm('params', '--study', 'qk-freeze', '--variant', 'gpt', '--set', 'model.n_head=7')
     assert 'ModelConfig.n_head=7' in usage_error(bad, 'params') and len(bad.stderr.strip().splitlines()) == 1
 
 

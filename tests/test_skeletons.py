@@ -1,8 +1,8 @@
 """The shared skeletons of issue 39: every experiment notebook is parameters, `run_in_notebook`, `plot_run`; every
 report notebook opens with `open_report` and ends with `provenance_footer`; every study draws a run through its
-`Study.plot` hook."""
+`Study.plot` hook. A study without a report notebook or a plot (both optional) is skipped or draws nothing."""
 from __future__ import annotations
-import json
+import json, re
 from pathlib import Path
 
 import matplotlib
@@ -35,12 +35,16 @@ def test_experiment_notebook_is_the_skeleton(study):
         assert f'\n{name} = ' in '\n' + src(cells[0]), name
     rest = [src(c) for c in cells[1:]]
     assert len(rest) == 3 and 'import run_in_notebook, plot_run' in rest[0], rest
-    assert rest[1].startswith('spec, summary = run_in_notebook(config, example=') and f"study='{study}'" in rest[1]
+    assert rest[1].startswith('spec, summary = run_in_notebook(config, example=')
+    # its example names the study, or (a notebook several studies share: `Study.notebook`'s default) one that uses it
+    example = re.search(r"study='([\w-]+)'", rest[1])[1]
+    assert example == study or get_study(example).notebook == get_study(study).notebook, (study, example)
     assert rest[2].startswith('plot_run(spec, summary)')
 
 
 @pytest.mark.parametrize('study', STUDIES)
 def test_report_notebook_opens_and_closes_the_same_way(study):
+    if get_study(study).report is None: pytest.skip(f'{study} has no report notebook (optional: `oelm run` prints its answers)')
     text = '\n'.join(src(c) for c in code_cells(ROOT / 'nbs' / get_study(study).report))
     assert text.count('open_report(run_dir, ') == 1 and text.count('provenance_footer(run_dir, ') == 1
     assert 'find_batch_dir' not in text and "status == 'completed'" not in text and 'filterwarnings' not in text
@@ -60,9 +64,8 @@ def test_every_study_draws_a_run(tmp_path, study):
     recs[-1].update(val_loss=2.9, val_ppl=18.2, recall_acc=0.2, val_kv_cos=0.6, val_kv_cos_centered=0.45)
     write_metrics(tmp_path / 'run', recs)
     summary = {'trained': True, 'k': 4, 'recall_chance': 0.1, 'final_kv_cos': 0.6, 'final_kv_cos_centered': 0.45}
-    assert get_study(study).plot is not None
     before = len(plt.get_fignums())
-    plot_run(spec, summary)  # draws (and shows, a no-op on Agg) without error
+    plot_run(spec, summary)  # draws (and shows, a no-op on Agg) without error; nothing for a study without `plot`
     assert len(plt.get_fignums()) >= before
     plt.close('all')
 
