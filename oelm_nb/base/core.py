@@ -291,6 +291,7 @@ class DataConfig(ConfigBase):
     tokenizer: str = 'bpe' # bpe (trained here) | gpt2 (tiktoken, needs its files)
     n_train_stories: int = 20_000 # synthetic: stories in the training split
     n_val_stories: int = 1_000 # synthetic: stories in the validation split (disjoint)
+    n_names: int = 3000 # synthetic: distinct made-up names the characters are drawn from (fewer: each recurs more)
     seed: int = 1234 # synthetic: generator seed
     val_fraction: float = 0.01 # text sources without a split: share held out for validation
 
@@ -306,6 +307,8 @@ class DataConfig(ConfigBase):
               self.n_train_stories, 'must be a positive integer')
         check(isinstance(self.n_val_stories, int) and self.n_val_stories > 0, c, 'n_val_stories', self.n_val_stories,
               'must be a positive integer')
+        check(isinstance(self.n_names, int) and self.n_names >= 2, c, 'n_names', self.n_names,
+              'must be an integer >= 2 (a story has two named characters)')
         check(0 < self.val_fraction < 1, c, 'val_fraction', self.val_fraction, 'must be in (0, 1)')
 
 # %% ../../nbs/base/00_core.ipynb #7bcf83c4

@@ -281,7 +281,8 @@ def flatten(d: dict, prefix: str = '') -> dict:
 # %% ../../nbs/base/01_rundir.ipynb #a4b45df2
 # fields added later: at their default they leave older runs' fingerprints as they were
 ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'model.attn_dropout': None,
-                       'model.embd_dropout': None, 'train.micro_batch': 'auto', 'train.fused_adamw': True}
+                       'model.embd_dropout': None, 'train.micro_batch': 'auto', 'train.fused_adamw': True,
+                       'data.n_names': 3000}
 
 # %% ../../nbs/base/01_rundir.ipynb #c88ea0ec
 def identity_fields(config: dict) -> dict:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from ..base.core import DataConfig, DataError
+from ..base.rundir import ABSENT_WHEN_DEFAULT
 from .tokenizer import (
     EOT, GPT2_FILES, BPETokenizer, TiktokenTokenizer, _reachable, gpt2_tokenizer, load_tokenizer)
 from .stories import NAMES, WORDS, Story, generate_stories, make_names, synthetic_splits
@@ -175,7 +176,9 @@ def _resolve_source(source: str):
 # %% ../../nbs/data/12_corpus.ipynb #be986b0a
 def _fingerprint(cfg: DataConfig, kind: str, files) -> str:
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files] if kind == 'files' else []
-    blob = json.dumps(dict(format=FORMAT, config=cfg.to_dict(), files=stats), sort_keys=True)
+    config = {k: v for k, v in cfg.to_dict().items()  # a field added later, at its default: the fingerprint as before
+              if not (f'data.{k}' in ABSENT_WHEN_DEFAULT and v == ABSENT_WHEN_DEFAULT[f'data.{k}'])}
+    blob = json.dumps(dict(format=FORMAT, config=config, files=stats), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 # %% ../../nbs/data/12_corpus.ipynb #bdc98b49
@@ -255,7 +258,7 @@ def _recall_stats(tok, train, val) -> dict:
 def _documents(cfg: DataConfig, kind: str, payload) -> tuple[dict, dict]:
     "({split: texts}, {split: stories}) of a source (stories only for the synthetic corpus)."
     if kind == 'synthetic':
-        stories = dict(zip(SPLITS, synthetic_splits(cfg.n_train_stories, cfg.n_val_stories, cfg.seed)))
+        stories = dict(zip(SPLITS, synthetic_splits(cfg.n_train_stories, cfg.n_val_stories, cfg.seed, cfg.n_names)))
         return {s: [st.text for st in stories[s]] for s in SPLITS}, stories
     if kind == 'tinystories': return dict(zip(SPLITS, map(split_at_eot, load_tinystories()))), {}
     docs = [d for f in payload for d in read_documents(f)]

@@ -8,7 +8,7 @@ import functools, random, re
 from dataclasses import dataclass, field
 
 # %% auto #0
-__all__ = ['WORDS', 'NAMES', 'make_names', 'Story', 'generate_stories', 'synthetic_splits']
+__all__ = ['WORDS', 'NAMES', 'make_names', 'story_names', 'Story', 'generate_stories', 'synthetic_splits']
 
 # %% ../../nbs/data/10_stories.ipynb #382dabef
 WORDS = dict(  # slot name -> word list; 'object' words only ever name the story's objects
@@ -65,6 +65,14 @@ def _all_words() -> list[str]: return [w for ws in WORDS.values() for w in ws]
 
 # %% ../../nbs/data/10_stories.ipynb #61e4f13c
 NAMES = make_names()
+
+@functools.lru_cache(maxsize=None)
+def story_names(n: int = len(NAMES), # how many distinct names the stories draw from
+               ) -> tuple[str, ...]:
+    "The names stories with `n` distinct names draw from: the first `n` of `NAMES` (made alike beyond its 3,000)."
+    if not (isinstance(n, int) and n >= 2):
+        raise ValueError(f'n_names={n!r}: a story needs 2 distinct names; give an integer >= 2')
+    return tuple(NAMES[:n] if n <= len(NAMES) else make_names(n))
 
 # %% ../../nbs/data/10_stories.ipynb #6c3e5fc8
 _HERO = ("Once upon a time, there was a {cadj} {kind} named {A}.",
@@ -165,8 +173,8 @@ def _render(tpl: str, slots: dict, rng: random.Random, offset: int, mentions: li
 _MAX_WORDS, _MIN_WORDS = 120, 50
 
 # %% ../../nbs/data/10_stories.ipynb #c5796cec
-def _write_story(rng: random.Random) -> Story:
-    a, b = rng.sample(NAMES, 2)
+def _write_story(rng: random.Random, names: tuple[str, ...] = tuple(NAMES)) -> Story:
+    a, b = rng.sample(names, 2)
     o, q = rng.sample(WORDS['object'], 2)
     he, his, him = rng.choice((('he', 'his', 'him'), ('she', 'her', 'her')))
     slots = dict(A=a, B=b, O=o, Q=q, he=he, his=his, him=him, He=he.capitalize(), His=his.capitalize())
@@ -210,23 +218,25 @@ def _write_story(rng: random.Random) -> Story:
 def generate_stories(n: int, # number of stories
                      seed: int = 1234, # corpus seed
                      stream: str = 'train', # independent story streams, e.g. 'train' and 'val'
+                     n_names: int = len(NAMES), # distinct names the characters are drawn from (`story_names`)
                     ) -> list[Story]:
     "`n` deterministic short stories (50-120 words) with their recall spans."
-    return [_story(stream, seed, i) for i in range(n)]
+    return [_story(stream, seed, i, n_names) for i in range(n)]
 
 # %% ../../nbs/data/10_stories.ipynb #78760a7d
-def _story(stream: str, seed: int, i: int) -> Story:
-    return _write_story(random.Random(f'oelm-stories/{stream}/{seed}/{i}'))
+def _story(stream: str, seed: int, i: int, n_names: int = len(NAMES)) -> Story:
+    return _write_story(random.Random(f'oelm-stories/{stream}/{seed}/{i}'), story_names(n_names))
 
 # %% ../../nbs/data/10_stories.ipynb #413c862f
 def synthetic_splits(n_train: int, # training stories
                      n_val: int, # validation stories
                      seed: int = 1234, # corpus seed
+                     n_names: int = len(NAMES), # distinct names the characters are drawn from
                     ) -> tuple[list[Story], list[Story]]:
     "Disjoint training and validation stories: separate RNG streams, and no identical text in both."
-    train = generate_stories(n_train, seed, 'train')
+    train = generate_stories(n_train, seed, 'train', n_names)
     seen, val, i = {s.text for s in train}, [], 0
     while len(val) < n_val:
-        s = _story('val', seed, i); i += 1
+        s = _story('val', seed, i, n_names); i += 1
         if s.text not in seen: seen.add(s.text); val.append(s)
     return train, val
