@@ -30,10 +30,11 @@ from ...report.page import budget_text
 
 # %% auto #0
 __all__ = ['H1_TEXT', 'H3_TEXT', 'QK_FAMILY', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants',
-           'h1_verdict', 'load_timing', 'median_interval', 'sign_test_p', 'h3_answer', 'what_it_takes', 'gap_answer',
-           'formation_answer', 'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds',
-           'interleaved_timing', 'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence',
-           'tokens_per_run', 'scale_note', 'plot_run']
+           'h1_verdict', 'load_timing', 'bounded_median_interval', 'median_interval', 'sign_test_p', 'h3_answer',
+           'what_it_takes', 'gap_answer', 'formation_delay', 'delay_text', 'formation_answer',
+           'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds', 'interleaved_timing',
+           'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run',
+           'scale_note', 'plot_run']
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -91,13 +92,21 @@ def _binom_half_cdf(k: int, n: int) -> float:
     from math import comb
     return sum(comb(n, i) for i in range(k + 1)) / 2 ** n if k >= 0 else 0.0
 
+def bounded_median_interval(lo, hi, level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of values known only within bounds, lo_i <= x_i <= hi_i (equal
+    where a value is exact, -inf or inf where censoring leaves a side open): the k-th smallest lower bound and the
+    k-th smallest of the upper bounds from the top, k the largest with coverage 1 - 2 P(B <= k-1) >= `level`, or 1
+    (the extremes) where n is too small for `level`; (low, high, coverage), coverage below `level` then."""
+    lo, hi = np.sort(np.asarray(lo, float)), np.sort(np.asarray(hi, float)); n = len(lo)
+    if not n: return float('nan'), float('nan'), float('nan')
+    k = max((k for k in range(1, n // 2 + 1) if 1 - 2 * _binom_half_cdf(k - 1, n) >= level), default=1)
+    return float(lo[k - 1]), float(hi[n - k]), max(0.0, 1 - 2 * _binom_half_cdf(k - 1, n))
+
 def median_interval(x, level: float = 0.95) -> tuple[float, float, float]:
     """A distribution-free interval for the median of `x` (the sign test inverted): the order statistics k and n+1-k,
     k the largest with coverage 1 - 2 P(B <= k-1) >= `level`; (low, high, coverage), nan ends when n is too small."""
-    x = np.sort(np.asarray(x, float)); n = len(x)
-    k = max((k for k in range(1, n // 2 + 1) if 1 - 2 * _binom_half_cdf(k - 1, n) >= level), default=0)
-    if not k: return float('nan'), float('nan'), float('nan')
-    return float(x[k - 1]), float(x[n - k]), 1 - 2 * _binom_half_cdf(k - 1, n)
+    low, high, cover = bounded_median_interval(x, x, level)
+    return (low, high, cover) if cover >= level else (float('nan'), float('nan'), float('nan'))
 
 def sign_test_p(x, at: float = 1.0, alternative: str = 'two-sided') -> float:
     "The exact sign test of median(x) = `at` (ties dropped): two-sided, or one-sided 'less' (median below `at`)."
@@ -186,9 +195,47 @@ def _steps(t: dict) -> str:
     lo, hi = t['steps']
     return f'{lo:,}' if lo == hi else f'{lo:,}-{hi:,}'
 
+def formation_delay(form: pd.DataFrame, # `formation` of a batch
+                    a: str, b: str, level: float = 0.95) -> dict | None:
+    """How many steps later `a` formed the recall circuit than `b`, paired by seed (a - b): per seed the bounds that
+    censoring leaves (both formed it: the difference; only `b`: at least `a`'s last step minus `b`'s step; only `a`: at
+    most; neither: unbounded), the median's bounds and `bounded_median_interval`; None without a paired seed."""
+    f = form[form.time.notna()]
+    pa, pb = (f[f.variant == v].drop_duplicates('seed').set_index('seed') for v in (a, b))
+    seeds = sorted(set(pa.index) & set(pb.index))
+    if not seeds: return None
+    ta, tb = pa.time[seeds].to_numpy(float), pb.time[seeds].to_numpy(float)
+    ea, eb = pa.event[seeds].astype(bool).to_numpy(), pb.event[seeds].astype(bool).to_numpy()
+    lo, hi = np.where(eb, ta - tb, -np.inf), np.where(ea, ta - tb, np.inf)
+    low, high, cover = bounded_median_interval(lo, hi, level)
+    return {'seeds': [int(s) for s in seeds], 'lo': lo, 'hi': hi, 'low': low, 'high': high, 'coverage': cover,
+            'median': (float(np.median(lo)), float(np.median(hi))), 'level': level,
+            'censored': (int((~ea).sum()), int((~eb).sum()))}
+
+def _delay(x: float, unit: str = ' steps') -> str:
+    return 'unbounded' if np.isinf(x) else f'{x:+,.0f}{unit}'
+
+def delay_text(d: dict, a: str, b: str) -> tuple[str, str, str]:
+    "(estimate, interval, per seed) of `formation_delay` as the answer writes them."
+    (m_lo, m_hi), n = d['median'], len(d['seeds'])
+    est = (f'{a} formed it {_delay(m_lo)} after {b} (median over {n} seeds)' if m_lo == m_hi else
+           f'{a} formed it at least {_delay(m_lo)} after {b} (median over {n} seeds; censored runs leave only a '
+           'bound)' if np.isinf(m_hi) else
+           f"median delay of {a} behind {b} between {_delay(m_lo, '')} and {_delay(m_hi)}")
+    if n < 2: return est, '', ''
+    why = '' if d['coverage'] >= d['level'] else f" (the extremes: {n} seeds give no {d['level']:.0%} one)"
+    low = 'no lower end' if np.isinf(d['low']) else _delay(d['low'], '')
+    high = 'no upper end (censored)' if np.isinf(d['high']) else _delay(d['high'])
+    interval = f"{d['coverage']:.1%} interval {low} .. {high}{why}"
+    def one(l, h): return _delay(l, '') if l == h else f"> {_delay(l, '')}" if np.isinf(h) else f"< {_delay(h, '')}"
+    each = ', '.join(f's{s} {one(l, h)}' for s, l, h in zip(d['seeds'], d['lo'], d['hi']))
+    return est, interval, f'per seed ({a} - {b}, steps): {each}'
+
 def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) -> Answer:
-    """R1/R2: whether `a` forms the recall circuit as early as `b`: counts within the budget and the exact permutation
-    test of the log-rank statistic within seed (censored runs kept); 'earlier' only where censoring allows it."""
+    """R1/R2: whether `a` forms the recall circuit as early as `b`, decided by the exact permutation test of the
+    log-rank statistic within seed (censored runs kept; 'earlier' only where censoring allows it). Where every run of
+    `b` formed it, the estimate is `a`'s delay (`formation_delay`: median and interval, censored runs as bounds); else
+    how many formed it within the budget."""
     question = f'{a} forms the recall circuit as early as {b}'
     t = formation_test(form, a, b)
     if t is None: return Answer(qid=rid, question=question, verdict=NO_DATA, method=f'needs completed {a} and {b} runs '
@@ -199,6 +246,12 @@ def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) 
     c = formation_comparison(form, a, b)
     step = f"; paired step difference where both formed it {c.text('{:+,.0f}')}" if c and c.n else ''
     caveats = [f'formed = {formation_rule(form)}']
+    d = formation_delay(form, a, b) if t['formed_b'] == t['runs_b'] else None
+    if d is not None:  # every control formed it: the delay is measured, censored runs of `a` kept as bounds
+        est, interval, each = delay_text(d, a, b)
+        caveats = [counts, each, *caveats]
+        value = d['median'][0] if d['median'][0] == d['median'][1] else None
+        low, high = ((None if np.isinf(x) else x) for x in (d['low'], d['high']))
     if t['p'] is None:
         return Answer(rid, question, 'neither formed it', counts, method='no event: nothing to test', seeds=f'{n} runs',
                       budget=budget, caveats=caveats, n=n)
@@ -213,6 +266,11 @@ def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) 
     if t['floor'] > 0.05:
         caveats.append(f"with these runs the exact test cannot go below p = {t['floor']:.3g} ({t['relabellings']:,} "
                        f"{t['design']} relabellings): no formation difference can reach 5%")
+    if d is not None:
+        method += ('; the delay: formation steps paired by seed, a run that never formed it bounding its delay from '
+                   'one side; median, and the sign test inverted over the bounds (distribution-free)')
+        return Answer(rid, question, verdict, est, interval, method, f"{len(d['seeds'])} paired seeds ({n} runs)",
+                      budget, caveats, value=value, low=low, high=high, p=t['p'], n=n)
     return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget, caveats, p=t['p'], n=n)
 
 QK_FAMILY = {'H2': 'one-sided, non-inferiority with margin 5%', 'H3': 'one-sided, non-inferiority with margin 0',
