@@ -353,6 +353,11 @@ def add_note(nb: dict, kind: str, title: str, text: str) -> dict:
 
 NOT_EXECUTED = ('note', 'Not executed for this site', 'This notebook is shown as saved, without outputs computed by the docs '
                 'build. Run it in JupyterLab, or as a batch with papermill (<code>oelm run</code>).')
+SAVED_OUTPUTS = ('note', 'Shown as it was last run', 'The outputs on this page were computed when the notebook was last run on '
+                 'the runs it names, and saved with it; the docs build shows them and does not run it again. Rerun it '
+                 'in JupyterLab, or with papermill, on runs of your own.')
+
+def _has_outputs(nb: dict) -> bool: return any(c.get('outputs') for c in nb['cells'] if c['cell_type'] == 'code')
 
 EXTRA_CSS = """.md-grid { max-width: 1400px; }
 /* API reference entries rendered from show_doc */
@@ -445,7 +450,8 @@ def write_pages(docs: list[DocNb], processed: dict[Path, Path], docs_dir: Path) 
     for d in docs:
         nb = adapt_notebook(json.loads(processed[d.src].read_text()))
         (docs_dir / d.dest).parent.mkdir(parents=True, exist_ok=True)
-        (docs_dir / d.dest).write_text(json.dumps(nb if d.library or d.example else add_note(nb, *NOT_EXECUTED), indent=1))
+        (docs_dir / d.dest).write_text(json.dumps(nb if d.library or d.example else
+                                              add_note(nb, *(SAVED_OUTPUTS if _has_outputs(nb) else NOT_EXECUTED)), indent=1))
 
 def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int = 2, use_cache: bool = True,
           check_links: bool = True, examples: bool | tuple = True) -> Path:
