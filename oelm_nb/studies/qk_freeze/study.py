@@ -29,9 +29,9 @@ from ...report.evidence import Answer, NO_DATA, answers_frame, MIN_PILOT, family
 from ...report.page import budget_text
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'QK_FAMILY', 'CONTROLS', 'QK_TRAIN', 'QK_FREEZE', 'progressive_unfreeze_steps', 'qk_variants',
-           'h1_verdict', 'load_timing', 'bounded_median_interval', 'median_interval', 'sign_test_p', 'h3_answer',
-           'what_it_takes', 'gap_answer', 'formation_delay', 'delay_text', 'formation_answer',
+__all__ = ['H1_TEXT', 'H3_TEXT', 'QK_FAMILY', 'CONTROLS', 'QK_TRAIN', 'QK_DATA', 'QK_FREEZE', 'progressive_unfreeze_steps',
+           'qk_variants', 'h1_verdict', 'load_timing', 'bounded_median_interval', 'median_interval', 'sign_test_p',
+           'h3_answer', 'what_it_takes', 'gap_answer', 'formation_delay', 'delay_text', 'formation_answer',
            'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds', 'interleaved_timing',
            'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run',
            'scale_note', 'plot_run']
@@ -465,7 +465,8 @@ def pairwise_sentence(pairs: pd.DataFrame) -> str:
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #38f9d4f6
 QK_TRAIN = {**TRAIN_PRESETS,
-            'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 1500, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 100}}
+            'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 800, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 50}}
+QK_DATA = {**DATA_PRESETS, 'tiny': {**DATA_PRESETS['tiny'], 'vocab_size': 512, 'n_names': 64}}
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #07a4c2af
 def tokens_per_run(preset: str, steps: int | None = None) -> int:
@@ -521,7 +522,7 @@ QK_FREEZE = Study(
     settings=NoSettings,
     variants=qk_variants,
     run=launch_run,
-    train=QK_TRAIN, data=DATA_PRESETS, default_seeds=(0, 1),
+    train=QK_TRAIN, data=QK_DATA, default_seeds=(0, 1),
     default_variants=('gpt', 'oelm', 'oelm-freeze', 'gauss', 'gauss-freeze'),
     report='reports/qk_freeze.ipynb',
     answers=qk_answers,
