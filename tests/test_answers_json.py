@@ -43,4 +43,7 @@ def test_oelm_report_rewrites_answers_json_with_numbers(tmp_path, monkeypatch):
     assert got['R2']['sides'] == 'two-sided' and got['R2']['p_holm'] >= got['R2']['p'] and got['H1']['p_holm'] is None
     r2 = got['R2']  # oelm formed it in 4 of 4 seeds, oelm-freeze in none: within seed p = 2/16
     assert (r2['estimate'], r2['p'], r2['n']) == (None, 0.125, 8) and r2['verdict'] == 'no resolvable difference'
-    assert r2['estimate_text'].startswith('formed within 1,800 steps: oelm-freeze 0 of 4 vs oelm 4 of 4')
+    # every oelm run formed it: the estimate is oelm-freeze's delay, its censored runs bounds (1,800 minus 300..1,200)
+    assert r2['estimate_text'].startswith('delay of oelm-freeze behind oelm: at least +1,050 steps (median over 4 seeds')
+    assert (r2['low'], r2['high']) == (600.0, None) and r2['interval'].startswith('87.5% interval +600 .. no upper end')
+    assert 'formed within 1,800 steps: oelm-freeze 0 of 4 vs oelm 4 of 4' in r2['caveats']

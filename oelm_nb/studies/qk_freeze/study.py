@@ -218,10 +218,10 @@ def _delay(x: float, unit: str = ' steps') -> str:
 def delay_text(d: dict, a: str, b: str) -> tuple[str, str, str]:
     "(estimate, interval, per seed) of `formation_delay` as the answer writes them."
     (m_lo, m_hi), n = d['median'], len(d['seeds'])
-    est = (f'{a} formed it {_delay(m_lo)} after {b} (median over {n} seeds)' if m_lo == m_hi else
-           f'{a} formed it at least {_delay(m_lo)} after {b} (median over {n} seeds; censored runs leave only a '
-           'bound)' if np.isinf(m_hi) else
-           f"median delay of {a} behind {b} between {_delay(m_lo, '')} and {_delay(m_hi)}")
+    what = (_delay(m_lo) if m_lo == m_hi else f'at least {_delay(m_lo)}' if np.isinf(m_hi) else
+            f"between {_delay(m_lo, '')} and {_delay(m_hi)}")
+    est = f'delay of {a} behind {b}: {what} (median over {n} seeds' + (
+        '; censored runs leave only a bound)' if m_lo != m_hi else ')')
     if n < 2: return est, '', ''
     why = '' if d['coverage'] >= d['level'] else f" (the extremes: {n} seeds give no {d['level']:.0%} one)"
     low = 'no lower end' if np.isinf(d['low']) else _delay(d['low'], '')
