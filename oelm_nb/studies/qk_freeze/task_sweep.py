@@ -42,6 +42,7 @@ class Candidate:
 CANDIDATES = (Candidate('names3000-steps1800', 1800, {'data.n_names': 3000}),
               Candidate('names256-steps800', 800, {'data.n_names': 256}),
               Candidate('names64-steps800', 800, {'data.n_names': 64}),
+              Candidate('names64-steps700', 700, {'data.n_names': 64}),
               Candidate('names64-steps600', 600, {'data.n_names': 64}))
 
 # %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #b4f18eb7
