@@ -64,7 +64,7 @@ loggers: $(STAMP)
 
 # The main job: the Q/K freeze study on the embedded corpus, ending in a report. Four seeds per variant (a paired
 # interval with 3 degrees of freedom). The task and schedule are the study's `tiny` preset, chosen by the formation
-# sweep (nbs/reports/qk_task_sweep.ipynb): 64 distinct names, a 512-token vocabulary, 800 steps, on which every control
+# sweep (nbs/reports/qk_task_sweep.ipynb): 64 distinct names, a 512-token vocabulary, 600 steps, on which every control
 # seed forms the recall circuit by 60% of its steps; within ten minutes on 2 cores with set-up.
 RUN_FLAGS ?= --preset tiny --variants gpt,oelm,oelm-freeze --seeds 0 1 2 3 --jobs 2
 run: $(RUN_STAMP)
