@@ -70,6 +70,8 @@ def candidate_row(name: str, # the candidate's batch name
     early = ctl.event.astype(bool) & (ctl.formed_step <= EARLY_SHARE * steps) if steps else ctl.event & False
     row['control seeds'] = len(ctl)
     row['controls early'] = float(early.mean()) if len(ctl) else np.nan
+    formed = ctl.formed_step[ctl.event.astype(bool)]  # how close the last control came to the 60% mark
+    row['latest control'] = float(formed.max() / steps) if len(formed) and steps and ctl.event.all() else np.nan
     done = completed(runs)
     row['wall s per run'] = float(done.wall_time_s.median()) if 'wall_time_s' in done and len(done) else np.nan
     row['timed s per run'] = step_time_s * steps if step_time_s and steps else np.nan
