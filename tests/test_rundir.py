@@ -172,3 +172,21 @@ def test_flags_a_batch_cannot_honour_are_refused_before_anything_runs(tmp_path, 
     assert rc == 2, std.out + std.err
     assert message in std.err and 'error:' in std.err and 'Traceback' not in std.err, std.err
     assert not out.exists(), f'a refused call left {sorted(p.name for p in out.iterdir())} behind'
+
+
+def test_the_corpus_with_fewer_names_is_a_new_data_version_and_old_runs_keep_their_identity(tmp_path):
+    """Issue 47: a run recorded before `data.n_names` existed is the same run as one at the default 3,000 names (same
+    fingerprint, same prepared data fingerprint), and the Q/K study's 64-name corpus is a different one, named in the
+    difference a rerun of an old batch is refused with."""
+    from oelm_nb.base.core import DataConfig
+    from oelm_nb.base.rundir import config_diff, fingerprint
+    from oelm_nb.data.corpus import _fingerprint
+    from oelm_nb.lab.study import get_study
+    new = resolve_spec(get_study('qk-freeze'), 'gpt', 'tiny', 0, None).to_dict()
+    old = json.loads(json.dumps(new)); del old['data']['n_names']  # as recorded before the field existed
+    at_default = json.loads(json.dumps(old)); at_default['data']['n_names'] = 3000
+    assert new['data']['n_names'] == 64 and fingerprint(old) == fingerprint(at_default) != fingerprint(new)
+    assert ('data.n_names', '<absent>', 64) in config_diff(old, new) and not config_diff(old, at_default)
+    assert _fingerprint(DataConfig(vocab_size=512), 'synthetic', []) == _fingerprint(
+        DataConfig(vocab_size=512, n_names=3000), 'synthetic', []) != _fingerprint(
+        DataConfig(vocab_size=512, n_names=64), 'synthetic', [])
