@@ -15,7 +15,7 @@ from ...report.convergence import formation
 
 # %% auto #0
 __all__ = ['SWEEP_VARIANTS', 'SWEEP_CONTROLS', 'SWEEP_SEEDS', 'EARLY_SHARE', 'SWEEP_BASE', 'CANDIDATES', 'Candidate',
-           'candidate_row', 'candidate_batches', 'step_time', 'batch_formation', 'sweep_table', 'pick']
+           'candidate_row', 'candidate_batches', 'step_time', 'batch_formation', 'with_cost', 'sweep_table', 'pick']
 
 # %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #9d16a41c
 SWEEP_VARIANTS = ('gpt', 'oelm', 'oelm-freeze')  # every candidate runs these
@@ -49,9 +49,12 @@ CANDIDATES = (Candidate('names3000-steps1800', 1800, {'data.n_names': 3000}),
 def _recipe(config: dict | None) -> dict:
     "The knobs a candidate varies, as a run recorded them (fields absent from older configs at their defaults)."
     c = config or {}
-    d, t = c.get('data') or {}, c.get('train') or {}
+    d, t, m = c.get('data') or {}, c.get('train') or {}, c.get('model') or {}
     return {'n_names': d.get('n_names', 3000), 'vocab_size': d.get('vocab_size'), 'steps': t.get('max_steps'),
-            'lr': t.get('lr'), 'batch_size': t.get('batch_size'), 'eval_every': t.get('eval_every')}
+            'lr': t.get('lr'), 'batch_size': t.get('batch_size'), 'eval_every': t.get('eval_every'),
+            'model': '/'.join(str(m.get(k)) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')),
+            'tokens per run': (t.get('max_steps') or 0) * (t.get('batch_size') or 0) * (t.get('grad_accum') or 1)
+                              * (m.get('block_size') or 0) or None}
 
 def candidate_row(name: str, # the candidate's batch name
                   runs: pd.DataFrame, # `report.load_runs` of its batch
@@ -74,6 +77,8 @@ def candidate_row(name: str, # the candidate's batch name
     row['latest control'] = float(formed.max() / steps) if len(formed) and steps and ctl.event.all() else np.nan
     done = completed(runs)
     row['wall s per run'] = float(done.wall_time_s.median()) if 'wall_time_s' in done and len(done) else np.nan
+    per_token = done.wall_time_s / done.tokens if {'wall_time_s', 'tokens'} <= set(done) and len(done) else None
+    row['wall s per token'] = float(per_token.median()) if per_token is not None else np.nan
     row['timed s per run'] = step_time_s * steps if step_time_s and steps else np.nan
     enough = all((ctl.variant == v).sum() >= len(SWEEP_SEEDS) for v in SWEEP_CONTROLS)  # 8 completed seeds each
     row['meets'] = bool(len(ctl) and early.all() and enough)
@@ -96,16 +101,25 @@ def batch_formation(batch_dir) -> tuple[pd.DataFrame, pd.DataFrame]:
     runs = load_runs(batch_dir)
     return runs, formation(runs)
 
+def with_cost(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with the cost of a run on one basis, cheapest first: where every candidate trains the same model, its
+    tokens per run times the seconds per token pooled over all candidates' runs (the median of their medians), so
+    that batches timed on a busier or a quieter machine compare; else the runs' own wall time."""
+    same = table.model.nunique() == 1 and table['tokens per run'].notna().all()
+    rate = float(table['wall s per token'].median()) if same else np.nan
+    cost = table['tokens per run'] * rate if same else table['wall s per run']
+    return table.assign(**{'cost s per run': cost}).sort_values('cost s per run', ignore_index=True)
+
 def sweep_table(root) -> pd.DataFrame:
-    "`candidate_row` of every candidate batch under `root`, cheapest first (by the runs' wall time)."
+    "`candidate_row` of every candidate batch under `root`, with `with_cost`'s cost, cheapest first."
     rows = []
     for d in candidate_batches(root):
         runs, form = batch_formation(d)
         first = next((r.run_dir for r in completed(runs).itertuples()), None)
         rows.append(candidate_row(d.name, runs, form, recorded_config(first) if first else None, step_time(d)))
-    return pd.DataFrame(rows).sort_values('wall s per run', ignore_index=True) if rows else pd.DataFrame()
+    return with_cost(pd.DataFrame(rows)) if rows else pd.DataFrame()
 
 def pick(table: pd.DataFrame) -> str | None:
-    "The cheapest candidate (the runs' wall time) on which every control seed formed the circuit early, or None."
+    "The cheapest candidate (`cost s per run`) on which every control seed formed the circuit early, or None."
     ok = table[table.meets] if len(table) else table
-    return None if not len(ok) else str(ok.sort_values('wall s per run').candidate.iloc[0])
+    return None if not len(ok) else str(ok.sort_values('cost s per run').candidate.iloc[0])
