@@ -12,10 +12,12 @@ import pandas as pd
 from ...base.rundir import read_json, recorded_config
 from ...report.tables import load_runs, completed
 from ...report.convergence import formation
+from .study import qk_answers
 
 # %% auto #0
-__all__ = ['SWEEP_VARIANTS', 'SWEEP_CONTROLS', 'SWEEP_SEEDS', 'EARLY_SHARE', 'SWEEP_BASE', 'CANDIDATES', 'Candidate',
-           'candidate_row', 'candidate_batches', 'step_time', 'batch_formation', 'with_cost', 'sweep_table', 'pick']
+__all__ = ['SWEEP_VARIANTS', 'SWEEP_CONTROLS', 'SWEEP_SEEDS', 'EARLY_SHARE', 'SWEEP_BASE', 'CANDIDATES', 'FIRST_CORPUS',
+           'Candidate', 'candidate_row', 'candidate_batches', 'step_time', 'batch_formation', 'with_cost',
+           'sweep_table', 'pick', 'verdict_changes', 'task_note']
 
 # %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #9d16a41c
 SWEEP_VARIANTS = ('gpt', 'oelm', 'oelm-freeze')  # every candidate runs these
@@ -123,3 +125,32 @@ def pick(table: pd.DataFrame) -> str | None:
     "The cheapest candidate (`cost s per run`) on which every control seed formed the circuit early, or None."
     ok = table[table.meets] if len(table) else table
     return None if not len(ok) else str(ok.sort_values('cost s per run').candidate.iloc[0])
+
+# %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #5f7e0ff1
+FIRST_CORPUS = 'names3000-steps1800'  # the candidate that repeats the main job's task and schedule before this sweep
+
+def verdict_changes(these: list, those: list) -> list[tuple[str, str, str]]:
+    "(qid, this verdict, that verdict) for every answer both lists hold whose verdict differs."
+    theirs = {a.qid: a.verdict for a in those}
+    return [(a.qid, a.verdict, theirs[a.qid]) for a in these if a.qid in theirs and theirs[a.qid] != a.verdict]
+
+def task_note(batch_dir, answers: list, # the batch and its answers (`qk_answers`)
+              sweep_root=None, # the sweep's folder (default: qk-task-sweep beside the batch)
+             ) -> str:
+    "One Markdown paragraph: the batch's task, and how its answers compare with the first corpus's (see above)."
+    runs = completed(load_runs(batch_dir))
+    r = _recipe(recorded_config(runs.run_dir.iloc[0]) if len(runs) else None)
+    steps = r['steps'] or (int(runs.steps.max()) if 'steps' in runs and runs.steps.notna().any() else None)
+    head = (f"**Task.** This batch's story corpus draws its characters from {r['n_names']:,} distinct names"
+            + (f", and each run trains {steps:,} steps" if steps else '') + ". The main job's task and schedule were "
+            "chosen by the formation sweep (the docs' page *Choosing the main job's task*).")
+    first = Path(sweep_root or Path(batch_dir).parent / 'qk-task-sweep') / FIRST_CORPUS
+    if not (first / 'batch.json').exists():
+        cmd = next(c for c in CANDIDATES if c.name == FIRST_CORPUS).command(Path(first).parent)
+        return head + (f" Its batch `{FIRST_CORPUS}` (the first corpus, 3,000 names at 1,800 steps) is not beside this "
+                       f"one (`{first}`), so this report cannot compare the answers across tasks: `{cmd}` makes it.")
+    other = completed(load_runs(first))
+    diff = verdict_changes(answers, qk_answers(load_runs(first)))
+    what = ('; '.join(f'{q}: {a} here, {b} there' for q, a, b in diff) if diff else 'every verdict is the same')
+    return head + (f" On the first corpus (`{FIRST_CORPUS}`: {len(other)} completed runs there, {len(runs)} here) the "
+                   f"same questions were answered with other verdicts in {len(diff)} of {len(answers)}: {what}.")
