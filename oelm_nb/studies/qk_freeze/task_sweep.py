@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 import pandas as pd
-from ...base.rundir import read_json, recorded_config
+from ...base.rundir import recorded_config
 from ...report.tables import load_runs, completed
 from ...report.convergence import formation
-from .study import qk_answers
+from .study import qk_answers, load_timing
 
 # %% auto #0
 __all__ = ['SWEEP_VARIANTS', 'SWEEP_CONTROLS', 'SWEEP_SEEDS', 'EARLY_SHARE', 'SWEEP_BASE', 'CANDIDATES', 'FIRST_CORPUS',
@@ -93,10 +93,8 @@ def candidate_batches(root) -> list[Path]:
 
 def step_time(batch_dir) -> float | None:
     "The batch's step time timed in one process when it ended (timing.json: the median over its variants), or None."
-    rows = read_json(Path(batch_dir) / 'timing.json')
-    t = [r.get('step_time_median_s') for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
-    t = [x for x in t if isinstance(x, (int, float)) and x > 0]
-    return float(np.median(t)) if t else None
+    t = load_timing(batch_dir)  # the study's reader: None where timing.json is absent or malformed
+    return float(t.step_time_median_s.median()) if t is not None else None
 
 def batch_formation(batch_dir) -> tuple[pd.DataFrame, pd.DataFrame]:
     "(runs, formation) of one candidate batch."
