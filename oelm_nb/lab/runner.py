@@ -18,7 +18,8 @@ from .provenance import COMMAND_ENV
 from .run import run_spec
 from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
 from .study import get_study, study_names, study_answers
-from .spec import split_scope, branch_name, split_branch
+from .spec import split_scope
+from ..base.rundir import branch_name, split_branch
 from ..data.corpus import prepare_data, read_meta, DataError
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
@@ -758,7 +759,9 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
             raise BatchInterrupted(interrupted_text(all_jobs, statuses)) from None
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
     record_outcome(out, index, res.statuses)
-    after_batch(batch, [v for v in names if any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)
+    # the measurement after the batch: one model per trunk (a branch trains its trunk's model)
+    after_batch(batch, [v for v in names if not split_branch(v)
+                        and any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)
     if report and get_study(study).report: res.report = render_report(out, study)
     return res
 

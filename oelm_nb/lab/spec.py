@@ -10,14 +10,14 @@ from pathlib import Path
 
 from fastcore.basics import patch
 from ..base.core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError, branch_points
-from ..base.rundir import run_name
+from ..base.rundir import run_name, branch_name, split_branch
 from ..model.gpt import PRESETS, model_config
 from ..data.corpus import read_meta
 from .study import Study, NoSettings, get_study, study_names
 
 # %% auto #0
 __all__ = ['SECTIONS', 'LAYERS', 'run_identity', 'RunSpec', 'apply_overrides', 'split_scope', 'user_overrides', 'train_settings',
-           'planned_steps', 'branch_name', 'split_branch', 'branch_spec', 'resolve_spec']
+           'planned_steps', 'branch_spec', 'resolve_spec']
 
 # %% ../../nbs/lab/51_spec.ipynb #41a2e4ce
 def run_identity(study: str, variant: str, preset: str, seed: int) -> dict:
@@ -166,15 +166,6 @@ def planned_steps(train: dict) -> int:
     return train.get('max_steps', TrainConfig().max_steps)
 
 # %% ../../nbs/lab/51_spec.ipynb #763187b3
-def branch_name(variant: str, budget: int) -> str:
-    "The label of `variant`'s branch at `budget` steps: `<variant>@<budget>`."
-    return f'{variant}@{budget}'
-
-def split_branch(name: str) -> tuple[str, int] | None:
-    "(trunk variant, budget) of a branch's label, or None when `name` is not one."
-    trunk, at, budget = name.rpartition('@')
-    return (trunk, int(budget)) if at and trunk and budget.isdigit() else None
-
 def branch_spec(trunk: RunSpec, budget: int, out_dir: str) -> RunSpec:
     """The branch of `trunk`'s run at `budget` steps: the same run but for its length (and so its cooldown), starting
     from the trunk's checkpoint where its own cooldown starts (`TrainConfig.budgets`)."""
