@@ -54,6 +54,7 @@ $(STAMP): $(RUN_STAMP)
 	@set -o pipefail; $(PIP) install $(NOCOMPILE) -e ".[dev,hf]" $(PIPFILTER)
 	@$(BIN)/python -c "import nbdev, pytest, importlinter"
 	@$(BIN)/python tools/compile_imports.py dev
+	@$(BIN)/python tests/browser_check.py --hint
 	@touch $(STAMP)
 
 setup: $(STAMP)
