@@ -10,7 +10,8 @@ opened, and checked for what a reader trips on (`check_pages`):
 - a broken link (an internal link to a missing file or anchor: `tools/check_links.check_page`) or image (not loaded),
   or a request of the page answered with an error;
 - a console error or an uncaught exception from the page's own code (requests outside the served folder are blocked:
-  there is no network; the errors they cause are not the page's).
+  there is no network; the errors they cause are not the page's; nor are the scripts a page's Content Security Policy
+  refuses to run, as report.html's does).
 
 Usage: python tests/browser_check.py FOLDER PAGE.html ... (exit status 1 and a list of problems; `--hint`: the one line
 saying what to install when no browser is found)
@@ -25,6 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tools'))
 from check_links import check_page  # noqa: E402  (one link checker for the site and for this check)
@@ -117,6 +119,11 @@ MEASURE = r"""() => {
 }"""
 
 
+def _policy(text: str) -> bool:
+    "A console message that the page's Content Security Policy blocked a script: the policy at work, no code that failed."
+    return 'violates the following Content Security Policy' in text
+
+
 def launch(playwright):
     "Headless Chromium from `chromium_path()` (one browser for every page of a check)."
     return playwright.chromium.launch(executable_path=chromium_path(), headless=True,
@@ -127,8 +134,9 @@ def check_pages(browser, folder, pages, viewports=VIEWPORTS, screenshots=None) -
     """Every problem a reader would meet on `pages` (paths relative to `folder`, which is served over http) at each of
     `viewports` ({name: (width, height)}), with `browser` (`launch`); `screenshots`: a folder for a picture of each."""
     folder, problems = Path(folder).resolve(), []
-    for p in pages:  # links: read from the file, once (the same at every size)
-        problems += [Problem(p, 'any', 'broken link', f'{b.link} ({b.reason})') for b in check_page(folder / p, folder)]
+    for p in pages:  # links: read from the file, once (the same at every size); a folder opens as a listing from a file
+        problems += [Problem(p, 'any', 'broken link', f'{b.link} ({b.reason})') for b in check_page(folder / p, folder)
+                     if not (b.reason == 'no such file' and (folder / p).parent.joinpath(unquote(urlsplit(b.link).path)).is_dir())]
     with serve(folder) as root:
         for vname, (w, h) in viewports.items():
             ctx = browser.new_context(viewport={'width': w, 'height': h}, device_scale_factor=1)
@@ -136,6 +144,7 @@ def check_pages(browser, folder, pages, viewports=VIEWPORTS, screenshots=None) -
                       route.request.url.startswith('data:') else route.abort())  # no network: only the served folder
             page, now = ctx.new_page(), {}
             page.on('console', lambda m: m.type == 'error' and (m.location or {}).get('url', '').startswith(root) and
+                    not _policy(m.text) and
                     now['errors'].append(f"{m.text[:200]} ({m.location.get('url', '').removeprefix(root)}:{m.location.get('lineNumber')})"))
             page.on('pageerror', lambda e: now['errors'].append(f'uncaught {e.name}: {e.message[:200]}'))
             page.on('response', lambda r: r.status >= 400 and r.url.startswith(root) and
