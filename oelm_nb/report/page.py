@@ -21,8 +21,8 @@ from .evidence import NO_DATA, answers_frame
 from ..base.rundir import read_json
 
 # %% auto #0
-__all__ = ['BUDGET', 'PHONE_WIDTH', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'PageStyler',
-           'answers_table', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded',
+__all__ = ['BUDGET', 'PHONE_WIDTH', 'PROVENANCE_SHOWN', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text',
+           'PageStyler', 'answers_table', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded',
            'configuration', 'open_report', 'batch_line', 'provenance_footer']
 
 # %% ../../nbs/report/33_page.ipynb #efb0fc55
@@ -205,6 +205,8 @@ def batch_line(batch_dir, runs: pd.DataFrame) -> str:
             f"{budget_text(runs)}; {len(completed(runs))} of {len(runs)} runs completed.")
 
 # %% ../../nbs/report/33_page.ipynb #138e0596
+PROVENANCE_SHOWN = ('runs', 'commit', 'dirty', 'device', 'dtype', 'command')  # the rest: folded below
+
 def provenance_footer(batch_dir, # the batch directory
                       runs: pd.DataFrame, # its runs table (`load_runs`)
                       trained: pd.DataFrame | None = None, # the runs whose convergence to state (None: no such line)
@@ -213,4 +215,8 @@ def provenance_footer(batch_dir, # the batch directory
     parts = [safe_markdown(batch_line(batch_dir, runs))]
     if trained is not None:
         parts.append(safe_markdown(convergence_note(convergence(trained, load_curves(batch_dir, completed(trained))))))
-    return [*parts, safe_table(provenance_table(runs)), *configuration(batch_dir, runs), run_links(batch_dir, runs)]
+    prov = provenance_table(runs)
+    rest = [c for c in prov.columns if c not in PROVENANCE_SHOWN]
+    fold = folded(safe_table(prov[['runs', *rest]]), 'Versions, hosts and times of these runs')
+    return [*parts, safe_table(prov[[c for c in PROVENANCE_SHOWN if c in prov]]), fold, *configuration(batch_dir, runs),
+            run_links(batch_dir, runs)]

@@ -496,10 +496,13 @@ def safe_table(t: pd.DataFrame | Styler, # a table to show: a DataFrame or a Sty
     if len(d) and (empty := [c for j, c in enumerate(d.columns) if _empty(d.iloc[:, j])]): t = t.hide(empty, axis='columns')
     if isinstance(d.index, pd.RangeIndex) and d.index.name is None: t = t.hide(axis='index')  # row numbers: no column
     elif any(n is not None for n in d.index.names): t = t.hide(axis='index', names=True)  # no extra header row
-    left = {c: [{'selector': '', 'props': 'text-align: left'}] for c in dict.fromkeys(text)}
+    short = lambda j: d.iloc[:, j].map(lambda v: len(str(v))).max() <= 24  # a short text stays on one line
+    left = {c: [{'selector': '', 'props': 'text-align: left' + ('; white-space: nowrap' if short(j) else '')}]
+            for j, c in enumerate(d.columns) if c in text}
     t = t.set_table_styles(left, overwrite=False) if left and d.columns.is_unique else t
     return t.set_table_styles([{'selector': '', 'props': SCROLL_BOX},
-                               {'selector': 'th', 'props': 'vertical-align: bottom'}], overwrite=False)
+                               {'selector': 'thead th', 'props': 'vertical-align: bottom'},
+                               {'selector': 'th.row_heading', 'props': 'text-align: left; white-space: nowrap'}], overwrite=False)
 
 # %% ../../nbs/report/32_tables.ipynb #4e5a6353
 NOT_RECORDED = 'not recorded'
@@ -620,4 +623,5 @@ def run_links(batch_dir, runs: pd.DataFrame | None = None) -> HTML:
         cells = [html.escape(name), html.escape(str(r.status)), folder, notebooks or 'none', metrics or 'none']
         rows.append('<tr>' + ''.join(f'<td>{c}</td>' for c in cells) + '</tr>')
     head = ''.join(f'<th>{h}</th>' for h in ('run', 'status', 'folder', 'executed notebook', 'metrics'))
-    return HTML(f'<table class="run-links"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
+    box = 'display: block; width: max-content; max-width: 100%; overflow-x: auto'  # as `safe_table`'s tables scroll
+    return HTML(f'<table class="run-links" style="{box}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
