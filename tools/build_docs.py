@@ -344,7 +344,8 @@ def adapt_notebook(nb: dict) -> dict:
         if opts.get('output') == 'asis':  # nbdev's show_doc cells
             cells += [_md_cell(showdoc_markdown(_src(o['data']['text/markdown']))) for o in outs if 'text/markdown' in o.get('data', {})]
             continue
-        outs = [q for o in outs for q in _static(o)]
+        pictured = any('image/png' in o.get('data', {}) and WIDGET_MIME not in o['data'] for o in outs)  # drawn already
+        outs = [q for o in outs for q in _static(o)[:1 if pictured else None]]
         tags = c['metadata'].get('tags', []) + [HIDE_INPUT] * (opts.get('echo') == 'false')
         if code.strip() or outs: cells.append({**c, 'source': code, 'outputs': outs, 'metadata': {'tags': tags} if tags else {}})
     meta = {k: v for k, v in nb['metadata'].items() if k != 'widgets'}  # widget state would load the widget JS from a CDN
