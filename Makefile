@@ -54,6 +54,7 @@ $(STAMP): $(RUN_STAMP)
 	@set -o pipefail; $(PIP) install $(NOCOMPILE) -e ".[dev,hf]" $(PIPFILTER)
 	@$(BIN)/python -c "import nbdev, pytest, importlinter"
 	@$(BIN)/python tools/compile_imports.py dev
+	@$(BIN)/python tests/browser_check.py --hint
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -135,9 +136,13 @@ readme: $(STAMP)
 docs: $(STAMP)
 	@PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python tools/build_docs.py
 
+# JupyterLab at the project root: nbs/ (start at nbs/index.ipynb; the run explorer is nbs/report/34_explorer.ipynb) and the
+# batches under runs/ side by side. Every notebook the project ships is trusted first (all folders of nbs/), so their
+# outputs show as saved. LAB_ARGS passes on to `jupyter lab`, e.g. make lab LAB_ARGS="--port=8890 --ip=0.0.0.0 --no-browser"
+LAB_ARGS ?=
 lab: $(STAMP)
-	$(BIN)/jupyter trust nbs/*.ipynb nbs/experiments/*.ipynb nbs/reports/*.ipynb >/dev/null 2>&1 || true
-	$(BIN)/jupyter lab --notebook-dir=nbs --config=tools/jupyter_server_config.py $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	@find nbs -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' -print0 | xargs -0 $(BIN)/jupyter trust >/dev/null 2>&1 || true
+	$(BIN)/jupyter lab --notebook-dir=. --config=tools/jupyter_server_config.py $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 clean:
 	rm -rf _docs _proc _mkdocs build dist *.egg-info .pytest_cache
