@@ -34,7 +34,7 @@ def test_oelm_report_rewrites_answers_json_with_numbers(tmp_path, monkeypatch):
     runner.render_report(root, log=lambda *a: None)
     stored = json.loads((root / 'answers.json').read_text())
     got = {a['qid']: a for a in stored['answers']}
-    assert stored['study'] == 'qk-freeze' and list(got) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2']  # the stale one is gone
+    assert stored['study'] == 'qk-freeze' and list(got) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2', 'H2-trend', 'H4-trend']  # the stale one is gone
     h2 = got['H2']
     assert all(isinstance(h2[k], float) for k in ('estimate', 'low', 'high', 'p')) and h2['n'] == 4
     assert h2['estimate_text'] == f"{h2['estimate']:+.1%}" and h2['low'] < h2['estimate'] < h2['high']

@@ -168,7 +168,7 @@ def test_qk_freeze_report_answers_first(qk_report):
     assert [verdicts[q] for q in ('H1', 'H2', 'H3', 'H4')] == ['rejected', 'supported', 'no data', 'rejected']
     page = answers_first(html_file, verdicts)
     rows = answer_rows(page)
-    assert list(rows) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2']
+    assert list(rows) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2', 'H2-trend', 'H4-trend']
     text = page.text('Questions and answers')
     budget = f'{STEPS} steps, {STEPS * BLOCK / 1e3:.3g}k tokens per run'
     assert text.count('tokens per run') == 1 and f"All answers hold at the runs' budget: {budget}." in text  # once

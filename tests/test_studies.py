@@ -85,7 +85,7 @@ def qk_batch(root, seeds=(0, 1, 2), freeze_ppl=10.2, **kw):
 
 def test_hypotheses_on_three_seeds(tmp_path):
     h = hypotheses(load_runs(qk_batch(tmp_path)))
-    assert list(h.index) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2']  # R: when the recall circuit forms (issue 29)
+    assert list(h.index) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2', 'H2-trend', 'H4-trend']  # R: when the recall circuit forms (issue 29)
     assert h.loc['H1', 'verdict'] == 'rejected' and '7.00% fewer' in h.loc['H1', 'evidence']
     assert h.loc['H2', 'verdict'] == 'supported' and '3 seeds' in h.loc['H2', 'evidence']
 

@@ -16,7 +16,7 @@ from .convergence import completed
 
 # %% auto #0
 __all__ = ['TREND_SIDES', 'ladder', 'budgets', 'budget_gaps', 'gap_frame', 'tokens_at', 'crossing_text', 'budget_answers',
-           'plot_budget_gaps', 'branch_vs_separate']
+           'plot_budget_gaps', 'still_improving', 'improving_text', 'branch_vs_separate']
 
 # %% ../../nbs/report/35_budgets.ipynb #22ec4c4a
 def ladder(runs: pd.DataFrame, # `report.load_runs` of a batch
@@ -142,6 +142,34 @@ def plot_budget_gaps(runs: pd.DataFrame, # `report.load_runs` of a ladder
         ax.set(title=f'{title}: {a} vs {b}', xlabel='steps / tokens per run', ylabel=f'{metric} gap')
         ax.legend(fontsize=8, loc='upper right', frameon=False)
     return axes
+
+# %% ../../nbs/report/35_budgets.ipynb #a52e330d
+def still_improving(runs: pd.DataFrame, # `report.load_runs` of a ladder
+                    arms=None, # the arms to measure (default: every arm with two or more budgets)
+                    metric: str = 'best_val_loss') -> pd.DataFrame:
+    """Per arm: the change of `metric` from its second-longest to its longest budget, paired by seed (the mean with
+    its 95% interval) and whether the interval lies below 0 (still improving, measured)."""
+    lad, rows = ladder(runs), []
+    for arm in arms or list(dict.fromkeys(lad.arm)):
+        bs = sorted(set(lad.budget[lad.arm == arm]))
+        if len(bs) < 2 or metric not in lad: continue
+        at = lambda B: lad[(lad.arm == arm) & (lad.budget == B)].set_index('seed')[metric]
+        c = paired(at(bs[-1]), at(bs[-2]), metric, f'{bs[-1]}', f'{bs[-2]}', relative=False)
+        if c is None: continue
+        rows.append({'arm': arm, 'from': bs[-2], 'to': bs[-1], 'seeds': c.n, 'change': c.mean, 'low': c.low,
+                     'high': c.high, 'still improving': c.high is not None and c.high < 0})
+    return pd.DataFrame(rows).set_index('arm') if rows else pd.DataFrame()
+
+def improving_text(t: pd.DataFrame, metric: str = 'best validation loss') -> str:
+    "One sentence from `still_improving`'s table."
+    if not len(t): return ''
+    part = lambda a, r: (f"{a} {r['change']:+.3f} ({r['low']:+.3f} .. {r['high']:+.3f})" if r['low'] is not None
+                         else f"{a} {r['change']:+.3f}")
+    yes = [a for a, r in t.iterrows() if r['still improving']]
+    return (f"measured on the ladder, the {metric} changed from {int(t['from'].iloc[0]):,} to {int(t['to'].iloc[0]):,} "
+            f"steps by " + '; '.join(part(a, r) for a, r in t.iterrows()) + ' (paired by seed, 95% CI): '
+            + (f"still improving at the longest budget: {', '.join(yes)}" if yes else 'no arm resolvably improving')
+            + (f"; not resolved: {', '.join(a for a in t.index if a not in yes)}" if yes and len(yes) < len(t) else ''))
 
 # %% ../../nbs/report/35_budgets.ipynb #56805f81
 def branch_vs_separate(ladder_runs: pd.DataFrame, # `report.load_runs` of a ladder

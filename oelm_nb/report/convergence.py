@@ -173,12 +173,16 @@ def relabellings(in_a, # (N,) booleans: the observed labelling (True: group `a`)
 
 def exact_logrank(time, event, # (..., N): as `logrank_z`
                   in_a, strata=None, # as `relabellings`
-                  resamples: int = 20_000, seed: int = 0) -> dict:
-    """The permutation test of the log-rank statistic: the two-sided p (the share of relabellings with |Z| at least
-    the observed one), the floor (the smallest p these runs allow), the observed Z and the relabellings used."""
+                  resamples: int = 20_000, seed: int = 0,
+                  alternative: str = 'two-sided', # or 'less': Z as low as observed (group a later), 'greater'
+                 ) -> dict:
+    """The permutation test of the log-rank statistic: p (two-sided: the share of relabellings with |Z| at least the
+    observed one; one-sided: Z at most ('less') or at least ('greater') it), the floor (the smallest p these runs
+    allow on that side), the observed Z and the relabellings used."""
     rows, exact = relabellings(in_a, strata, resamples, seed)
-    z = np.abs(logrank_z(time, event, rows))
-    tol = 1e-9 * np.maximum(1.0, z.max(-1, keepdims=True))
+    z = logrank_z(time, event, rows)
+    z = {'two-sided': np.abs(z), 'greater': z, 'less': -z}[alternative]  # the larger, the more extreme
+    tol = 1e-9 * np.maximum(1.0, np.abs(z).max(-1, keepdims=True))
     return {'p': (z >= z[..., :1] - tol).mean(-1), 'floor': (z >= z.max(-1, keepdims=True) - tol).mean(-1),
             'z': logrank_z(time, event, rows[:1])[..., 0], 'relabellings': len(rows), 'exact': exact}
 
@@ -186,6 +190,7 @@ def exact_logrank(time, event, # (..., N): as `logrank_z`
 def formation_test(form: pd.DataFrame, # `formation` of a batch
                    a: str, b: str,
                    paired: bool = True, # relabel within seed (the runs are paired by seed); False: over all runs
+                   alternative: str = 'two-sided', # or 'a later': one-sided, `a` forms it later than `b`
                   ) -> dict | None:
     """The exact permutation test of `a`'s formation steps against `b`'s (`exact_logrank`, censored runs kept): formed
     counts, p, its floor, the side ahead (`earlier`) and whether the other side was all censored after every event
@@ -201,7 +206,8 @@ def formation_test(form: pd.DataFrame, # `formation` of a batch
            'p_logrank': None, 'design': 'within seed' if paired else 'unpaired', 'relabellings': 0, 'exact': True,
            'earlier': None, 'only_more_often': False, 'steps': (int(last.min()), int(last.max()))}
     if ea + eb == 0: return out
-    r = exact_logrank(t, ev, in_a, g.seed.to_numpy() if paired else None)
+    r = exact_logrank(t, ev, in_a, g.seed.to_numpy() if paired else None,
+                      alternative={'two-sided': 'two-sided', 'a later': 'less'}[alternative])  # Z < 0: b ahead
     ahead = (b if r['z'] < 0 else a) if r['z'] != 0 else None
     behind = ~in_a if ahead == a else in_a
     p_lr = float(stats.logrank(_censored(ga), _censored(gb)).pvalue) if r['z'] != 0 else None  # for comparison only

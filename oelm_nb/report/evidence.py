@@ -4,20 +4,22 @@
 
 # %% ../../nbs/report/30_evidence.ipynb #ac95f25f
 from __future__ import annotations
-import math
+import math, re
 from dataclasses import dataclass, field, asdict
 
 import numpy as np
 import pandas as pd
 
 # %% auto #0
-__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'HYPOTHESES', 'METHOD', 'FAMILY_ALPHA', 'TREND_TOLERANCE',
-           'CROSSING_HORIZON', 't_bounds', 't_interval', 'signflip_pvalues', 'signflip_p', 'smallest_signflip_p',
-           'Comparison', 'interval_text', 'paired', 'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power',
-           'seeds_for_power', 'simulate_power', 'stein_size', 'simulate_stein', 'Answer', 'shared_caveats',
-           'answers_frame', 'answers_footer', 'answers_text', 'answers_json', 'threshold_verdict', 'difference_verdict',
-           'exact_caveat', 'method_text', 'comparison_answer', 'holm', 'family_answers', 'seed_slopes',
-           'slope_comparison', 'simulate_slopes', 'line_backtest', 'crossing_budget']
+__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'FAMILY_ALPHA', 'SIDE_WORDS', 'HYPOTHESES', 'T_TEST',
+           'METHOD', 'CLAIM', 'NOT_DECIDED', 'TREND_TOLERANCE', 'CROSSING_HORIZON', 't_bounds', 't_interval',
+           'signflip_pvalues', 'signflip_p', 'smallest_signflip_p', 'Comparison', 'interval_text', 'paired',
+           'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power',
+           'stein_size', 'simulate_stein', 'Answer', 'shared_caveats', 'answers_frame', 'answers_footer',
+           'answers_text', 'answers_json', 'threshold_verdict', 'difference_verdict', 'two_sided', 'decides',
+           'exact_caveat', 'method_text', 'claim_of', 'comparison_answer', 'holm', 'is_claim', 'family_answers',
+           'simulate_familywise', 'seed_slopes', 'slope_comparison', 'simulate_slopes', 'line_backtest',
+           'crossing_budget']
 
 # %% ../../nbs/report/30_evidence.ipynb #7c618333
 def t_bounds(d, # (..., n) paired differences, one batch per row
@@ -101,6 +103,16 @@ class Comparison:
         """The exact sign-flip test's p-value of 'the mean difference is `threshold`' (shown scale); one-sided against
         it with `alternative` 'less' (the difference is below) or 'greater'."""
         return signflip_p(list(self.diffs.values()), self.to_test_scale(threshold), alternative)
+    def t_p(self, threshold: float = 0.0, alternative: str = 'two-sided') -> float | None:
+        """The paired t-test's p-value of 'the mean difference is `threshold`' (shown scale; the test the t-interval
+        inverts), one-sided with `alternative` 'less' or 'greater'; None with fewer than 2 seeds."""
+        d = np.asarray(list(self.diffs.values()), dtype=float) - self.to_test_scale(threshold)
+        if len(d) < 2: return None
+        if np.all(d == d[0]):  # no spread: the difference is the point, exactly
+            hit = {'less': d[0] < 0, 'greater': d[0] > 0, 'two-sided': d[0] != 0}[alternative]
+            return 0.0 if hit else 1.0
+        from scipy import stats
+        return float(stats.ttest_1samp(d, 0.0, alternative=alternative).pvalue)
     def exact_can_decide(self) -> bool:
         "Whether the sign-flip test can reach the interval's level at all with these seeds (4 seeds: 0.125 > 0.05)."
         return self.n >= 2 and smallest_signflip_p(self.n) <= 1 - self.confidence
@@ -267,6 +279,9 @@ class Answer:
     sides: str = '' # in the study's family of tests: 'one-sided' or 'two-sided' and what it tests ('' if not in it)
     p_holm: float | None = None # `p` Holm-adjusted over the study's family (`family_answers`)
     steps: int | None = None # the optimizer steps of each run it rests on (None: not one budget, or unrecorded)
+    side: str = '' # the side of the test whose p is `p`, the claim's: 'less', 'greater' or 'two-sided'
+    test: str = '' # that test: 't-test (paired)', 'sign-flip (exact)', ...
+    floor: float | None = None # the smallest p that test can give with this design (on `side`); None: no floor
     tokens: int | None = None # the tokens each of those runs trained on
     def to_dict(self) -> dict:
         """answers.json's record: `estimate`, `low`, `high`, `p` and `n` as JSON numbers (or null), the text beside
@@ -274,7 +289,8 @@ class Answer:
         d = asdict(self)
         nums = {'estimate': _number(self.value), 'low': _number(self.low), 'high': _number(self.high),
                 'p': _number(self.p), 'n': _number(self.n, integer=True), 'p_holm': _number(self.p_holm),
-                'steps': _number(self.steps, integer=True), 'tokens': _number(self.tokens, integer=True)}
+                'steps': _number(self.steps, integer=True), 'tokens': _number(self.tokens, integer=True),
+                'side': self.side, 'test': self.test, 'floor': _number(self.floor)}
         return {k: d[k] for k in ('qid', 'question', 'verdict')} | nums | {'estimate_text': self.estimate} | {
             k: d[k] for k in ('sides', 'interval', 'method', 'seeds', 'budget', 'caveats')}
     @classmethod
@@ -282,14 +298,15 @@ class Answer:
         "An answer from `to_dict`'s output (answers.json is data: known fields only, text as text, numbers checked)."
         if not isinstance(d, dict): raise ValueError(f'an answer is a JSON object, not {type(d).__name__}')
         txt = {k: str(d.get(k, '')) for k in ('qid', 'question', 'verdict', 'interval', 'method', 'seeds', 'budget',
-                                              'sides')}
+                                              'sides', 'side', 'test')}
         est = d.get('estimate')
         text = d.get('estimate_text', est if isinstance(est, str) else '')  # an answers.json before numbers: text
         cav = d.get('caveats') or []
         return cls(**txt, estimate=str(text), caveats=[str(c) for c in cav] if isinstance(cav, list) else [str(cav)],
                    value=_number(est), low=_number(d.get('low')), high=_number(d.get('high')),
                    p=_number(d.get('p')), n=_number(d.get('n'), integer=True), p_holm=_number(d.get('p_holm')),
-                   steps=_number(d.get('steps'), integer=True), tokens=_number(d.get('tokens'), integer=True))
+                   steps=_number(d.get('steps'), integer=True), tokens=_number(d.get('tokens'), integer=True),
+                   floor=_number(d.get('floor')))
 
 NO_DATA = 'no data'
 
@@ -359,27 +376,54 @@ def difference_verdict(c: Comparison | None, none: str = 'no resolvable differen
     return f'{c.a} lower' if c.high < 0 else f'{c.b} lower' if c.low > 0 else none
 
 # %% ../../nbs/report/30_evidence.ipynb #5e8a9b73
-def exact_caveat(c: Comparison | None, limit: float = 0.0) -> str | None:
-    """The caveat when the interval decides (excludes `limit`) but the exact sign-flip test cannot reach the same
-    level with these seeds; None otherwise."""
-    if c is None or c.low is None or not (c.low > limit or c.high < limit): return None
-    p = c.p_value(limit)
-    if p is not None and p <= 1 - c.confidence: return None
-    return (f"rests on the normal assumption: the exact sign-flip test gives p = {p:.3g} "
-            + (f"(with {c.n} seeds it cannot go below {smallest_signflip_p(c.n):.3g})" if not c.exact_can_decide()
-               else '(not below 0.05)'))
+FAMILY_ALPHA = 0.05  # the familywise level of every study's family (two-sided scale)
 
-def method_text(c: Comparison, limit: float = 0.0, design: str = 't-interval', alternative: str = 'two-sided') -> str:
-    """How a paired comparison was computed, for an answer's method field, with the sign-flip p-value against `limit`
-    (one-sided where `alternative` is 'less' or 'greater', and then said so)."""
+def two_sided(p: float | None, side: str) -> float | None:
+    "A p on the family's scale: a one-sided test's doubled (at most 1), a two-sided one's as it is."
+    return None if p is None else min(1.0, p * (1 if side == 'two-sided' else 2))
+
+def decides(p: float | None, side: str, alpha: float | None = None) -> bool:
+    "Whether a test's p (of `side`) reaches the family's level on its own (one-sided: at alpha / 2)."
+    return p is not None and two_sided(p, side) <= (FAMILY_ALPHA if alpha is None else alpha)
+
+
+def exact_caveat(c: Comparison | None, limit: float = 0.0, side: str = 'two-sided') -> str | None:
+    """The caveat when the interval decides (excludes `limit`) but the exact sign-flip test of the same claim (on
+    `side`) cannot reach the same level with these seeds; None otherwise."""
+    if c is None or c.low is None or not (c.low > limit or c.high < limit): return None
+    p = c.p_value(limit, side)
+    if decides(p, side, 1 - c.confidence): return None
+    floor = smallest_signflip_p(c.n, side)
+    words = '' if side == 'two-sided' else ', one-sided'
+    return (f"rests on the t-test's normal assumption: the exact sign-flip test of the same claim gives p = {p:.3g}"
+            + (f"{words} (with {c.n} seeds it cannot go below {floor:.3g})" if not decides(floor, side, 1 - c.confidence)
+               else f"{words} (not below the level)"))
+
+SIDE_WORDS = {'less': 'one-sided, below', 'greater': 'one-sided, above', 'two-sided': 'two-sided'}
+
+def method_text(c: Comparison, limit: float = 0.0, design: str = 't-interval', alternative: str = 'two-sided',
+                claim: str | None = None) -> str:
+    """How a paired comparison was computed, for an answer's method field: the t-test of the claim (`alternative`: its
+    side against `limit`) and, beside it, the exact sign-flip test of the same claim."""
     scale = 'ratio of geometric means (log scale)' if c.relative else 'paired difference'
-    p = c.p_value(limit, alternative)
-    side = '' if alternative == 'two-sided' else ' (one-sided)'
-    return f"{scale}, {design}" + (f'; sign-flip p = {p:.3g}{side}' if p is not None else '')
+    p, e = c.t_p(limit, alternative), c.p_value(limit, alternative)
+    what = f" of '{claim}'" if claim else ''
+    return f"{scale}, {design}" + (f"; t-test{what} p = {p:.3g} ({SIDE_WORDS[alternative]}), exact sign-flip p = {e:.3g}"
+                                   if p is not None else '')
 
 # %% ../../nbs/report/30_evidence.ipynb #942aae38
 HYPOTHESES = {'below': 'less', 'at least': 'greater', 'above': 'greater', 'differs': 'two-sided'}  # -> its test's side
+T_TEST = 't-test (paired)'  # the test of a comparison's claim: the one its t-interval inverts
 METHOD = '{method}'  # in a study's method words: where the kit's `method_text` goes
+
+def claim_of(c: Comparison, threshold: float, hypothesis: str) -> tuple[str, str]:
+    """(the claim, the side of its test) that `c`'s estimate points to: below the threshold 'supported' (side 'less')
+    for hypothesis 'below', else 'rejected' ('greater'); mirrored for 'at least'/'above'; '<a> lower' or '<b> lower'
+    (two-sided) for 'differs'."""
+    m = float(np.mean(list(c.diffs.values()))) - c.to_test_scale(threshold)
+    if hypothesis == 'differs': return (f'{c.a} lower' if m < 0 else f'{c.b} lower'), 'two-sided'
+    if hypothesis == 'below': return ('supported', 'less') if m < 0 else ('rejected', 'greater')
+    return ('supported', 'greater') if m > 0 or (m == 0 and hypothesis == 'at least') else ('rejected', 'less')
 
 def comparison_answer(qid: str, question: str, # the answer's id ('H2') and its question, one line
                       c: Comparison | None, # the comparison it rests on (None: no data; `method` says why)
@@ -396,21 +440,30 @@ def comparison_answer(qid: str, question: str, # the answer's id ('H2') and its 
                       budget: str = '', # what one run trained
                       caveats: list | None = None, # None: the exact test's caveat at `threshold`, if any
                      ) -> Answer:
-    "The `Answer` to `question` from comparison `c`: verdict, numbers, interval, method, p-value and seeds from `c`."
+    """The `Answer` to `question` from comparison `c`: the claim its estimate points to ('supported' or 'rejected'; for
+    'differs', which side is lower), made where the paired t-test of that claim (the test the 95% interval inverts)
+    reaches the family's level, its p and side, numbers, interval and seeds from `c` (`claim_of`)."""
     if c is None: return Answer(qid, question, NO_DATA, method='no comparison' if method == METHOD else method,
                                 budget=budget)
     if hypothesis not in HYPOTHESES: raise ValueError(f'hypothesis {hypothesis!r}: one of {list(HYPOTHESES)}')
-    side, (lo, hi) = HYPOTHESES[hypothesis], interval or (c.low, c.high)
+    (lo, hi) = interval or (c.low, c.high)
+    claim, side = claim_of(c, threshold, hypothesis)
+    p = c.t_p(threshold, side)
     if verdict is None:
-        verdict = difference_verdict(c) if hypothesis == 'differs' else threshold_verdict(
-            c, threshold, below=hypothesis == 'below', interval=interval, strict=hypothesis == 'above')
+        if interval is not None:  # a design's own interval decides (Stein's); p is the t-test of its seeds
+            verdict = threshold_verdict(c, threshold, below=hypothesis == 'below', interval=interval,
+                                        strict=hypothesis == 'above')
+        elif c.n < 2: verdict = 'inconclusive (needs >= 2 seeds)'
+        else: verdict = claim if decides(p, side) else ('no resolvable difference' if hypothesis == 'differs'
+                                                         else 'inconclusive')
     show, num = (lambda x: fmt.format(x + shift)), (lambda x: None if x is None else x + shift)
     return Answer(qid, question, verdict, show(c.mean) if estimate is None else estimate,
                   '' if lo is None else f'95% CI {show(lo)} .. {show(hi)}',
-                  method.replace(METHOD, method_text(c, threshold, design, side)),
+                  method.replace(METHOD, method_text(c, threshold, design, side, claim)),
                   f"{c.n} paired seed{'s' if c.n != 1 else ''}" if seeds is None else seeds, budget,
-                  [x for x in (exact_caveat(c, threshold),) if x] if caveats is None else list(caveats),
-                  value=num(c.mean), low=num(lo), high=num(hi), p=c.p_value(threshold, side), n=c.n)
+                  [x for x in (exact_caveat(c, threshold, side),) if x] if caveats is None else list(caveats),
+                  value=num(c.mean), low=num(lo), high=num(hi), p=p, n=c.n, side=side, test=T_TEST)
+
 
 # %% ../../nbs/report/30_evidence.ipynb #e3f4bf8d
 def holm(p) -> np.ndarray:
@@ -423,30 +476,59 @@ def holm(p) -> np.ndarray:
     return out
 
 # %% ../../nbs/report/30_evidence.ipynb #559c0e2b
-FAMILY_ALPHA = 0.05  # the familywise level of every study's family (two-sided scale)
+CLAIM = re.compile(r'^(supported|rejected|yes)\b|\b(earlier|later|lower|more often)\b')  # verdicts that claim a finding
+NOT_DECIDED = ('undecidable', 'inconclusive', 'no ', 'needs', 'neither')  # a verdict that opens so claims nothing
+
+def is_claim(verdict: str) -> bool:
+    "Whether a verdict claims a finding (supported, rejected, earlier, later, lower, yes) that a test must back."
+    v = str(verdict)
+    return not v.startswith(NOT_DECIDED) and bool(CLAIM.search(v))
 
 def family_answers(answers: list[Answer], # a study's answers
                    family: dict[str, str], # qid -> 'one-sided, ...' or 'two-sided, ...': the tests the study declares
                   ) -> list[Answer]:
     """Declare `family` on `answers`: each member's `sides`, its p Holm-adjusted over the family (`p_holm`; one-sided
-    p doubled first), and one caveat naming the family, shared by its answers; returns `answers`."""
+    p doubled first), one caveat naming the family, shared by its answers; and the family's rule: a member's claim
+    stands only where its adjusted p is at most `FAMILY_ALPHA` (else it reads 'inconclusive', or 'no resolvable
+    difference' for a two-sided difference, and a caveat says what it was alone). Returns `answers`."""
     members = [a for a in answers if a.qid in family]
     for a in members: a.sides = family[a.qid]
-    two = {a.qid: min(1.0, a.p * (2 if a.sides.startswith('one-sided') else 1)) for a in members if a.p is not None}
-    if not two: return answers
-    adjusted = dict(zip(two, holm(list(two.values()))))
+    side = lambda a: a.side or ('two-sided' if a.sides.startswith('two-sided') else 'less')
+    two = {a.qid: two_sided(a.p, side(a)) for a in members if a.p is not None}
+    adjusted = dict(zip(two, holm(list(two.values())))) if two else {}
     for a in members: a.p_holm = float(adjusted[a.qid]) if a.qid in adjusted else None
     line = (f"one family of {len(family)} test{'s' if len(family) != 1 else ''}, Holm-adjusted at a familywise "
-            f"{FAMILY_ALPHA:.0%} (a one-sided test is at {FAMILY_ALPHA / 2:.1%}, its p doubled before the adjustment): "
+            f"{FAMILY_ALPHA:.0%} (a one-sided test is at {FAMILY_ALPHA / 2:.1%}, its p doubled before the adjustment); "
+            "a claim stands only where its adjusted p is at most 5%: "
             + '; '.join(f'{q} {s}, ' + (f'adjusted p = {adjusted[q]:.3g}' if q in adjusted else 'no test')
                         for q, s in family.items()))
     for a in members:
         if a.verdict == NO_DATA: continue
-        a.caveats.append(line)
-        if a.p_holm is not None and two[a.qid] <= FAMILY_ALPHA < a.p_holm:
-            a.caveats.append(f'{a.qid}: significant alone (p = {a.p:.3g}) but not after Holm over the family '
-                             f'(adjusted p = {a.p_holm:.3g})')
+        if two: a.caveats.append(line)  # no test in the family: nothing adjusted to name
+        if is_claim(a.verdict) and (a.p_holm is None or a.p_holm > FAMILY_ALPHA):
+            was = f"'{a.verdict}' alone (p = {a.p:.3g}, {SIDE_WORDS.get(side(a), side(a))})" if a.p is not None else \
+                  f"'{a.verdict}' without a test"
+            after = f'adjusted p = {a.p_holm:.3g}' if a.p_holm is not None else 'no p to adjust'
+            a.caveats.append(f'{a.qid}: {was}, not after Holm over the family ({after})')
+            a.verdict = 'no resolvable difference' if side(a) == 'two-sided' and 'lower' in a.verdict else 'inconclusive'
     return answers
+
+# %% ../../nbs/report/30_evidence.ipynb #01691cbe
+def simulate_familywise(n: int, # seeds per batch
+                        m: int = 11, # comparisons in the family (the Q/K study's with a ladder: 11)
+                        batches: int = 10_000, sd: float = 0.05, # the spread of a seed's log gap
+                        shared: float = 0.0, # the share of that spread common to a seed's comparisons
+                        margin: float = 0.10, # every comparison's margin (and its true gap: the boundary)
+                        seed: int = 0) -> tuple[float, np.ndarray]:
+    """(the share of batches in which any claim is made, the per-seed log gaps (batches, m, n)) for a family whose
+    every hypothesis sits exactly at its margin, decided by the kit's rule (the claim's t-test, doubled, Holm)."""
+    from scipy import stats
+    rng = np.random.default_rng(seed)
+    common = rng.normal(0, sd * math.sqrt(shared), (batches, 1, n))
+    d = math.log1p(margin) + common + rng.normal(0, sd * math.sqrt(1 - shared), (batches, m, n))
+    p = stats.ttest_1samp(d - math.log1p(margin), 0.0, axis=-1).pvalue  # the claim's one-sided p, doubled
+    adjusted = np.apply_along_axis(holm, 1, p)
+    return float((adjusted <= FAMILY_ALPHA).any(1).mean()), d
 
 # %% ../../nbs/report/30_evidence.ipynb #88478aa8
 def seed_slopes(y: pd.DataFrame, # one row per seed, one column per budget (its steps or tokens), values: log gaps

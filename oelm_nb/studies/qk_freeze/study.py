@@ -25,19 +25,19 @@ from ...report.tables import (compare, completed, Comparison, variant_table, thr
                             read_precision, STEIN_NORMAL)
 from ...report.convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
                                  budget_sentence, FLAGS)
-from ...report.evidence import Answer, NO_DATA, answers_frame, MIN_PILOT, family_answers, comparison_answer
-from ...report.budgets import budget_answers, ladder, budgets, tokens_at, TREND_SIDES
+from ...report.evidence import Answer, NO_DATA, answers_frame, MIN_PILOT, family_answers, comparison_answer, decides, two_sided
+from ...report.budgets import budget_answers, ladder, budgets, tokens_at, TREND_SIDES, still_improving, improving_text
 from ...base.rundir import split_branch
 from ...report.page import budget_text
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'QK_FAMILY', 'LADDER', 'CONTROLS', 'QK_TRAIN', 'QK_DATA', 'QK_FREEZE',
+__all__ = ['H1_TEXT', 'H3_TEXT', 'R_SIDES', 'QK_FAMILY', 'LADDER', 'CONTROLS', 'QK_TRAIN', 'QK_DATA', 'QK_FREEZE',
            'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict', 'load_timing', 'bounded_median_interval',
            'median_interval', 'sign_test_p', 'h3_answer', 'what_it_takes', 'gap_answer', 'formation_delay',
-           'delay_text', 'formation_answer', 'trunks', 'ladder_answers', 'ladder_family', 'convergence_caveat_line',
-           'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds', 'interleaved_timing', 'control_table',
-           'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note',
-           'plot_run']
+           'delay_text', 'formation_answer', 'seeds_to_decide', 'trunks', 'ladder_answers', 'ladder_family',
+           'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds', 'interleaved_timing',
+           'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run',
+           'scale_note', 'plot_run']
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -112,10 +112,11 @@ def median_interval(x, level: float = 0.95) -> tuple[float, float, float]:
     return (low, high, cover) if cover >= level else (float('nan'), float('nan'), float('nan'))
 
 def sign_test_p(x, at: float = 1.0, alternative: str = 'two-sided') -> float:
-    "The exact sign test of median(x) = `at` (ties dropped): two-sided, or one-sided 'less' (median below `at`)."
+    "The exact sign test of median(x) = `at` (ties dropped): two-sided, or one-sided 'less' / 'greater' (median below / above)."
     x = np.asarray(x, float); lo, hi = int((x < at).sum()), int((x > at).sum())
     if not lo + hi: return 1.0
     if alternative == 'less': return _binom_half_cdf(hi, lo + hi)  # as few above `at` as this, or fewer
+    if alternative == 'greater': return _binom_half_cdf(lo, lo + hi)
     return min(1.0, 2 * _binom_half_cdf(min(lo, hi), lo + hi))
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #17fbf49c
@@ -132,17 +133,23 @@ def h3_answer(timing: pd.DataFrame | None, freeze: str = 'oelm-freeze', nofreeze
                       'data\'s): a fresh batch measures it')
     lo, hi = f.ratio_low, f.ratio_high
     verdict = 'supported' if hi <= 1.0 else 'rejected' if lo > 1.0 else 'inconclusive'
+    # the claim the median points to: 'supported' (no slower: the ratio's median below 1), or 'rejected' (slower)
+    side = 'less' if f.ratio_to_first_median <= 1.0 else 'greater'
+    ratios = f.ratios if isinstance(f.get('ratios'), list) else None
+    p = sign_test_p(ratios, 1.0, side) if ratios else (f.ratio_p if side == 'less' else None)
     shape = ''
     if 'trainable_params' in timing and 'runs_trainable_params' in timing:
         t, r = timing.trainable_params, timing.runs_trainable_params
         shape = (f"; the runs' models: {nofreeze} {int(t[nofreeze]):,} and {freeze} {int(t[freeze]):,} trainable, as "
                  "the runs" if all(pd.notna(r[v]) and int(r[v]) == int(t[v]) for v in (nofreeze, freeze)) else
                  f"; the timed models have {int(t[nofreeze]):,} / {int(t[freeze]):,} trainable, not the runs'")
+    claim = f'{freeze} no slower' if side == 'less' else f'{freeze} slower'
     method = (f'median over {n} interleaved rounds of the per-round step-time ratio {freeze} / {nofreeze}; its 95% '
-              f'interval by the sign test inverted (order statistics, coverage {f.ratio_level:.2%}); sign test p = '
-              f'{f.ratio_p:.3g} (one-sided: {freeze} faster){shape}')
+              f'interval by the sign test inverted (order statistics, coverage {f.ratio_level:.2%}); sign test of '
+              f"'{claim}' p = " + (f'{p:.3g}' if p is not None else 'not recorded') + f' (one-sided){shape}')
     return Answer('H3', H3_TEXT, verdict, _pct(f.ratio_to_first_median - 1), f'95% CI {_pct(lo - 1)} .. {_pct(hi - 1)}',
-                  method, value=f.ratio_to_first_median - 1, low=lo - 1, high=hi - 1, p=f.ratio_p, n=n)
+                  method, value=f.ratio_to_first_median - 1, low=lo - 1, high=hi - 1, p=p, n=n, side=side,
+                  test='sign test (exact)', floor=0.5 ** n)
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #a3937b90
 def _batch_dir(runs: pd.DataFrame) -> Path | None:
@@ -189,7 +196,6 @@ def gap_answer(qid: str, c: Comparison | None, limit: float, a: str, b: str, bat
                                stein['low'], stein['high'], diffs=dd)
     ans = comparison_answer(qid, question, shown, limit, 'below', interval=(stein['low'], stein['high']) if stein else
                             None, design=design, budget=budget, caveats=caveats)
-    if ans.verdict.startswith('inconclusive'): ans.caveats.append(what_it_takes(c, limit, batch_dir, main))
     if curves is not None and len(curves): ans.caveats.append(f'{a} vs {b} over the budget: '
                                                               f'{budget_sentence(curves, a, b)}')
     return ans
@@ -229,28 +235,30 @@ def delay_text(d: dict, a: str, b: str) -> tuple[str, str, str]:
     why = '' if d['coverage'] >= d['level'] else f" (the extremes: {n} seeds give no {d['level']:.0%} one)"
     low = 'no lower end' if np.isinf(d['low']) else _delay(d['low'], '')
     high = 'no upper end (censored)' if np.isinf(d['high']) else _delay(d['high'])
-    interval = f"{d['coverage']:.1%} interval {low} .. {high}{why}"
+    interval = f"at least {d['coverage']:.1%} interval {low} .. {high}{why}"  # censoring only widens it
     def one(l, h): return _delay(l, '') if l == h else f"> {_delay(l, '')}" if np.isinf(h) else f"< {_delay(h, '')}"
     each = ', '.join(f's{s} {one(l, h)}' for s, l, h in zip(d['seeds'], d['lo'], d['hi']))
     return est, interval, f'per seed ({a} - {b}, steps): {each}'
 
 def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) -> Answer:
-    """R1/R2: whether `a` forms the recall circuit as early as `b`, decided by the exact permutation test of the
-    log-rank statistic within seed (censored runs kept; 'earlier' only where censoring allows it). Where every run of
-    `b` formed it, the estimate is `a`'s delay (`formation_delay`: median and interval, censored runs as bounds); else
-    how many formed it within the budget."""
+    """R1/R2: whether `a` forms the recall circuit as early as `b`. The claim tested is the question's negation, '`a`
+    later', one-sided, by the exact permutation test of the log-rank statistic within seed (censored runs kept; the
+    null: within each seed the two runs are exchangeable). Where the design's smallest attainable p cannot reach the
+    level, the verdict says 'undecidable with N seeds' and how the seeds went. Where every run of `b` formed it, the
+    estimate is `a`'s delay (`formation_delay`: median and interval, censored runs as bounds)."""
     question = f'{a} forms the recall circuit as early as {b}'
-    t = formation_test(form, a, b)
+    t = formation_test(form, a, b, alternative='a later')
     if t is None: return Answer(qid=rid, question=question, verdict=NO_DATA, method=f'needs completed {a} and {b} runs '
                                 'with recall evaluations')
     n = t['runs_a'] + t['runs_b']
+    seeds = len(set(form.seed[form.variant == a]) & set(form.seed[form.variant == b]))
     counts = (f"formed within {_steps(t)} steps: {a} {t['formed_a']} of {t['runs_a']} vs {b} {t['formed_b']} of "
               f"{t['runs_b']}")
     c = formation_comparison(form, a, b)
     step = f"; paired step difference where both formed it {c.text('{:+,.0f}')}" if c and c.n else ''
     caveats = [f'formed = {formation_rule(form)}']
-    d = formation_delay(form, a, b) if t['formed_b'] == t['runs_b'] else None
-    if d is not None:  # every control formed it: the delay is measured, censored runs of `a` kept as bounds
+    d = formation_delay(form, a, b)
+    if d is not None and t['formed_b'] == t['runs_b']:  # every control formed it: the delay is measured
         est, interval, each = delay_text(d, a, b)
         caveats = [counts, each, *caveats]
         value = d['median'][0] if d['median'][0] == d['median'][1] else None
@@ -258,26 +266,42 @@ def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) 
     if t['p'] is None:
         return Answer(rid, question, 'neither formed it', counts, method='no event: nothing to test', seeds=f'{n} runs',
                       budget=budget, caveats=caveats, n=n)
-    if t['p'] > 0.05: verdict = 'no resolvable difference'
-    elif t['only_more_often']: verdict = f"{t['earlier']} formed it more often within {_steps(t)} steps"
-    else: verdict = f"{t['earlier']} earlier"
+    if not decides(t['floor'], 'greater'):  # no outcome of this design reaches the level
+        later = earlier = 0
+        if d is not None: later, earlier = int((np.asarray(d['lo']) > 0).sum()), int((np.asarray(d['hi']) < 0).sum())
+        verdict = (f"undecidable with {seeds} seeds: {a} later in {later}, earlier in {earlier} of {len(d['seeds'])}"
+                   if d is not None else f'undecidable with {seeds} seeds')
+    elif decides(t['p'], 'greater'):
+        verdict = (f"{b} formed it more often within {_steps(t)} steps" if t['only_more_often'] else f'{a} later')
+    else: verdict = 'inconclusive'
     how = f"{t['relabellings']:,} relabellings " + (
         'within seed (the design pairs runs by seed)' if t['design'] == 'within seed' else 'of all runs')
     if not t['exact']: how = how.replace('relabellings', 'random relabellings', 1)
-    method = (f"exact permutation test of the log-rank statistic over {how}, runs that never formed it censored at "
-              f"their last evaluation; p = {t['p']:.3g}")
-    if t['floor'] > 0.05:
-        caveats.append(f"with these runs the exact test cannot go below p = {t['floor']:.3g} ({t['relabellings']:,} "
-                       f"{t['design']} relabellings): no formation difference can reach 5%")
-    if d is not None:
+    method = (f"exact permutation test of the log-rank statistic over {how}, one-sided ('{a} later'; the null: within "
+              f"each seed the two runs are exchangeable), runs that never formed it censored at their last evaluation; "
+              f"p = {t['p']:.3g}, the smallest these runs allow {t['floor']:.3g}")
+    if not decides(t['floor'], 'greater'):
+        caveats.append(f"with {seeds} seeds the exact test cannot go below p = {t['floor']:.3g} one-sided "
+                       f"({t['relabellings']:,} {t['design']} relabellings), {two_sided(t['floor'], 'greater'):.3g} "
+                       f"doubled: no outcome can reach 5%; {seeds_to_decide()} seeds can, alone")
+    kw = dict(p=t['p'], n=n, side='greater', test='permutation log-rank (exact, within seed)', floor=t['floor'])
+    if d is not None and t['formed_b'] == t['runs_b']:
         method += ('; the delay: formation steps paired by seed, a run that never formed it bounding its delay from '
-                   'one side; median, and the sign test inverted over the bounds (distribution-free)')
+                   'one side; median, and the sign test inverted over the bounds (distribution-free), among the seeds '
+                   f'whose {b} run formed it')
         return Answer(rid, question, verdict, est, interval, method, f"{len(d['seeds'])} paired seeds ({n} runs)",
-                      budget, caveats, value=value, low=low, high=high, p=t['p'], n=n)
-    return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget, caveats, p=t['p'], n=n)
+                      budget, caveats, value=value, low=low, high=high, **kw)
+    return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget, caveats, **kw)
 
+def seeds_to_decide(alpha: float = 0.05) -> int:
+    "The fewest seeds whose within-seed exact test (one-sided floor 1 / 2^n, doubled) can reach `alpha` on its own."
+    n = 1
+    while 2 * 0.5 ** n > alpha: n += 1
+    return n
+
+R_SIDES = 'one-sided, later than its control (the null: within each seed the two runs are exchangeable)'
 QK_FAMILY = {'H2': 'one-sided, non-inferiority with margin 5%', 'H3': 'one-sided, non-inferiority with margin 0',
-             'H4': 'one-sided, non-inferiority with margin 10%', 'R1': 'two-sided', 'R2': 'two-sided',
+             'H4': 'one-sided, non-inferiority with margin 10%', 'R1': R_SIDES, 'R2': R_SIDES,
              'H2-trend': TREND_SIDES, 'H4-trend': TREND_SIDES}  # H1 counts; a ladder adds H2@B, H4@B (`ladder_family`)
 LADDER = (('H2', 'oelm-freeze', 'oelm', 0.05), ('H4', 'oelm-freeze', 'gpt', 0.10))  # the gaps answered at every budget
 
@@ -322,12 +346,18 @@ def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
     conv, form = convergence(runs, curves), formation(runs, curves)
     budget = budget_text(runs, [freeze, nofreeze, base])
     h1 = h1_verdict(runs, freeze, nofreeze)
-    answers = [Answer('H1', h1[1], h1[2], method=h1[3]),
-               gap_answer('H2', compare(runs, freeze, nofreeze), 0.05, freeze, nofreeze, d, budget, curves),
+    gaps = {'H2': (compare(runs, freeze, nofreeze), 0.05, False), 'H4': (compare(runs, freeze, base), 0.10, True)}
+    answers = [Answer('H1', h1[1], h1[2], method=h1[3], **({'p': 0.0, 'p_holm': 0.0, 'side': 'two-sided',
+                                                          'test': 'exact count (arithmetic, no sampling)'}
+                                                         if h1[2] in ('supported', 'rejected') else {})),
+               gap_answer('H2', gaps['H2'][0], 0.05, freeze, nofreeze, d, budget, curves),
                h3_answer(timing, freeze, nofreeze),
-               gap_answer('H4', compare(runs, freeze, base), 0.10, freeze, base, d, budget, curves, main=True),
+               gap_answer('H4', gaps['H4'][0], 0.10, freeze, base, d, budget, curves, main=True),
                formation_answer('R1', form, freeze, base, budget), formation_answer('R2', form, freeze, nofreeze, budget)]
-    if (line := convergence_caveat_line(conv, [freeze, nofreeze, base])):
+    imp = still_improving(every, [freeze, nofreeze, base])  # a ladder measures what a forecast would guess
+    line = (improving_text(imp) + ': the answers hold at the longest budget') if len(imp) else \
+        convergence_caveat_line(conv, [freeze, nofreeze, base])
+    if line:
         for a in answers:
             if a.qid not in ('H1', 'H3') and a.verdict != NO_DATA: a.caveats.insert(0, line)
     ok = completed(runs, [freeze, nofreeze, base])
@@ -336,10 +366,11 @@ def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
         for a in answers:
             if a.qid not in ('H1', 'H3'): a.steps, a.tokens = int(steps.iloc[0]), tokens_at(ok, int(steps.iloc[0]))
     answers += ladder_answers(every)
-    family_answers(answers, ladder_family(answers))
-    for a in answers:  # a formation difference is decided by its p: after the family's adjustment
-        if a.qid.startswith('R') and a.p_holm is not None and a.p <= 0.05 < a.p_holm:
-            a.verdict = 'no resolvable difference'
+    family_answers(answers, ladder_family(answers))  # the family's rule decides every claim, R1/R2 included
+    for a in answers:  # an unresolved gap (alone or after the family's adjustment): what would resolve it
+        if a.qid in gaps and a.verdict.startswith('inconclusive') and gaps[a.qid][0] is not None:
+            c, limit, main = gaps[a.qid]
+            a.caveats.append(what_it_takes(c, limit, d, main))
     return answers
 
 def hypotheses(runs: pd.DataFrame, freeze: str = 'oelm-freeze', nofreeze: str = 'oelm', base: str = 'gpt',
