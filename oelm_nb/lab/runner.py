@@ -4,7 +4,7 @@
 
 # %% ../../nbs/lab/56_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import fnmatch, json, os, shlex, shutil, signal, socket, subprocess, sys, threading, time
+import fnmatch, json, os, re, shlex, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass, field, replace
 from graphlib import TopologicalSorter, CycleError
@@ -19,22 +19,24 @@ from .run import run_spec
 from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
 from .study import get_study, study_names, study_answers
 from .spec import split_scope
-from ..data.corpus import prepare_data, read_meta, DataError
+from ..data.corpus import prepare_data, read_meta, DataError, data_changes
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
 from ..base.metrics import read_metrics
 from .status import BatchProgress
 from ..base.rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_with_parent, describe_holder,
-                            recorded_config, config_diff, describe_diff, fingerprint, read_holder, VOLATILE_FIELDS)
+                            recorded_config, config_diff, describe_diff, fingerprint, read_holder, VOLATILE_FIELDS,
+                            is_alive, read_workers)
 
 # %% auto #0
-__all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'INTERRUPTED', 'NAMED_DATA', 'NO_SCRIPTS',
-           'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status', 'resumable', 'resumes', 'set_aside',
-           'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args', 'papermill_args', 'stop_children',
-           'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text',
-           'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source', 'open_batch', 'check_memory',
+__all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'KERNEL_SIGNAL', 'DEAD_CHILD', 'INTERRUPTED',
+           'NAMED_DATA', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
+           'resumable', 'resumes', 'set_aside', 'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args',
+           'papermill_args', 'child_failure', 'stop_children', 'execute_run', 'place_config', 'wait_for_workers',
+           'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text', 'BatchResult',
+           'with_upstream', 'override_notes', 'plan_batch', 'data_source', 'open_batch', 'check_memory',
            'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study',
-           'after_batch', 'fit_vocabulary', 'cpu_threads', 'report_html', 'write_answers', 'batch_study',
+           'after_batch', 'fit_vocabulary', 'check_data', 'cpu_threads', 'report_html', 'write_answers', 'batch_study',
            'check_batch_record', 'execute_report', 'render_report']
 
 # %% ../../nbs/lab/56_runner.ipynb #097e58a3
@@ -208,10 +210,25 @@ def skip_slow_imports():
     "Mark `SKIPPED_IMPORTS` absent in this process (unless already imported): `jsonschema` then leaves them out."
     for name in SKIPPED_IMPORTS: sys.modules.setdefault(name, None)
 
+KERNEL_SIGNAL = '[oelm] the kernel ended by signal '  # what a papermill child prints when a signal killed its kernel
+# papermill's child says which signal killed its kernel (nbclient says only 'Kernel died'), where jupyter_client allows
+_KERNEL_HOOK = f"""try:
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner as _P
+    _poll = _P.poll
+    async def _said(self):
+        rc = await _poll(self)
+        if isinstance(rc, int) and rc < 0 and not getattr(self, '_oelm_said', False):
+            self._oelm_said = True; print({KERNEL_SIGNAL!r} + str(-rc), file=sys.stderr, flush=True)
+        return rc
+    _P.poll = _said
+except Exception: pass
+"""
+
 def module_args(module: str) -> list[str]:
     "The arguments after `python` that run `python -m MODULE` with `SKIPPED_IMPORTS` absent."
     return ['-c', f"import runpy, sys\nfor name in {SKIPPED_IMPORTS!r}: sys.modules.setdefault(name, None)\n"
-                  f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
+                  + (_KERNEL_HOOK if module == 'papermill' else '')
+                  + f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
 
 def papermill_args(nb_in, nb_out, cwd, *params: str) -> list[str]:
     """The arguments after `python` that execute notebook `nb_in` into `nb_out` with papermill on the `python3` kernel,
@@ -221,12 +238,61 @@ def papermill_args(nb_in, nb_out, cwd, *params: str) -> list[str]:
 
 # %% ../../nbs/lab/56_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
+    """The exception an executed notebook `path` holds, as 'Type: message (cell N of NAME: its first line)' (a message
+    of several lines: the cell after its first), or None; the notebook is data: anything but an error output is ignored."""
     try: nb = json.loads(path.read_text())
     except Exception: return None
-    for cell in nb.get('cells', []):
-        for out in cell.get('outputs', []):
-            if out.get('output_type') == 'error': return f"{out.get('ename')}: {out.get('evalue')}"
+    cells = nb.get('cells') if isinstance(nb, dict) else None
+    for i, cell in enumerate(cells if isinstance(cells, list) else [], 1):
+        outs = cell.get('outputs') if isinstance(cell, dict) else None
+        for out in outs if isinstance(outs, list) else []:
+            if not (isinstance(out, dict) and out.get('output_type') == 'error'): continue
+            src = cell.get('source', '')
+            src = ''.join(map(str, src)) if isinstance(src, list) else str(src)
+            first = next((l.strip() for l in src.splitlines() if l.strip() and not l.lstrip().startswith('#')), '')
+            head, sep, rest = str(out.get('evalue', '')).partition('\n')
+            return f"{out.get('ename')}: {head} (cell {i} of {path.name}: {first[:80]}){sep}{rest}"
     return None
+
+# %% ../../nbs/lab/56_runner.ipynb #33987933
+def _last_exception(text: str) -> str | None:
+    "The last line of `text` (a child's stderr) that names an exception, e.g. 'DeadKernelError: Kernel died'."
+    found = [l.strip() for l in text.splitlines() if re.match(r'\s*[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b', l)]
+    return found[-1] if found else None
+
+# the exceptions of a kernel that died (the out-of-memory killer's SIGKILL, kill -9), not of the run: a resume repeats nothing
+DEAD_CHILD = ('DeadKernelError', 'Kernel died')
+
+def _signal_name(n: int) -> str:
+    try: return signal.Signals(n).name
+    except ValueError: return f'signal {n}'
+
+def child_failure(returncode: int, # the papermill child's exit status (negative: the signal that killed it)
+                  stderr: str, # its standard error (papermill's log, and `KERNEL_SIGNAL` where the kernel was killed)
+                  nb_error: str | None, # the exception the executed notebook holds (`_error_from_notebook`)
+                  run_dir: Path | None = None, # where the run's checkpoints are
+                 ) -> dict:
+    """A failed run's summary fields: `error`, `resumable` and, for a child that died, the `signal` and the step of the
+    last checkpoint (`checkpoint_step`), which the next `oelm run` resumes from; else `not_resumable`, why not."""
+    cks = list_checkpoints(Path(run_dir) / 'checkpoints') if run_dir else []
+    step = int(cks[-1].name.removeprefix('step_')) if cks else None
+    kernel = re.search(re.escape(KERNEL_SIGNAL) + r'(\d+)', stderr)  # the signal that killed the kernel, where one did
+    if returncode < 0 or any(s in (nb_error or _last_exception(stderr) or '') for s in DEAD_CHILD):
+        sig = _signal_name(-returncode if returncode < 0 else int(kernel.group(1))) if returncode < 0 or kernel else None
+        who = 'the papermill process' if returncode < 0 else "the notebook's kernel"
+        how = f'killed by {sig}' if sig else 'died (killed by a signal its parent did not see)'
+        oom = (' (SIGKILL is what the out-of-memory killer sends: `dmesg` names its victims; a smaller '
+               'train.batch_size or --jobs lowers the memory a run needs)') if sig in (None, 'SIGKILL') else ''
+        at = f'its last checkpoint, step {step:,}' if step is not None else 'step 0 (it had no checkpoint yet)'
+        return {'error': f'interrupted: {who} {how}{oom}; the next `oelm run` resumes from {at}', 'resumable': True,
+                'signal': sig, 'checkpoint_step': step}
+    if nb_error: error = nb_error
+    elif returncode == 0: error = f'the notebook ended without writing a completed summary.json in {run_dir}'
+    else: error = _last_exception(stderr) or f'papermill exited with status {returncode}; see papermill.log'
+    if resumable(error): return {'error': error, 'resumable': True, 'checkpoint_step': step}
+    return {'error': error, 'resumable': False,
+            'not_resumable': 'the run itself raised this error: a resume would repeat it; fix its cause (the next '
+                             '`oelm run` sets this run aside and trains it afresh)'}
 
 # %% ../../nbs/lab/56_runner.ipynb #f7ecdeb3
 INTERRUPTED = threading.Event()  # set when Ctrl-C stops a batch: its runs' children are stopped, not failed
@@ -260,7 +326,7 @@ def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, thread
 def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     # the notebook's summary is not final until papermill is done
     (job.run_dir / '.running').write_text(str(os.getpid()))
-    config = record_config(job.run_dir, batch.spec(job.variant, job.seed).to_dict())  # the notebook reads it
+    config = place_config(job.run_dir, batch.spec(job.variant, job.seed).to_dict(), log)  # the notebook reads it
     params = dict(config=str(config.resolve()), nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(batch.study).notebook)
     nb_out = job.run_dir / nb_in.name
@@ -274,25 +340,46 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     (job.run_dir / 'papermill.log').write_text(res.stdout + res.stderr)
     s = read_json(job.run_dir / 'summary.json') or {}
     if res.returncode != 0 or s.get('status') != 'completed':
-        err = _error_from_notebook(nb_out) or (res.stderr.strip().splitlines() or ['unknown error'])[-1]
-        if INTERRUPTED.is_set() or err.startswith('KeyboardInterrupt'):
+        nb_error = _error_from_notebook(nb_out)
+        if INTERRUPTED.is_set() or (nb_error or '').startswith('KeyboardInterrupt'):
             return 'interrupted'  # as after kill -9: no summary, its checkpoints kept; the next `oelm run` resumes it
+        wait_for_workers(job.run_dir)  # a kernel whose papermill died stops itself: then its files are final
+        failure = child_failure(res.returncode, res.stderr, nb_error, job.run_dir)
         write_json(
             job.run_dir / 'summary.json',
             {
                 'status': 'failed',
                 **run_identity(batch.study, job.variant, batch.preset, job.seed),
-                'error': err,
-                'resumable': resumable(err),
+                **failure,
                 'log': str(job.run_dir / 'papermill.log'),
                 'wall_time_s': time.time() - t0,
             },
         )
-        log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}')
+        log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {failure["error"]}')
         return 'failed'
     (job.run_dir / '.running').unlink(missing_ok=True)
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
     return 'completed'
+
+# %% ../../nbs/lab/56_runner.ipynb #4b8538f2
+def place_config(run_dir: Path, config: dict, log=print) -> Path:
+    """Write the run's config.json (`record_config`); where one is recorded with another `out_dir` or `data_dir` (the
+    batch was moved or copied), make those two this batch's, saying so in one line: a run trains where it is, never
+    into the directory it was copied from. Returns the path."""
+    old = recorded_config(run_dir)
+    if old is None: return record_config(run_dir, config)
+    moved = [k for k in ('out_dir', 'data_dir') if old.get(k) != config.get(k)]
+    if moved:
+        write_json(Path(run_dir) / 'config.json', {**old, **{k: config.get(k) for k in moved}})
+        log(f"[oelm run] {Path(run_dir).name}: config.json named {', '.join(f'{k} {old.get(k)}' for k in moved)}; "
+            f"the batch was moved or copied: now {', '.join(f'{k} {config.get(k)}' for k in moved)}")
+    return Path(run_dir) / 'config.json'
+
+def wait_for_workers(run_dir: Path, timeout: float = 30.0):
+    "Wait (at most `timeout` s) until the processes that worked under the lock of `run_dir` (its kernel) have ended."
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(w.get('pid') != os.getpid() and is_alive(w) for w in read_workers(run_dir)):
+        time.sleep(0.2)
 
 # %% ../../nbs/lab/56_runner.ipynb #31738787
 def run_digest(run_dir: Path) -> str:
@@ -689,6 +776,28 @@ def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
         )
     if now != was: log(f"[oelm run] the data's vocabulary is {batch.data_vocab:,}: model.vocab_size {was:,} -> {now:,}")
 
+# %% ../../nbs/lab/56_runner.ipynb #9b45e5f8
+def check_data(batch: Batch, variants: list[str], seeds, restart: bool = False, log=print):
+    """Refuse, in one line with the ways forward, a batch whose corpus changed since its data/ was prepared
+    (`data_changes`: content, not mtime), data/ and every run left as they are; with --restart naming every run of the
+    batch, set data/ aside (`data.replaced-N`) so that it is prepared afresh and every run trains afresh."""
+    data, spec0 = batch.out / 'data', batch.spec(variants[0])
+    if (what := data_changes(spec0.data, data)) is None: return
+    mine = {run_name(v, s) for v in variants for s in seeds}
+    others = sorted(p.name for p in batch.out.iterdir() if p.is_dir() and parse_run_name(p.name) and p.name not in mine)
+    if restart and not others:
+        n = 1
+        while (aside := data.with_name(f'data.replaced-{n}')).exists(): n += 1
+        os.replace(data, aside)
+        log(f'[oelm run] the corpus changed ({what}); --restart: data/ kept as {aside.name}, prepared afresh, every run '
+            'trains afresh')
+        return
+    raise DataError(
+        f"{spec0.data.source} changed since {data} was prepared from it: {what}. data/ and the runs trained on it are "
+        "left as they are. To train on the new corpus give another --out, or add --restart"
+        + (f" with every run of the batch in --variants/--seeds (also {', '.join(others)})" if others else '')
+        + " to prepare the data afresh (the old data/ kept as data.replaced-N) and train every run afresh.")
+
 # %% ../../nbs/lab/56_runner.ipynb #ed43cd0e
 def cpu_threads(jobs: int) -> int:
     "The threads of each of `jobs` runs sharing the CPU: `cores // jobs`, at most `OMP_NUM_THREADS` where that is set."
@@ -700,6 +809,7 @@ def cpu_threads(jobs: int) -> int:
 def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, execute, log) -> BatchResult:
     out, study = batch.out, batch.study
     spec0 = batch.spec(names[0])
+    check_data(batch, names, seeds, restart, log)  # a changed corpus stops here, data/ untouched
     log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
     # a prepared source directory is used in place
     try: batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)
