@@ -280,12 +280,13 @@ def child_failure(returncode: int, # the papermill child's exit status (negative
     if returncode < 0 or any(s in (nb_error or _last_exception(stderr) or '') for s in DEAD_CHILD):
         sig = _signal_name(-returncode if returncode < 0 else int(kernel.group(1))) if returncode < 0 or kernel else None
         who = 'the papermill process' if returncode < 0 else "the notebook's kernel"
-        how = f'killed by {sig}' if sig else 'died (killed by a signal its parent did not see)'
-        oom = (' (SIGKILL is what the out-of-memory killer sends: `dmesg` names its victims; a smaller '
-               'train.batch_size or --jobs lowers the memory a run needs)') if sig in (None, 'SIGKILL') else ''
+        how = f'was killed by {sig}' if sig else 'died (killed by a signal its parent did not see)'
         at = f'its last checkpoint, step {step:,}' if step is not None else 'step 0 (it had no checkpoint yet)'
-        return {'error': f'interrupted: {who} {how}{oom}; the next `oelm run` resumes from {at}', 'resumable': True,
-                'signal': sig, 'checkpoint_step': step}
+        oom = ({'note': 'SIGKILL is what the out-of-memory killer sends (`dmesg` names its victims): where memory ran '
+                        'out, a smaller train.batch_size (train.micro_batch) or fewer --jobs lowers what a run needs'}
+               if sig in (None, 'SIGKILL') else {})
+        return {'error': f'interrupted: {who} {how}; the next `oelm run` resumes from {at}', 'resumable': True,
+                'signal': sig, 'checkpoint_step': step, **oom}
     if nb_error: error = nb_error
     elif returncode == 0: error = f'the notebook ended without writing a completed summary.json in {run_dir}'
     else: error = _last_exception(stderr) or f'papermill exited with status {returncode}; see papermill.log'
@@ -355,7 +356,8 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
                 'wall_time_s': time.time() - t0,
             },
         )
-        log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {failure["error"]}')
+        log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {failure["error"]}'
+            + (f' ({failure["note"]})' if failure.get('note') else ''))
         return 'failed'
     (job.run_dir / '.running').unlink(missing_ok=True)
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
