@@ -183,3 +183,46 @@ def test_an_edited_corpus_is_refused_in_one_line_and_a_touch_is_no_change(tmp_pa
     assert redone.returncode == 0, redone.stdout + redone.stderr
     assert 'data/ kept as data.replaced-1' in redone.stdout and tree_sums(out / 'data.replaced-1') == data
     assert read_json(out / 'data' / 'meta.json')['files'][0]['sha256'] == hashlib.sha256(corpus.read_bytes()).hexdigest()
+
+
+# ====================================================================== 5. the smaller points
+def test_sigterm_stops_the_batch_in_one_line_and_batch_json_records_it(tmp_path):
+    import threading
+    from oelm_nb.lab import runner
+    def execute(job, batch, gpu_set, threads, log):  # the signal a job scheduler or `timeout` sends, while a run trains
+        job.run_dir.mkdir(parents=True, exist_ok=True)  # as a run's first act
+        os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.3); return 'interrupted'
+    assert threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(runner.BatchInterrupted) as e:
+        runner.run_study('qk-freeze', variants=['gpt'], seeds=[0], steps=2, out_dir=tmp_path / 'b', report=False,
+                         overrides=SMALL_CORPUS, execute=execute, log=lambda s: None)
+    assert str(e.value).startswith('interrupted (SIGTERM): gpt-s0 had no checkpoint yet; run the same command again')
+    assert read_json(tmp_path / 'b' / 'batch.json')['invocations'][-1]['interrupted'] == 'SIGTERM'
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the batch's only
+
+
+def test_a_validation_split_shorter_than_a_window_is_refused_once_before_any_run(tmp_path):
+    from oelm_nb.lab import runner
+    from oelm_nb.data.corpus import DataError
+    started = []
+    with pytest.raises(DataError, match=r"the val split holds [\d,]+ tokens, fewer than one window of variant 'gpt' needs "
+                                        r"\(block_size \+ 1 = 513\).*--set model.block_size=\d+ or less"):
+        runner.run_study('qk-freeze', variants=['gpt'], seeds=[0], steps=2, out_dir=tmp_path / 'b', report=False,
+                         overrides={**SMALL_CORPUS, 'data.n_val_stories': 1, 'model.block_size': 512},
+                         execute=lambda *a, **k: started.append(a) or 'completed', log=lambda s: None)
+    assert not started
+
+
+def test_a_full_disk_while_writing_a_checkpoint_names_the_fix(tmp_path, monkeypatch):
+    import torch
+    from safetensors import SafetensorError
+    from oelm_nb.train import checkpoint as ck
+    def full(*a, **k): raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                             'message: "No space left on device" })')
+    monkeypatch.setattr(ck, 'save_file', full)
+    with pytest.raises(ck.CheckpointError, match=r'step 3 failed: .*No space left on device.*Fix: free disk space in'):
+        ck.save_checkpoint(tmp_path / 'checkpoints', 3, {'model': torch.nn.Linear(2, 2)}, None, {})
+    assert not [p for p in (tmp_path / 'checkpoints').iterdir()]  # nothing half-written left
+    from oelm_nb.lab.runner import resumable
+    assert resumable('CheckpointError: writing the checkpoint of step 3 failed: ... No space left on device ...')

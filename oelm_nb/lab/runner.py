@@ -6,6 +6,7 @@
 from __future__ import annotations
 import fnmatch, json, os, re, shlex, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from graphlib import TopologicalSorter, CycleError
 from pathlib import Path
@@ -33,11 +34,12 @@ __all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'KERNEL
            'NAMED_DATA', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
            'resumable', 'resumes', 'set_aside', 'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args',
            'papermill_args', 'child_failure', 'stop_children', 'execute_run', 'place_config', 'wait_for_workers',
-           'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text', 'BatchResult',
-           'with_upstream', 'override_notes', 'plan_batch', 'data_source', 'open_batch', 'check_memory',
-           'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study',
-           'after_batch', 'fit_vocabulary', 'check_data', 'cpu_threads', 'report_html', 'write_answers', 'batch_study',
-           'check_batch_record', 'execute_report', 'render_report']
+           'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text', 'StopSignal',
+           'stop_on_signals', 'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source',
+           'open_batch', 'check_memory', 'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome',
+           'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'check_data', 'check_block_size',
+           'cpu_threads', 'report_html', 'write_answers', 'batch_study', 'check_batch_record', 'execute_report',
+           'render_report']
 
 # %% ../../nbs/lab/56_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -463,7 +465,7 @@ def _run_guarded(run_job, j: Job, w, on_blocked) -> str:
 class BatchInterrupted(KeyboardInterrupt):
     "Ctrl-C stopped a batch; its message says what each stopped run kept."
 
-def interrupted_text(jobs: list[Job], statuses: dict) -> str:
+def interrupted_text(jobs: list[Job], statuses: dict, why: str = 'Ctrl-C') -> str:
     "One line: the runs Ctrl-C stopped and the checkpoint each keeps, and the command that resumes them."
     kept = []
     for j in jobs:
@@ -471,8 +473,24 @@ def interrupted_text(jobs: list[Job], statuses: dict) -> str:
         cks = list_checkpoints(j.run_dir / 'checkpoints')
         kept.append(f"{j.name} keeps its checkpoint of step {int(cks[-1].name.removeprefix('step_'))}" if cks
                     else f'{j.name} had no checkpoint yet')
-    return ('interrupted (Ctrl-C): ' + ('; '.join(kept) or 'no run had started')
+    return (f'interrupted ({why}): ' + ('; '.join(kept) or 'no run had started')
             + '; run the same command again to resume (completed runs are skipped)')
+
+# %% ../../nbs/lab/56_runner.ipynb #7e3e35bf
+class StopSignal(KeyboardInterrupt):
+    "SIGTERM or SIGHUP (a job scheduler, `timeout`, a closed terminal) stops a batch as Ctrl-C does; args[0]: its name."
+    def __str__(self): return f'interrupted ({self.args[0]}); run the same command again to resume'
+
+@contextmanager
+def stop_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)):
+    """In the main thread, turn `signals` into `StopSignal` for the duration of the block: the batch then stops its runs
+    (their checkpoints kept), records the outcome in batch.json and says so in one line."""
+    if threading.current_thread() is not threading.main_thread(): yield; return
+    def stop(signum, frame): raise StopSignal(signal.Signals(signum).name)  # then the Ctrl-C path (`interrupted_text`)
+    old = {s: signal.signal(s, stop) for s in signals}
+    try: yield
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
 
 # %% ../../nbs/lab/56_runner.ipynb #81a2322b
 @dataclass
@@ -677,11 +695,13 @@ def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus:
     return len(history) - 1
 
 # %% ../../nbs/lab/56_runner.ipynb #ee1a1012
-def record_outcome(out: Path, index: int, statuses: dict):
-    "Add the runs' final statuses to invocation `index` of batch.json."
+def record_outcome(out: Path, index: int, statuses: dict, interrupted: str | None = None):
+    "Add the runs' final statuses (and what `interrupted` the batch: 'Ctrl-C', 'SIGTERM') to invocation `index` of batch.json."
     b = read_json(Path(out) / 'batch.json') or {}
     inv = (b.get('invocations') or [])
-    if index < len(inv): inv[index].update(statuses=statuses, finished=_now()); write_json(Path(out) / 'batch.json', b)
+    stop = {'interrupted': interrupted} if interrupted else {}
+    if index < len(inv):
+        inv[index].update(statuses=statuses, finished=_now(), **stop); write_json(Path(out) / 'batch.json', b)
 
 # %% ../../nbs/lab/56_runner.ipynb #090d891f
 def pending_jobs(
@@ -748,9 +768,10 @@ def run_study(study: str, # the registered study (`oelm run STUDY`)
         with run_lock(out, 'batch') as lock:  # RunLocked, naming the holder, when another `oelm run` writes this batch
             if lock.recovered:
                 log(f"[oelm run] recovered the batch lock of {describe_holder(lock.recovered)}, which is gone")
-            return _run_batch(
-                batch, names, plan, list(seeds), gpus, workers, restart, report, execute or execute_run, log
-            )
+            with stop_on_signals():
+                return _run_batch(
+                    batch, names, plan, list(seeds), gpus, workers, restart, report, execute or execute_run, log
+                )
     except BaseException:
         if created and out.exists() and not any(parse_run_name(p.name) for p in out.iterdir()):
             shutil.rmtree(out, ignore_errors=True)
@@ -800,6 +821,22 @@ def check_data(batch: Batch, variants: list[str], seeds, restart: bool = False, 
         + (f" with every run of the batch in --variants/--seeds (also {', '.join(others)})" if others else '')
         + " to prepare the data afresh (the old data/ kept as data.replaced-N) and train every run afresh.")
 
+# %% ../../nbs/lab/56_runner.ipynb #e1272f3f
+def check_block_size(batch: Batch, variants: list[str]):
+    "Refuse, before any run starts, prepared data whose train or val split is too short for one window of a variant."
+    try: n = read_meta(batch.data_dir).get('n_tokens')
+    except DataError: return  # the runs name a damaged meta.json themselves
+    if not isinstance(n, dict): return
+    for v in variants:
+        T = batch.spec(v).model.block_size
+        for split in ('train', 'val'):
+            if isinstance(n.get(split), int) and n[split] < T + 1:
+                raise DataError(
+                    f"{batch.data_dir}: the {split} split holds {n[split]:,} tokens, fewer than one window of variant "
+                    f"{v!r} needs (block_size + 1 = {T + 1:,}); give a larger corpus (more validation text: "
+                    f"--set data.val_fraction=..., or data.n_val_stories for the synthetic corpus) or --set "
+                    f"model.block_size={max(1, n[split] - 1)} or less")
+
 # %% ../../nbs/lab/56_runner.ipynb #ed43cd0e
 def cpu_threads(jobs: int) -> int:
     "The threads of each of `jobs` runs sharing the CPU: `cores // jobs`, at most `OMP_NUM_THREADS` where that is set."
@@ -819,6 +856,7 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
         raise DataError(f"{out / 'data'}: preparing the data failed: {e.strerror or e}; free space there (or give "
                         "another --out), then run the same command: an incomplete data/ is prepared afresh") from None
     fit_vocabulary(batch, spec0, log)  # once, before any run starts
+    check_block_size(batch, names)  # a split too short for one window: refused once, not by every run
     all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
     index = write_batch_json(batch, names, seeds, plan, gpus, restart)
     threads = None if workers[0] else cpu_threads(len(workers))
@@ -852,8 +890,10 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
         try:
             schedule(todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream], statuses, run_job,
                      workers, blocked, stop_children)
-        except KeyboardInterrupt:
-            raise BatchInterrupted(interrupted_text(all_jobs, statuses)) from None
+        except KeyboardInterrupt as e:
+            why = e.args[0] if isinstance(e, StopSignal) else 'Ctrl-C'
+            record_outcome(out, index, {j.name: statuses.get(j.name, 'pending') for j in all_jobs}, why)
+            raise BatchInterrupted(interrupted_text(all_jobs, statuses, why)) from None
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
     record_outcome(out, index, res.statuses)
     after_batch(batch, [v for v in names if any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)
