@@ -226,3 +226,16 @@ def test_a_full_disk_while_writing_a_checkpoint_names_the_fix(tmp_path, monkeypa
     assert not [p for p in (tmp_path / 'checkpoints').iterdir()]  # nothing half-written left
     from oelm_nb.lab.runner import resumable
     assert resumable('CheckpointError: writing the checkpoint of step 3 failed: ... No space left on device ...')
+
+
+def test_sample_and_export_read_a_copied_batch_where_it_is(tmp_path_factory, tmp_path):
+    "`oelm sample` and `oelm export` (through `load_run_model`) take the copy's own data, not the original's."
+    from shared_runs import qk_freeze_batch
+    from oelm_nb.lab.sample import load_run_model, run_codec
+    src = qk_freeze_batch(tmp_path_factory)
+    copy = shutil.copytree(src, tmp_path / 'copy', symlinks=True)
+    assert read_json(copy / 'gpt-s0' / 'config.json')['out_dir'] == str((src / 'gpt-s0').resolve())  # as copied
+    model, spec, ckpt = load_run_model(copy / 'gpt-s0', 'final', device='cpu')
+    assert (spec.out_dir, spec.resolved_data_dir) == (str((copy / 'gpt-s0').resolve()), (copy / 'data').resolve())
+    assert ckpt.resolve().is_relative_to(copy.resolve())
+    assert run_codec(spec).encode('Once upon a time') is not None
