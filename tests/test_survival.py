@@ -74,6 +74,8 @@ def test_a_killed_kernel_is_an_interruption_and_the_moved_batch_resumes_where_it
     assert ref.returncode == 0, ref.stdout + ref.stderr
     got, want = numbers(moved / 'gpt-s0'), numbers(tmp_path / 'ref' / 'gpt-s0')
     assert [r[0] for r in got] == list(range(1, 31)) and got == want
+    first = [r['elapsed_s'] for r in read_jsonl(moved / 'gpt-s0' / 'metrics.jsonl') if r['step'] <= step][-1]
+    assert read_json(moved / 'gpt-s0' / 'summary.json')['wall_time_s'] > first  # both stretches count
 
 
 # ====================================================================== 2. a copied batch leaves its original alone
@@ -239,3 +241,20 @@ def test_sample_and_export_read_a_copied_batch_where_it_is(tmp_path_factory, tmp
     assert (spec.out_dir, spec.resolved_data_dir) == (str((copy / 'gpt-s0').resolve()), (copy / 'data').resolve())
     assert ckpt.resolve().is_relative_to(copy.resolve())
     assert run_codec(spec).encode('Once upon a time') is not None
+
+
+def test_a_refusal_for_another_study_suggests_the_batch_own_runs(tmp_path_factory, tmp_path):
+    "`oelm run pca` on a Q/K batch: the command it suggests is the Q/K batch's own, with the Q/K variants it has."
+    import shlex
+    from cli_helpers import oelm_main
+    from shared_runs import qk_freeze_batch
+    from oelm_nb.lab.study import get_study
+    copy = shutil.copytree(qk_freeze_batch(tmp_path_factory), tmp_path / 'qk', symlinks=True,
+                           ignore=shutil.ignore_patterns('checkpoints'))
+    res = oelm_main('run', 'pca', '--seeds', '0', '--out', str(copy), '--no-report', *tiny_args(2))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and 'study: qk-freeze -> pca' in lines[0], res.stderr
+    cmd = shlex.split(lines[0].split("Run it with the batch's own settings: ")[1].split(' ; ')[0])
+    assert cmd[:3] == ['oelm', 'run', 'qk-freeze'], cmd
+    variants = cmd[cmd.index('--variants') + 1].split(',')
+    assert set(variants) == {'gpt', 'oelm-freeze'} and set(variants) <= set(get_study('qk-freeze').variants('tiny', 30, {}))

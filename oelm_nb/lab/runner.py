@@ -36,10 +36,10 @@ __all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'KERNEL
            'papermill_args', 'child_failure', 'stop_children', 'execute_run', 'place_config', 'wait_for_workers',
            'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text', 'StopSignal',
            'stop_on_signals', 'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source',
-           'open_batch', 'check_memory', 'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome',
-           'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'check_data', 'check_block_size',
-           'cpu_threads', 'report_html', 'write_answers', 'batch_study', 'check_batch_record', 'execute_report',
-           'render_report']
+           'open_batch', 'check_memory', 'settings_diff', 'check_batch_settings', 'write_batch_json', 'mine_or_its',
+           'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'check_data',
+           'check_block_size', 'cpu_threads', 'report_html', 'write_answers', 'batch_study', 'check_batch_record',
+           'execute_report', 'render_report']
 
 # %% ../../nbs/lab/56_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -658,7 +658,8 @@ def check_batch_settings(batch: Batch, variants: list[str], seeds, restart: bool
         + (f" (runs {', '.join(stale)})" if stale else '')
         + ". This command would change its shared data and batch.json and train beside runs of other settings. "
         + (f"--restart sets aside only this command's runs, not {', '.join(others)}; " if restart else '')
-        + f"Run it with the batch's own settings: {batch_command(batch.out, variants, list(seeds))} ; "
+        # another study's variants are no command for this batch: then the batch's own runs (batch.json's)
+        + f"Run it with the batch's own settings: {batch_command(batch.out, *mine_or_its(batch, variants, seeds))} ; "
         + "or give another --out"
         + ("" if restart else "; or add --restart (when the command names every run of the batch) to train them afresh")
         + ".")
@@ -693,6 +694,13 @@ def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus:
                       # cluster job ids (oelm_nb.lab.cluster)
                       **({'jobs': old['jobs']} if isinstance(old.get('jobs'), dict) else {})})
     return len(history) - 1
+
+# %% ../../nbs/lab/56_runner.ipynb #908bb904
+def mine_or_its(batch: Batch, variants: list[str], seeds) -> tuple:
+    """(variants, seeds) for the command that trains them with the batch's own settings: this command's, or where the
+    batch belongs to another study (they would not be that study's variants), None, None: the batch's own."""
+    b = read_json(batch.out / 'batch.json')
+    return (variants, list(seeds)) if not isinstance(b, dict) or b.get('study') == batch.study else (None, None)
 
 # %% ../../nbs/lab/56_runner.ipynb #ee1a1012
 def record_outcome(out: Path, index: int, statuses: dict, interrupted: str | None = None):
