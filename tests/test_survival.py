@@ -102,8 +102,7 @@ def test_the_error_of_an_executed_notebook_names_type_message_and_cell(tmp_path)
                     {'cell_type': 'code', 'source': ['#| hide\n', 'spec, summary = run_in_notebook(config)\n'],
                      'outputs': [{'output_type': 'error', 'ename': 'ConfigError', 'evalue': 'bad n_head\nfix it'}]}]}
     (tmp_path / 'train_lm.ipynb').write_text(json.dumps(nb))
-    assert _error_from_notebook(tmp_path / 'train_lm.ipynb') == \
-        'ConfigError: bad n_head (cell 2 of train_lm.ipynb: spec, summary = run_in_notebook(config))\nfix it'
+    assert _error_from_notebook(tmp_path / 'train_lm.ipynb') == 'ConfigError (cell 2 of train_lm.ipynb): bad n_head\nfix it'
     for junk in ('[1, 2]', '{"cells": {"a": 1}}', '{"cells": [1, {"outputs": "x"}]}', 'not json'):
         (tmp_path / 'j.ipynb').write_text(junk)
         assert _error_from_notebook(tmp_path / 'j.ipynb') is None, junk
@@ -112,12 +111,12 @@ def test_the_error_of_an_executed_notebook_names_type_message_and_cell(tmp_path)
 @pytest.mark.parametrize('rc, stderr, nb_error, want', [
     (-9, 'Executing notebook with kernel: python3\n', None, dict(resumable=True, signal='SIGKILL')),
     (1, '[oelm] the kernel ended by signal 9\nDeadKernelError: Kernel died\n', None, dict(resumable=True, signal='SIGKILL')),
-    (1, 'DeadKernelError: Kernel died\n', 'DeadKernelError: Kernel died (cell 3 of x.ipynb: run())',
+    (1, 'DeadKernelError: Kernel died\n', 'DeadKernelError (cell 3 of x.ipynb): Kernel died',
      dict(resumable=True, signal=None)),
-    (1, 'Executing notebook with kernel: python3\n', 'ConfigError: bad (cell 3 of x.ipynb: run())',
-     dict(resumable=False, error='ConfigError: bad (cell 3 of x.ipynb: run())')),
-    (1, '', 'TrainingDiverged: loss 1e9 at step 7 (cell 3 of x.ipynb: run())', dict(resumable=False)),
-    (1, '', "OSError: [Errno 28] No space left on device (cell 3 of x.ipynb: run())", dict(resumable=True)),
+    (1, 'Executing notebook with kernel: python3\n', 'ConfigError (cell 3 of x.ipynb): bad',
+     dict(resumable=False, error='ConfigError (cell 3 of x.ipynb): bad')),
+    (1, '', 'TrainingDiverged (cell 3 of x.ipynb): loss 1e9 at step 7', dict(resumable=False)),
+    (1, '', 'OSError (cell 3 of x.ipynb): [Errno 28] No space left on device', dict(resumable=True)),
     (1, 'Executing notebook with kernel: python3\nValueError: boom\nExecuting notebook with kernel: python3\n', None,
      dict(resumable=False, error='ValueError: boom')),
     (0, 'Executing notebook with kernel: python3\n', None, dict(resumable=False)),
@@ -149,7 +148,7 @@ def test_a_planted_error_shows_on_the_console_in_summary_json_and_in_oelm_status
         res = runner.run_study('qk-freeze', variants=['gpt'], seeds=[0], steps=2, out_dir=tmp_path / 'b', report=False,
                                overrides=SMALL_CORPUS,
                                log=lines.append)
-    want = 'PlantedError: planted in the notebook (cell 1 of '
+    want = 'PlantedError (cell 1 of train_lm.ipynb): planted in the notebook'
     assert res.failed == ['gpt-s0']
     assert any(l.startswith('[oelm run] gpt-s0: FAILED after') and want in l for l in lines), lines
     s = read_json(tmp_path / 'b' / 'gpt-s0' / 'summary.json')

@@ -240,8 +240,9 @@ def papermill_args(nb_in, nb_out, cwd, *params: str) -> list[str]:
 
 # %% ../../nbs/lab/56_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
-    """The exception an executed notebook `path` holds, as 'Type: message (cell N of NAME: its first line)' (a message
-    of several lines: the cell after its first), or None; the notebook is data: anything but an error output is ignored."""
+    """The exception an executed notebook `path` holds, as 'Type (cell N of NAME): message' (N counts the executed
+    copy's cells, papermill's parameters included), or None; the notebook is data: anything but an error output is
+    ignored."""
     try: nb = json.loads(path.read_text())
     except Exception: return None
     cells = nb.get('cells') if isinstance(nb, dict) else None
@@ -249,11 +250,7 @@ def _error_from_notebook(path: Path) -> str | None:
         outs = cell.get('outputs') if isinstance(cell, dict) else None
         for out in outs if isinstance(outs, list) else []:
             if not (isinstance(out, dict) and out.get('output_type') == 'error'): continue
-            src = cell.get('source', '')
-            src = ''.join(map(str, src)) if isinstance(src, list) else str(src)
-            first = next((l.strip() for l in src.splitlines() if l.strip() and not l.lstrip().startswith('#')), '')
-            head, sep, rest = str(out.get('evalue', '')).partition('\n')
-            return f"{out.get('ename')}: {head} (cell {i} of {path.name}: {first[:80]}){sep}{rest}"
+            return f"{out.get('ename')} (cell {i} of {path.name}): {out.get('evalue', '')}"
     return None
 
 # %% ../../nbs/lab/56_runner.ipynb #33987933
