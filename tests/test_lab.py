@@ -69,10 +69,31 @@ def test_lab_server_starts_and_saving_without_an_edit_changes_nothing(project):
         after = (project / 'nbs' / '02_freeze.ipynb').read_bytes()
         assert after == before, 'saving through JupyterLab changed the notebook file'
         assert _api(port, token, 'contents/reports/qk_freeze.ipynb?content=0')[0] == 200  # the report opens too
+        # a new notebook, as Lab's launcher makes one (Untitled.ipynb), then its first save: cleaned, no error in the log
+        status, new = _api(port, token, 'contents', 'POST', {'type': 'notebook'})
+        assert status == 201 and new['name'].startswith('Untitled'), new
+        nb = {'nbformat': 4, 'nbformat_minor': 5, 'metadata': {'kernelspec': {'display_name': 'Python 3 (ipykernel)', 'language': 'python', 'name': 'python3'}},
+              'cells': [{'cell_type': 'code', 'id': 'abc', 'metadata': {'collapsed': False}, 'execution_count': 3, 'source': '1 + 1',
+                         'outputs': [{'output_type': 'execute_result', 'execution_count': 3, 'data': {'text/plain': '2'}, 'metadata': {}}]}]}
+        (project / 'nbs' / new['path']).unlink()  # saved as a file that is not there yet (a rename, a save-as)
+        assert _api(port, token, f"contents/{new['path']}", 'PUT', {'type': 'notebook', 'format': 'json', 'content': nb})[0] in (200, 201)
+        saved = json.loads((project / 'nbs' / new['path']).read_text())
+        assert saved['cells'][0]['execution_count'] is None and saved['metadata']['kernelspec']['display_name'] == 'python3', saved
     finally:
         proc.terminate()
         try: proc.wait(timeout=20)
         except subprocess.TimeoutExpired: proc.kill()
+    log = proc.stdout.read()
+    assert 'Traceback' not in log and 'Pre-save hook' not in log and 'Overriding existing pre_save_hook' not in log, log[-3000:]
+
+
+def test_make_lab_opens_at_the_project_root_trusts_every_notebook_and_takes_lab_args():
+    r = subprocess.run(['make', '-n', 'lab', 'LAB_ARGS=--port=8999 --ip=0.0.0.0 --no-browser'], cwd=REPO, capture_output=True, text=True)
+    lines = r.stdout.splitlines()
+    trust = next(l for l in lines if 'jupyter trust' in l)
+    lab = next(l for l in lines if 'jupyter lab ' in l)
+    assert 'find nbs -name' in trust and '*.ipynb' in trust  # every folder of nbs/, not a list of some
+    assert '--notebook-dir=. ' in lab and lab.rstrip().endswith('--port=8999 --ip=0.0.0.0 --no-browser'), lab  # the root: runs/ visible
 
 
 def test_report_notebook_runs_from_its_own_folder(project, tmp_path, tmp_path_factory, monkeypatch):

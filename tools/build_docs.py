@@ -317,6 +317,13 @@ def showdoc_markdown(md: str) -> str:
     md = re.sub(r'```.*?```', lambda m: re.sub(r'\[(`[^`]*`)\]\([^)\s]*\)', r'\1', m[0]), md, flags=re.S)
     return f'<div class="{SHOWDOC_MARKER}"></div>\n\n{md.strip()}\n'
 
+def _static(o: dict) -> list[dict]:
+    "An output as a page without a kernel shows it: a widget as a note, with the picture it brings along (RunExplorer's)."
+    if WIDGET_MIME not in o.get('data', {}): return [o]
+    note = {'output_type': 'display_data', 'metadata': {}, 'data': {'text/html': WIDGET_NOTE}}
+    rest = {k: v for k, v in o['data'].items() if k not in (WIDGET_MIME, 'text/plain')}
+    return [note] + ([{'output_type': 'display_data', 'metadata': {}, 'data': rest}] if rest else [])
+
 def adapt_notebook(nb: dict) -> dict:
     """A processed notebook as Quarto would show it, for mkdocs-jupyter: the frontmatter as title and description, the
     cell options applied (`include`/`output: false`, `echo: false`), show_doc's `asis` markdown as a markdown cell (a
@@ -337,8 +344,8 @@ def adapt_notebook(nb: dict) -> dict:
         if opts.get('output') == 'asis':  # nbdev's show_doc cells
             cells += [_md_cell(showdoc_markdown(_src(o['data']['text/markdown']))) for o in outs if 'text/markdown' in o.get('data', {})]
             continue
-        outs = [{'output_type': 'display_data', 'metadata': {}, 'data': {'text/html': WIDGET_NOTE}} if WIDGET_MIME in o.get('data', {})
-                else o for o in outs]
+        pictured = any('image/png' in o.get('data', {}) and WIDGET_MIME not in o['data'] for o in outs)  # drawn already
+        outs = [q for o in outs for q in _static(o)[:1 if pictured else None]]
         tags = c['metadata'].get('tags', []) + [HIDE_INPUT] * (opts.get('echo') == 'false')
         if code.strip() or outs: cells.append({**c, 'source': code, 'outputs': outs, 'metadata': {'tags': tags} if tags else {}})
     meta = {k: v for k, v in nb['metadata'].items() if k != 'widgets'}  # widget state would load the widget JS from a CDN
@@ -463,6 +470,8 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
     docs = discover(cfg.nbs_path)
     site_nav = nav(docs)
     if examples: docs = add_examples(docs, build_dir / 'examples', use_cache, None if examples is True else tuple(examples))
+    if (build_dir / 'examples' / 'runs' / 'qk-freeze' / 'batch.json').exists():  # the explorer chapter opens on it
+        os.environ['OELM_EXAMPLE_BATCH'] = str(build_dir / 'examples' / 'runs' / 'qk-freeze')
     write_pages(docs, process_notebooks(docs, build_dir / 'proc', jobs, use_cache), build_dir / 'docs')
     log(f'rendering {len(docs)} page(s) with mkdocs-material + mkdocs-jupyter (mkdocs.yml, the nav from the notebooks) into {site_dir}')
     run_mkdocs(build_dir / 'docs', site_dir, site_nav)

@@ -169,6 +169,14 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
             print(f"[oelm run] --init-from {args.init_from}: dropouts from its configuration: "
                   + ', '.join(f'{k}={v:g}' for k, v in carried.items()))
         overrides.update(carried)
+    if getattr(args, 'budgets', None):  # a ladder: the longest budget's run, a branch at each shorter one
+        b = sorted(set(args.budgets))
+        if args.steps is not None and args.steps != b[-1]:
+            raise ConfigError(f"--steps {args.steps} with --budgets {' '.join(map(str, b))}: the runs are the longest "
+                              f"budget's ({b[-1]} steps); drop --steps")
+        args.steps = b[-1]
+        overrides['train.budgets'] = b
+        overrides.setdefault('train.schedule', 'wsd')
     return (args.variants.split(',') if args.variants else None), overrides, options
 
 # %% ../../nbs/app/91_cli.ipynb #caa30209
@@ -483,6 +491,10 @@ def add_study_parser(sub, study, presets):
     add_seed_options(r, study)  # --seeds, --precision, --max-seeds
     r.add_argument('--steps', type=_positive, default=None,
                    help="optimizer steps per run (default: the study's for the preset)")
+    r.add_argument('--budgets', type=_positive, nargs='+', default=None, metavar='STEPS',
+                   help="answer at several budgets from one run per seed (warmup-stable-decay): the longest trained, "
+                        "each shorter one a branch cooling down from it, e.g. --budgets 400 600 800 (default: the "
+                        "preset's; --set train.cooldown=0.2 is the share cooling down)")
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through "
                    "torchrun; default: none, on the CPU or the one visible device)")
     r.add_argument('--concurrent', action='store_true',

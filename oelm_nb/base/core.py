@@ -13,8 +13,9 @@ import numpy as np
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'MICRO_BATCH_MODES', 'ConfigError', 'check', 'DataError',
-           'ConfigBase', 'ModelConfig', 'TrainConfig', 'DataConfig', 'lr_at']
+__all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'MICRO_BATCH_MODES', 'SCHEDULES', 'ConfigError', 'check',
+           'DataError', 'ConfigBase', 'ModelConfig', 'TrainConfig', 'cooldown_start', 'DataConfig', 'lr_at',
+           'branch_points']
 
 # %% ../../nbs/base/00_core.ipynb #f0c64d3e
 class ConfigError(ValueError):
@@ -203,6 +204,7 @@ def frozen_layers(self: ModelConfig) -> list[int]:
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 LOGGERS = ('tensorboard', 'wandb')
 MICRO_BATCH_MODES = ('auto', 'config')
+SCHEDULES = ('cosine', 'wsd')
 _F32_MAX = float(np.finfo(np.float32).max)  # a larger lr is inf in float32
 
 # %% ../../nbs/base/00_core.ipynb #fd390860
@@ -213,8 +215,15 @@ class TrainConfig(ConfigBase):
     batch_size: int = 8 # sequences per micro-batch (per process)
     grad_accum: int = 1 # micro-batches per optimizer step
     lr: float = 3e-4 # peak learning rate
-    min_lr: float = 3e-5 # floor of the cosine decay
+    min_lr: float = 3e-5 # the rate at the end of the decay
     warmup_steps: int = 100 # linear warmup steps
+    # after warmup: 'cosine' decays to min_lr over the rest of the run; 'wsd' (warmup-stable-decay) holds lr, then cools
+    # down to min_lr over the last `cooldown` share of max_steps (`lr_at`)
+    schedule: str = 'cosine'
+    cooldown: float = 0.2 # wsd: the share of max_steps spent cooling down to min_lr
+    # wsd: the step counts this run answers at, max_steps among them. The run keeps its weights where each smaller
+    # budget's cooldown starts (`branch_points`); the lab trains each such budget as a branch from there
+    budgets: tuple = ()
     weight_decay: float = 0.1 # decoupled weight decay on matrices only
     beta1: float = 0.9
     beta2: float = 0.95
@@ -263,6 +272,7 @@ def _check_train_config(self: TrainConfig):
     check(0 <= self.beta1 < 1, c, 'beta1', self.beta1, 'must be in [0, 1)')
     check(0 <= self.beta2 < 1, c, 'beta2', self.beta2, 'must be in [0, 1)')
     check(self.eps > 0, c, 'eps', self.eps, 'must be positive')
+    _check_schedule(self)
     check(self.grad_clip >= 0, c, 'grad_clip', self.grad_clip, 'must be non-negative (0 turns clipping off)')
     check(self.dtype in DTYPES, c, 'dtype', self.dtype, f'must be one of {DTYPES}')
     check(self.micro_batch in MICRO_BATCH_MODES, c, 'micro_batch', self.micro_batch,
@@ -275,6 +285,30 @@ def _check_train_config(self: TrainConfig):
     self.loggers = tuple(self.loggers or ())
     bad = [l for l in self.loggers if l not in LOGGERS]
     check(not bad, c, 'loggers', self.loggers, f'unknown logger(s) {bad}; choose from {LOGGERS}')
+
+# %% ../../nbs/base/00_core.ipynb #5b1f10b9
+def cooldown_start(steps: int, cooldown: float) -> int:
+    "The step at which a warmup-stable-decay run of `steps` steps starts to cool down (`cooldown`: the share cooling)."
+    return steps - round(cooldown * steps)
+
+def _check_schedule(self: TrainConfig):
+    "The schedule's fields: a known schedule, a cooldown share in (0, 1), budgets that a wsd run can branch."
+    c = 'TrainConfig'
+    check(self.schedule in SCHEDULES, c, 'schedule', self.schedule, f'must be one of {SCHEDULES}')
+    check(isinstance(self.cooldown, (int, float)) and 0 < self.cooldown < 1, c, 'cooldown', self.cooldown,
+          'must be a share of the steps in (0, 1), e.g. 0.2')
+    self.budgets = tuple(self.budgets or ())
+    if not self.budgets: return
+    b = self.budgets
+    check(all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b) and list(b) == sorted(set(b)),
+          c, 'budgets', b, 'must be positive step counts in increasing order, each once, e.g. (400, 600, 800)')
+    check(self.schedule == 'wsd', c, 'budgets', b,
+          f"need schedule='wsd' (now {self.schedule!r}): only a constant rate can be branched at every budget")
+    check(self.max_steps in b, c, 'max_steps', self.max_steps, f'must be one of the budgets {b}')
+    early = [x for x in b if cooldown_start(x, self.cooldown) < self.warmup_steps]
+    check(not early, c, 'budgets', b, f'{early} cool down before warmup ends (step {self.warmup_steps}); give budgets '
+          f'of at least {math.ceil(self.warmup_steps / (1 - self.cooldown))} steps or a shorter warmup')
+
 
 # %% ../../nbs/base/00_core.ipynb #b9fc2287
 @patch(as_prop=True)
@@ -313,8 +347,18 @@ class DataConfig(ConfigBase):
 
 # %% ../../nbs/base/00_core.ipynb #7bcf83c4
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    "Learning rate at optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
+    "Learning rate at optimizer step `step` (0-based): linear warmup, then cosine, or stable and cooldown, to `min_lr`."
     if step < cfg.warmup_steps: return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == 'wsd':
+        start = cooldown_start(cfg.max_steps, cfg.cooldown)
+        if step < start: return cfg.lr
+        progress = min(1.0, (step - start) / max(1, cfg.max_steps - start))
+        return cfg.min_lr + (1 - math.sqrt(progress)) * (cfg.lr - cfg.min_lr)
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+# %% ../../nbs/base/00_core.ipynb #943325b2
+def branch_points(cfg: TrainConfig) -> dict[int, int]:
+    "{budget: the step its branch starts from} for every budget of `cfg` shorter than the run (wsd)."
+    return {b: cooldown_start(b, cfg.cooldown) for b in cfg.budgets if b < cfg.max_steps}

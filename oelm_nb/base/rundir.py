@@ -19,9 +19,9 @@ from .core import ConfigError
 __all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'RECORD_SECTIONS', 'ABSENT_WHEN_DEFAULT',
            'fsync_dir', 'write_atomic', 'write_json', 'read_json', 'RecoveryWarning', 'RunLocked', 'this_process',
            'pid_alive', 'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env',
-           'watch_holder', 'die_with_parent', 'run_lock', 'run_name', 'parse_run_name', 'flatten', 'identity_fields',
-           'fingerprint', 'config_diff', 'describe_diff', 'RunMismatch', 'recorded_config', 'relocated_dirs',
-           'record_config', 'check_same_run']
+           'watch_holder', 'die_with_parent', 'run_lock', 'run_name', 'parse_run_name', 'branch_name', 'split_branch',
+           'flatten', 'identity_fields', 'fingerprint', 'config_diff', 'describe_diff', 'RunMismatch',
+           'recorded_config', 'relocated_dirs', 'record_config', 'check_same_run']
 
 # %% ../../nbs/base/01_rundir.ipynb #5b61ccf4
 def fsync_dir(path: Path):
@@ -262,6 +262,17 @@ def parse_run_name(name: str) -> tuple[str, int] | None:
     "`(variant, seed)` from a run folder name, or None when `name` is not one (e.g. `data`, `x-s0.failed-1`)."
     variant, sep, seed = name.rpartition('-s')
     return (variant, int(seed)) if sep and variant and seed.isdigit() else None
+
+# %% ../../nbs/base/01_rundir.ipynb #f3fd3616
+def branch_name(variant: str, budget: int) -> str:
+    "The label of `variant`'s branch at `budget` steps: `<variant>@<budget>`."
+    return f'{variant}@{budget}'
+
+def split_branch(name: str) -> tuple[str, int] | None:
+    "(trunk variant, budget) of a branch's label, or None when `name` is not one."
+    trunk, at, budget = name.rpartition('@')
+    return (trunk, int(budget)) if at and trunk and budget.isdigit() else None
+
 
 # %% ../../nbs/base/01_rundir.ipynb #520adaa9
 VOLATILE_FIELDS = ('out_dir', 'data_dir', 'train.progress', 'train.loggers', 'train.log_every', 'train.ckpt_every',

@@ -5,17 +5,19 @@
 # %% ../../nbs/lab/54_run.ipynb #d13f9086
 from __future__ import annotations
 import inspect, json, subprocess, sys
+from dataclasses import replace
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
 import torch
-from ..base.core import ConfigError
+from ..base.core import ConfigError, cooldown_start
 from ..model.gpt import GPT
-from ..train.trainer import Trainer, init_distributed
+from ..train.trainer import Trainer, init_distributed, Branch, branch_point
 from ..data.corpus import prepare_data, load_split, data_codec, DataError, TokenData
 from ..model.weights import load_init_weights
 from ..base.rundir import record_config, run_lock, check_same_run, child_env, run_name, read_json
+from ..base.rundir import recorded_config, config_diff, describe_diff, fingerprint, RunMismatch
 from .study import Study, get_study
 from .spec import RunSpec, resolve_spec
 from .provenance import record_provenance, write_summary
@@ -24,7 +26,7 @@ from ..train.checkpoint import list_checkpoints
 from ..base.metrics import read_metrics
 
 # %% auto #0
-__all__ = ['run_samples', 'earlier_wall_time', 'start_run', 'prepare_run', 'train_run', 'launch_run', 'run_spec',
+__all__ = ['run_samples', 'earlier_wall_time', 'start_run', 'prepare_run', 'branch_start', 'train_run', 'launch_run', 'run_spec',
            'run_in_notebook', 'plot_run']
 
 # %% ../../nbs/lab/54_run.ipynb #92592c78
@@ -42,12 +44,14 @@ def run_samples(model: GPT, spec: RunSpec, val_d: TokenData) -> dict:
 # %% ../../nbs/lab/54_run.ipynb #0f89d5da
 def earlier_wall_time(records: list[dict], # the run's metrics records, oldest first
                       start: int | None, # the step the run resumed from (None: it started afresh)
+                      after: int | None = None, # a branch's first step is after this (its trunk's records: not its time)
                      ) -> float:
     """Seconds the run's earlier stretches trained up to step `start`, from the metrics records it keeps (each
     stretch's clock, `elapsed_s`, starts at 0): what a resumed run adds to its last stretch's wall time."""
     total, prev = 0.0, None
     for r in records:
         e = r.get('elapsed_s')
+        if after is not None and isinstance(r.get('step'), int) and r['step'] <= after: continue
         if start is None or not isinstance(r.get('step'), int) or r['step'] > start: break
         if not isinstance(e, (int, float)) or isinstance(e, bool): continue
         if prev is not None and e < prev: total += prev  # a new stretch began
@@ -82,6 +86,25 @@ def prepare_run(spec: RunSpec, info=None) -> tuple[Path, TokenData, TokenData]:
         )
     return run_dir, train_d, val_d
 
+# %% ../../nbs/lab/54_run.ipynb #8c400203
+def branch_start(spec: RunSpec) -> Branch | None:
+    """Where the branch `spec` starts: its trunk run's checkpoint at the branch's cooldown start (None for a run that is
+    not a branch); refused, with the fix, when the trunk has not kept it or trained with other settings."""
+    if not spec.branch_of: return None
+    trunk_dir, step = spec.upstream_dir(spec.branch_of), cooldown_start(spec.train.max_steps, spec.train.cooldown)
+    fix = f"train it first (oelm run {spec.study} --variants {spec.branch_of}, with this batch's --out and flags)"
+    trunk = recorded_config(trunk_dir)
+    if trunk is None: raise ConfigError(f"{spec.name}: a branch of the run {trunk_dir}, which has not started; {fix}")
+    want = replace(spec, train=spec.train.replace(max_steps=max(spec.train.budgets)), name=spec.branch_of,
+                   branch_of=None).to_dict()
+    if diff := config_diff(trunk, want):
+        raise RunMismatch(f"{spec.name}: its trunk {trunk_dir} trained with other settings ({describe_diff(diff)}); "
+                          "train the branch in the trunk's batch, with the trunk's flags")
+    ckpt = branch_point(trunk_dir, step)
+    if not (ckpt / 'meta.json').exists():
+        raise ConfigError(f"{spec.name}: {trunk_dir} has no checkpoint of step {step}, where this branch starts; {fix}")
+    return Branch(ckpt, fingerprint(trunk), trunk_dir / 'metrics.jsonl')
+
 # %% ../../nbs/lab/54_run.ipynb #5357c4c8
 def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
     """Prepare data, build the model, train it, and write config.json and summary.json (the caller holds the run's
@@ -103,10 +126,12 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
         out_dir=run_dir,
         run_config=spec.to_dict(),
         run_name=run_name(spec.name, spec.train.seed),
+        branch=(branch := branch_start(spec)),
     )
     summary = trainer.fit()
     if not info.is_main: return summary
-    summary['wall_time_s'] += earlier_wall_time(read_metrics(run_dir), start)
+    after = int(branch.checkpoint.name.removeprefix('step_')) if branch else None
+    summary['wall_time_s'] += earlier_wall_time(read_metrics(run_dir), start, after)
     return write_summary(
         spec,
         {

@@ -12,14 +12,15 @@ from graphlib import TopologicalSorter, CycleError
 from pathlib import Path
 from typing import Callable
 
-from ..base.core import ConfigError
-from .study import Study
+from ..base.core import ConfigError, branch_points
+from .study import Study, Variant
 from .spec import RunSpec, resolve_spec, train_settings, planned_steps, run_identity
 from .provenance import COMMAND_ENV
 from .run import run_spec
 from ..base.rundir import record_config, write_json, read_json, run_name, parse_run_name
 from .study import get_study, study_names, study_answers
 from .spec import split_scope
+from ..base.rundir import branch_name, split_branch
 from ..data.corpus import prepare_data, read_meta, DataError, data_changes
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
@@ -153,8 +154,18 @@ class Batch:
         return planned_steps(train_settings(get_study(self.study), self.preset, 0, self.steps))
 
     def plan(self) -> dict:
-        "The study's variants for these flags: name -> Variant."
-        return get_study(self.study).variants(self.preset, self.plan_steps, dict(self.options))
+        """The study's variants for these flags (name -> Variant), and the branch of each at every shorter budget of its
+        runs (`TrainConfig.budgets`): `<variant>@<budget>`, after its trunk."""
+        plan = get_study(self.study).variants(self.preset, self.plan_steps, dict(self.options))
+        branches = {}
+        for v in plan:
+            train = self.spec(v).train
+            if train.budgets and train.max_steps != max(train.budgets):
+                raise ConfigError(f"variant {v!r}: its runs are {train.max_steps} steps, but its budgets "
+                                  f"{train.budgets} end at {max(train.budgets)}: a ladder's run is its longest budget; "
+                                  f"give --budgets {' '.join(map(str, train.budgets))} (it sets --steps)")
+            for b in branch_points(train): branches[branch_name(v, b)] = Variant({'train.max_steps': b}, upstream=(v,))
+        return {**plan, **branches}
 
     def spec(self, variant: str, seed: int = 0):
         """The RunSpec of one run of the batch, resolved once (again only when the data's place or vocabulary is
@@ -538,9 +549,13 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
     st, plan = get_study(batch.study), batch.plan()
     asked = list(variants or st.planned(batch.preset, batch.plan_steps, batch.options))
     # an unknown variant fails here, before anything runs
-    for v in asked: st.variant(v, batch.preset, batch.plan_steps, batch.options)
+    for v in asked:
+        if v not in plan: st.variant(v, batch.preset, batch.plan_steps, batch.options)  # names the study's variants
     names = with_upstream(plan, asked)
     if names != asked: log(f"[oelm run] added upstream run(s) {[v for v in names if v not in asked]}")
+    branches = [b for b in plan if (s := split_branch(b)) and s[0] in names and b not in names]
+    if branches: log(f"[oelm run] budgets: {len(branches)} branch run(s) per seed from the runs of the longest, {branches}")
+    names += branches
     for v in names:  # every variant's spec must resolve before anything trains
         try: batch.spec(v)
         except ConfigError as e: raise ConfigError(f'variant {v!r}: {e}') from None
@@ -901,7 +916,9 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
             raise BatchInterrupted(interrupted_text(all_jobs, statuses, why)) from None
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
     record_outcome(out, index, res.statuses)
-    after_batch(batch, [v for v in names if any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)
+    # the measurement after the batch: one model per trunk (a branch trains its trunk's model)
+    after_batch(batch, [v for v in names if not split_branch(v)
+                        and any(res.statuses[run_name(v, s)] == 'completed' for s in seeds)], log)
     if report and get_study(study).report: res.report = render_report(out, study)
     return res
 

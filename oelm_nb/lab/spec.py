@@ -5,19 +5,19 @@
 # %% ../../nbs/lab/51_spec.ipynb #2e766674
 from __future__ import annotations
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastcore.basics import patch
-from ..base.core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError
-from ..base.rundir import run_name
+from ..base.core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError, branch_points
+from ..base.rundir import run_name, branch_name, split_branch
 from ..model.gpt import PRESETS, model_config
 from ..data.corpus import read_meta
 from .study import Study, NoSettings, get_study, study_names
 
 # %% auto #0
 __all__ = ['SECTIONS', 'LAYERS', 'run_identity', 'RunSpec', 'apply_overrides', 'split_scope', 'user_overrides', 'train_settings',
-           'planned_steps', 'resolve_spec']
+           'planned_steps', 'branch_spec', 'resolve_spec']
 
 # %% ../../nbs/lab/51_spec.ipynb #41a2e4ce
 def run_identity(study: str, variant: str, preset: str, seed: int) -> dict:
@@ -38,6 +38,8 @@ class RunSpec(ConfigBase):
     preset: str = 'tiny'
     # the study's own settings, an instance of its `Study.settings`
     settings: ConfigBase = field(default_factory=NoSettings)
+    # a branch (`branch_spec`): the variant whose run with this seed, in the same batch, it starts from
+    branch_of: str | None = None
     # which layer set each value (dotted key -> one of LAYERS), and the variant's own value of each key a user value
     # replaced: a record, not part of the run's identity
     origins: dict = field(default_factory=dict)
@@ -54,6 +56,7 @@ class RunSpec(ConfigBase):
             'name': self.name,
             'preset': self.preset,
             'settings': self.settings.to_dict(),
+            **({'branch_of': self.branch_of} if self.branch_of else {}),
             **({'origins': dict(self.origins)} if self.origins else {}),
             **({'replaced': dict(self.replaced)} if self.replaced else {}),
         }
@@ -79,7 +82,8 @@ class RunSpec(ConfigBase):
             train=TrainConfig.from_dict(d['train']),
             data=DataConfig.from_dict(d['data']),
             settings=settings,
-            **{k: d[k] for k in ('out_dir', 'data_dir', 'study', 'name', 'preset', 'origins', 'replaced') if k in d},
+            **{k: d[k] for k in ('out_dir', 'data_dir', 'study', 'name', 'preset', 'origins', 'replaced', 'branch_of')
+               if k in d},
         )
 
 # %% ../../nbs/lab/51_spec.ipynb #45cde335
@@ -149,6 +153,7 @@ def user_overrides(variant: str, overrides: dict | None) -> dict:
 def train_settings(study: Study, preset: str, seed: int, steps: int | None = None) -> dict:
     "The TrainConfig fields of a study's run at `preset`; a given step count also shortens warmup and the cadences."
     train = {**study.train.get(preset, {}), 'seed': seed, **({'max_steps': steps} if steps else {})}
+    if steps: train.pop('budgets', None)  # one run of `steps`; `--budgets` asks for a ladder
     if steps:  # keep warmup and eval cadence sensible for short runs
         train['warmup_steps'] = min(train.get('warmup_steps', 100), max(1, steps // 10))
         train['eval_every'] = min(train.get('eval_every', 100), max(1, steps // 6))
@@ -160,6 +165,19 @@ def planned_steps(train: dict) -> int:
     "The step count a study's variants are planned for: that of its run's `train_settings` (TrainConfig's default)."
     return train.get('max_steps', TrainConfig().max_steps)
 
+# %% ../../nbs/lab/51_spec.ipynb #763187b3
+def branch_spec(trunk: RunSpec, budget: int, out_dir: str) -> RunSpec:
+    """The branch of `trunk`'s run at `budget` steps: the same run but for its length (and so its cooldown), starting
+    from the trunk's checkpoint where its own cooldown starts (`TrainConfig.budgets`)."""
+    points = branch_points(trunk.train)
+    if budget not in points:
+        raise ConfigError(f"variant {branch_name(trunk.name, budget)!r}: {budget} is not a budget shorter than the run "
+                          f"of {trunk.name!r} (budgets {trunk.train.budgets or 'none'}); "
+                          + (f"choose from {[branch_name(trunk.name, b) for b in points]}" if points else
+                             "give the batch budgets: oelm run STUDY --budgets 400 600 800"))
+    return replace(trunk, train=trunk.train.replace(max_steps=budget), name=branch_name(trunk.name, budget),
+                         branch_of=trunk.name, out_dir=str(out_dir))
+
 # %% ../../nbs/lab/51_spec.ipynb #b18424f3
 def resolve_spec(study: str | Study, variant: str, preset: str = 'tiny', seed: int = 0,
                  steps: int | None = None, out_dir: str = 'runs/demo', data: str = 'synthetic',
@@ -168,6 +186,9 @@ def resolve_spec(study: str | Study, variant: str, preset: str = 'tiny', seed: i
     "Build the `RunSpec` of (study, variant, preset, seed) with optional step count, study flags and dotted overrides."
     st = get_study(study) if isinstance(study, str) else study
     if preset not in PRESETS: raise ConfigError(f"unknown preset {preset!r}; choose from {list(PRESETS)}")
+    if branch := split_branch(variant):  # a branch: its trunk's run, shorter
+        trunk = resolve_spec(st, branch[0], preset, seed, steps, out_dir, data, data_dir, overrides, data_vocab, options)
+        return branch_spec(trunk, branch[1], out_dir)
     train = train_settings(st, preset, seed, steps)
     var = st.variant(variant, preset, planned_steps(train), options)
     mdict = model_config(preset).to_dict()

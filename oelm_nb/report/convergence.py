@@ -413,8 +413,9 @@ def _train_config(run_dir) -> TrainConfig | None:
     keys = ('lr', 'min_lr', 'warmup_steps', 'max_steps')
     ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
     if not all(ok(t.get(k)) for k in keys) or not t['lr'] > 0 or not t['max_steps'] >= 1: return None
+    wsd = t.get('schedule') == 'wsd' and isinstance(t.get('cooldown'), (int, float)) and 0 < t['cooldown'] < 1
     return TrainConfig(lr=float(t['lr']), min_lr=float(t['min_lr']), warmup_steps=int(t['warmup_steps']),
-                       max_steps=int(t['max_steps']))
+                       max_steps=int(t['max_steps']), **({'schedule': 'wsd', 'cooldown': float(t['cooldown'])} if wsd else {}))
 
 def _late(f: dict, T: int, late: float) -> str | None:
     "Why a run is still forming the recall circuit (`_formed`'s dict), or None when it is not."

@@ -11,12 +11,13 @@ import numpy as np
 import pandas as pd
 
 # %% auto #0
-__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'HYPOTHESES', 'METHOD', 'FAMILY_ALPHA', 't_bounds',
-           't_interval', 'signflip_pvalues', 'signflip_p', 'smallest_signflip_p', 'Comparison', 'interval_text',
-           'paired', 'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power',
-           'stein_size', 'simulate_stein', 'Answer', 'shared_caveats', 'answers_frame', 'answers_footer',
-           'answers_text', 'answers_json', 'threshold_verdict', 'difference_verdict', 'exact_caveat', 'method_text',
-           'comparison_answer', 'holm', 'family_answers']
+__all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'HYPOTHESES', 'METHOD', 'FAMILY_ALPHA', 'TREND_TOLERANCE',
+           'CROSSING_HORIZON', 't_bounds', 't_interval', 'signflip_pvalues', 'signflip_p', 'smallest_signflip_p',
+           'Comparison', 'interval_text', 'paired', 'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power',
+           'seeds_for_power', 'simulate_power', 'stein_size', 'simulate_stein', 'Answer', 'shared_caveats',
+           'answers_frame', 'answers_footer', 'answers_text', 'answers_json', 'threshold_verdict', 'difference_verdict',
+           'exact_caveat', 'method_text', 'comparison_answer', 'holm', 'family_answers', 'seed_slopes',
+           'slope_comparison', 'simulate_slopes', 'line_backtest', 'crossing_budget']
 
 # %% ../../nbs/report/30_evidence.ipynb #7c618333
 def t_bounds(d, # (..., n) paired differences, one batch per row
@@ -265,12 +266,15 @@ class Answer:
     n: int | None = None # the seeds (or runs) the answer rests on
     sides: str = '' # in the study's family of tests: 'one-sided' or 'two-sided' and what it tests ('' if not in it)
     p_holm: float | None = None # `p` Holm-adjusted over the study's family (`family_answers`)
+    steps: int | None = None # the optimizer steps of each run it rests on (None: not one budget, or unrecorded)
+    tokens: int | None = None # the tokens each of those runs trained on
     def to_dict(self) -> dict:
         """answers.json's record: `estimate`, `low`, `high`, `p` and `n` as JSON numbers (or null), the text beside
         them (`estimate_text`, `interval`, ...)."""
         d = asdict(self)
         nums = {'estimate': _number(self.value), 'low': _number(self.low), 'high': _number(self.high),
-                'p': _number(self.p), 'n': _number(self.n, integer=True), 'p_holm': _number(self.p_holm)}
+                'p': _number(self.p), 'n': _number(self.n, integer=True), 'p_holm': _number(self.p_holm),
+                'steps': _number(self.steps, integer=True), 'tokens': _number(self.tokens, integer=True)}
         return {k: d[k] for k in ('qid', 'question', 'verdict')} | nums | {'estimate_text': self.estimate} | {
             k: d[k] for k in ('sides', 'interval', 'method', 'seeds', 'budget', 'caveats')}
     @classmethod
@@ -284,7 +288,8 @@ class Answer:
         cav = d.get('caveats') or []
         return cls(**txt, estimate=str(text), caveats=[str(c) for c in cav] if isinstance(cav, list) else [str(cav)],
                    value=_number(est), low=_number(d.get('low')), high=_number(d.get('high')),
-                   p=_number(d.get('p')), n=_number(d.get('n'), integer=True), p_holm=_number(d.get('p_holm')))
+                   p=_number(d.get('p')), n=_number(d.get('n'), integer=True), p_holm=_number(d.get('p_holm')),
+                   steps=_number(d.get('steps'), integer=True), tokens=_number(d.get('tokens'), integer=True))
 
 NO_DATA = 'no data'
 
@@ -442,3 +447,74 @@ def family_answers(answers: list[Answer], # a study's answers
             a.caveats.append(f'{a.qid}: significant alone (p = {a.p:.3g}) but not after Holm over the family '
                              f'(adjusted p = {a.p_holm:.3g})')
     return answers
+
+# %% ../../nbs/report/30_evidence.ipynb #88478aa8
+def seed_slopes(y: pd.DataFrame, # one row per seed, one column per budget (its steps or tokens), values: log gaps
+               ) -> pd.Series:
+    "Per seed with a value at every budget: the least-squares slope of its values against log2 of the budget."
+    y = y.dropna()
+    x = np.log2(np.asarray(y.columns, dtype=float)); xc = x - x.mean()
+    v = y.to_numpy(float)
+    return pd.Series((v - v.mean(1, keepdims=True)) @ xc / (xc @ xc), index=y.index, dtype=float)
+
+def slope_comparison(y: pd.DataFrame, # as `seed_slopes` reads it
+                     metric: str = 'log gap per doubling') -> Comparison | None:
+    "The per-seed slopes (`seed_slopes`) as a paired `Comparison` against 0; None with fewer than 2 budgets or no seed."
+    if y.shape[1] < 2: return None
+    s = seed_slopes(y)
+    if s.empty: return None
+    m, lo, hi = t_interval(s.to_numpy())
+    d = {int(k): float(v) for k, v in s.items()}
+    return Comparison(metric, 'slope', '0', d, m, lo, hi, relative=False, diffs=d)
+
+# %% ../../nbs/report/30_evidence.ipynb #3cd315f9
+def simulate_slopes(n: int, # seeds per batch
+                    slope: float, # the true change of the log gap per doubling
+                    budgets=(400, 600, 800), # the ladder
+                    seed_sd: float = 0.1, # spread of a seed's own gap (the same at every budget)
+                    noise: float = 0.05, # spread of each run's gap around its seed's line
+                    batches: int = 4000, rng_seed: int = 0) -> dict:
+    """Coverage of the slope's 95% t-interval and the share of batches in which it lies below 0 ("the gap closes"),
+    over simulated ladders."""
+    rng = np.random.default_rng(rng_seed)
+    x = np.log2(np.asarray(budgets, dtype=float))
+    g = 0.3 + rng.normal(0, seed_sd, (batches, n, 1)) + slope * (x - x[0]) + rng.normal(0, noise, (batches, n, len(x)))
+    xc = x - x.mean()
+    s = (g - g.mean(-1, keepdims=True)) @ xc / (xc @ xc)  # (batches, n) per-seed slopes
+    m, lo, hi = t_bounds(s)
+    return {'coverage': float(((lo <= slope) & (slope <= hi)).mean()), 'closes': float((hi < 0).mean())}
+
+# %% ../../nbs/report/30_evidence.ipynb #e7adec61
+TREND_TOLERANCE = 0.05  # the largest mean backtest error (log gap) at which the line is carried beyond the ladder
+CROSSING_HORIZON = 10  # a crossing further than this times the largest budget is "not within 10x"
+
+def line_backtest(y: pd.DataFrame) -> Comparison | None:
+    """Each seed's line fitted on every budget but the largest, its forecast of the largest minus the measured value
+    (paired by seed, as a `Comparison`); None with fewer than 3 budgets."""
+    y = y.dropna()
+    if y.shape[1] < 3 or y.empty: return None
+    x = np.log2(np.asarray(y.columns, dtype=float)); v = y.to_numpy(float)
+    xs, vs = x[:-1], v[:, :-1]; xc = xs - xs.mean()
+    b = (vs - vs.mean(1, keepdims=True)) @ xc / (xc @ xc)
+    err = vs.mean(1) + b * (x[-1] - xs.mean()) - v[:, -1]
+    m, lo, hi = t_interval(err)
+    d = {int(k): float(e) for k, e in zip(y.index, err)}
+    return Comparison('backtest error (log gap)', 'forecast', 'measured', d, m, lo, hi, relative=False, diffs=d)
+
+def crossing_budget(y: pd.DataFrame, # as `seed_slopes` reads it (columns: budgets)
+                    limit: float, # the margin on the log gap (log 1.10 for a 10% gap)
+                   ) -> dict | None:
+    """Where the mean line of the log gaps would reach `limit`: {'budget', 'low', 'high'} (the budget at the mean
+    slope and at the ends of its interval, None where it never does within `CROSSING_HORIZON` times the largest
+    budget), or None when the gap is already at or below `limit` at the largest budget or there is no line."""
+    c = slope_comparison(y)
+    if c is None: return None
+    y = y.dropna(); x = np.log2(np.asarray(y.columns, dtype=float))
+    at = y.to_numpy(float).mean() + c.mean * (x[-1] - x.mean())  # the mean line at the largest budget
+    if at <= limit: return None
+    top = x[-1] + math.log2(CROSSING_HORIZON)
+    def where(slope):
+        if slope is None or slope >= 0: return None
+        xx = x[-1] + (limit - at) / slope
+        return float(2 ** xx) if xx <= top else None
+    return {'budget': where(c.mean), 'low': where(c.low), 'high': where(c.high)}

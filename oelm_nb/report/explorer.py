@@ -4,6 +4,7 @@
 
 # %% ../../nbs/report/34_explorer.ipynb #22a7c276
 from __future__ import annotations
+import base64, io
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -15,7 +16,7 @@ from IPython.display import display
 from .tables import load_runs, load_curves, plot_curves, variant_colors, axis_label, people_number
 
 # %% auto #0
-__all__ = ['EXPLORER_COLUMNS', 'smooth_curves', 'explorer_table', 'RunExplorer']
+__all__ = ['EXPLORER_COLUMNS', 'TABLE_CSS', 'smooth_curves', 'explorer_table', 'RunExplorer']
 
 # %% ../../nbs/report/34_explorer.ipynb #bd6164c5
 def smooth_curves(curves: pd.DataFrame, metric: str, weight: float = 0.0) -> pd.DataFrame:
@@ -32,17 +33,21 @@ def smooth_curves(curves: pd.DataFrame, metric: str, weight: float = 0.0) -> pd.
 # %% ../../nbs/report/34_explorer.ipynb #3dea614a
 EXPLORER_COLUMNS = {'variant': 'variant', 'seed': 'seed', 'status': 'status', 'best_val_ppl': 'best val PPL',
                     'recall_acc': 'recall', 'tokens_per_s': 'tokens/s', 'error': 'error'}
+TABLE_CSS = ('<style>table.oelm-explorer {border-collapse: collapse; font-size: 13px} table.oelm-explorer th, '
+             'table.oelm-explorer td {border: none; border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: right} '
+             'table.oelm-explorer th {border-bottom: 1px solid #999}</style>')
 
 # %% ../../nbs/report/34_explorer.ipynb #d982434a
 def explorer_table(runs: pd.DataFrame, variants=None, seeds=None) -> str:
     """HTML table of the selected runs with numbers for people: PPL to 3 decimals, recall in %, tokens/s with
-    separators, empty cells where a run has no value (escaped)."""
+    separators, empty cells where a run has no value (escaped), a column only where a run has a value, light rules."""
     sel = runs if variants is None else runs[runs.variant.isin(list(variants))]
     sel = sel if seeds is None else sel[sel.seed.isin(list(seeds))]
     if not len(sel): return '<i>no runs selected</i>'
     cols = [c for c in EXPLORER_COLUMNS if c in sel]
     shown = pd.DataFrame({EXPLORER_COLUMNS[c]: [people_number(v, c) for v in sel[c]] for c in cols})
-    return shown.to_html(index=False, escape=True)
+    shown = shown.loc[:, [(shown[c].astype(str).str.strip() != '').any() for c in shown]]  # no column without a value
+    return shown.to_html(index=False, escape=True, border=0, classes='oelm-explorer') + TABLE_CSS
 
 # %% ../../nbs/report/34_explorer.ipynb #1eeb59a6
 class RunExplorer:
@@ -64,11 +69,12 @@ def _controls(self: RunExplorer):
     "The selection widgets, each redrawing the plot when it changes."
     self.variants = widgets.SelectMultiple(description='variants', rows=6)
     self.seeds = widgets.SelectMultiple(description='seeds', rows=6)
+    wide = dict(layout=widgets.Layout(width='max-content', min_width='24em'), style={'description_width': 'initial'})
     self.metric = widgets.Dropdown(
-        description='metric', options=[(axis_label(m), m) for m in self.METRICS], value='val_ppl'
-    )
+        description='metric', options=[(axis_label(m), m) for m in self.METRICS], value='val_ppl', **wide
+    )  # wide enough for 'recall accuracy (fraction of recall positions)'
     xs = [(axis_label(x), x) for x in ('step', 'tokens', 'elapsed_s')]
-    self.xaxis = widgets.Dropdown(options=xs, value='step', description='x axis')
+    self.xaxis = widgets.Dropdown(options=xs, value='step', description='x axis', **wide)
     self.logy = widgets.Checkbox(description='log y (ticks at the values)', value=False)
     self.smooth = widgets.FloatSlider(
         description='smoothing', min=0.0, max=0.95, step=0.05, value=0.0, readout_format='.2f'
@@ -107,6 +113,9 @@ def redraw(self: RunExplorer):
         plot_curves(curves, self.metric.value, x=self.xaxis.value, ax=ax, variants=list(sel_v), seeds=list(sel_s),
                     # colours fixed while the selection changes
                     logy=self.logy.value, colors=variant_colors(self.variants.options))
+        chance = self.runs['recall_chance'].dropna() if 'recall_chance' in self.runs else pd.Series(dtype=float)
+        if self.metric.value == 'recall_acc' and len(chance):  # as the report draws it
+            ax.axhline(float(chance.iloc[0]), ls='--', color='gray', label='chance'); ax.legend()
         plt.show()
 
 # %% ../../nbs/report/34_explorer.ipynb #ad1654fc
@@ -118,4 +127,10 @@ def plotted_variants(self: RunExplorer) -> list[str]:
 
 # %% ../../nbs/report/34_explorer.ipynb #8e3a58bd
 @patch
-def _ipython_display_(self: RunExplorer): display(self.widget)
+def _repr_mimebundle_(self: RunExplorer, include=None, exclude=None):
+    "The live widget for JupyterLab, and a picture of its plot for a page without a kernel (the docs site)."
+    bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude) or {})
+    if self.fig is not None:
+        buf = io.BytesIO(); self.fig.savefig(buf, format='png', bbox_inches='tight', dpi=90)
+        bundle['image/png'] = base64.b64encode(buf.getvalue()).decode()
+    return bundle

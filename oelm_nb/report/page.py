@@ -21,9 +21,9 @@ from .evidence import NO_DATA, answers_frame
 from ..base.rundir import read_json
 
 # %% auto #0
-__all__ = ['BUDGET', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text', 'answers_table',
-           'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded', 'configuration',
-           'open_report', 'batch_line', 'provenance_footer']
+__all__ = ['BUDGET', 'PHONE_WIDTH', 'PROVENANCE_SHOWN', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text',
+           'PageStyler', 'answers_table', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded',
+           'configuration', 'open_report', 'batch_line', 'provenance_footer']
 
 # %% ../../nbs/report/33_page.ipynb #efb0fc55
 def code_span(text) -> str:
@@ -78,12 +78,35 @@ def seeds_text(runs: pd.DataFrame, variants=None) -> str:
     return text + ' per variant' if n.size > 1 else text
 
 # %% ../../nbs/report/33_page.ipynb #b7e1c2d4
+class PageStyler(Styler):
+    "A Styler whose HTML starts with `page_css`: page rules a Styler's own table styles cannot hold (`@media` for a phone)."
+    page_css = ''
+    def to_html(self, buf=None, **kwargs):
+        out = self.page_css + super().to_html(**kwargs)
+        if buf is None: return out
+        Path(buf).write_text(out) if isinstance(buf, (str, Path)) else buf.write(out)
+
+PHONE_WIDTH = 700  # px: below it, the answers table stacks
+
+def _stacked_css(columns: list, below: int = PHONE_WIDTH) -> str:
+    "CSS that stacks a table of class oelm-answers on a screen narrower than `below` px: each row a block, each cell named."
+    t = 'table.oelm-answers'
+    named = ''.join(f'{t} td.col{j}::before {{ content: {json.dumps(str(c) + ": ")}; font-weight: 600; }}\n'
+                    for j, c in enumerate(columns))
+    return (f'<style>\n@media (max-width: {below}px) {{\n'
+            f'{t}, {t} tbody, {t} tr, {t} th, {t} td {{ display: block; width: auto !important; max-width: 100% !important; '
+            f'text-align: left !important; padding: 2px 0 !important; border: none; }}\n'
+            f'{t} thead {{ display: none; }}\n{t} tr {{ padding: 6px 0; border-top: 1px solid #ccc; }}\n'
+            f'{t} td.col{len(columns) - 1} {{ color: #444; font-size: 92%; }}\n{named}}}\n</style>\n')
+
 def answers_table(answers: list) -> Styler:
     """A study's answers (`evidence.Answer`s) as a report shows them: `evidence.answers_frame` with its text
     escaped (`safe_table`), left-aligned and wrapped under left-aligned headers, in one header row (no row for the
-    index's name)."""
+    index's name); on a phone (narrower than `PHONE_WIDTH`) each answer stacks: question, answer, estimate, then how."""
+    frame = answers_frame(answers).rename_axis(None)
     left = {'text-align': 'left', 'white-space': 'normal'}
-    t = answers_frame(answers).rename_axis(None).style.set_properties(**left)
+    t = PageStyler(frame).set_properties(**left).set_table_attributes('class="oelm-answers"')
+    t.page_css = _stacked_css(list(frame.columns))
     return safe_table(t.set_table_styles([{'selector': 'th', 'props': [('text-align', 'left')]}]))
 
 # %% ../../nbs/report/33_page.ipynb #a8d9d6dc
@@ -104,6 +127,7 @@ def plot_comparisons(cmps: dict, # label -> `report.Comparison` (None: left out)
     ax.set_ylim(-0.7, len(cmps) - 0.3)
     relative = all(c.relative for c in cmps.values())
     pct = lambda x, _: f'{x:+.0%}' if abs(x) >= .1 else f'{x:+.1%}'
+    ax.xaxis.set_major_locator(plt.MaxNLocator(5))  # a few ticks, apart, whatever the range (a +1000% outlier too)
     if relative: ax.xaxis.set_major_formatter(plt.FuncFormatter(pct))
     ax.set_xlabel(f"paired difference per seed ({'A / B - 1' if relative else 'A - B'}); mean and 95% interval")
     return ax
@@ -181,6 +205,8 @@ def batch_line(batch_dir, runs: pd.DataFrame) -> str:
             f"{budget_text(runs)}; {len(completed(runs))} of {len(runs)} runs completed.")
 
 # %% ../../nbs/report/33_page.ipynb #138e0596
+PROVENANCE_SHOWN = ('runs', 'commit', 'dirty', 'device', 'dtype', 'command')  # the rest: folded below
+
 def provenance_footer(batch_dir, # the batch directory
                       runs: pd.DataFrame, # its runs table (`load_runs`)
                       trained: pd.DataFrame | None = None, # the runs whose convergence to state (None: no such line)
@@ -189,4 +215,8 @@ def provenance_footer(batch_dir, # the batch directory
     parts = [safe_markdown(batch_line(batch_dir, runs))]
     if trained is not None:
         parts.append(safe_markdown(convergence_note(convergence(trained, load_curves(batch_dir, completed(trained))))))
-    return [*parts, safe_table(provenance_table(runs)), *configuration(batch_dir, runs), run_links(batch_dir, runs)]
+    prov = provenance_table(runs)
+    rest = [c for c in prov.columns if c not in PROVENANCE_SHOWN]
+    fold = folded(safe_table(prov[['runs', *rest]]), 'Versions, hosts and times of these runs')
+    return [*parts, safe_table(prov[[c for c in PROVENANCE_SHOWN if c in prov]]), fold, *configuration(batch_dir, runs),
+            run_links(batch_dir, runs)]

@@ -21,14 +21,15 @@ from .convergence import (completed, run_curves, formation, formation_level, for
                                  convergence_caveat, budget_text)
 
 # %% auto #0
-__all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'STEIN_NORMAL', 'NOT_RECORDED', 'PROVENANCE_KEYS', 'PER_RUN_FIELDS',
-           'project_root', 'find_batch_dir', 'load_runs', 'load_curves', 'variant_table', 'compare', 'fmt', 'mean_of',
-           'mean_sd', 'people_number', 'people_table', 'axis_label', 'variant_colors', 'log_ticks', 'plot_curves',
-           'formation_comparison', 'formed_count', 'seeds_needed', 'spread_interval', 'seeds_range', 'batch_command',
-           'seeds_command', 'read_precision', 'precision_answer', 'precision_answers', 'safe_markdown', 'safe_table',
-           'provenance_table', 'hyperparameter_table', 'run_links', 'completed', 't_interval', 'interval_text',
-           'Comparison', 'paired', 'threshold_verdict', 'difference_verdict', 'formation', 'formation_level',
-           'formation_note', 'convergence', 'convergence_note', 'convergence_caveat', 'budget_text']
+__all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'COLUMN_LABELS', 'STEIN_NORMAL', 'SCROLL_BOX', 'NOT_RECORDED',
+           'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root', 'find_batch_dir', 'load_runs', 'load_curves',
+           'variant_table', 'compare', 'fmt', 'mean_of', 'mean_sd', 'people_number', 'people_table', 'axis_label',
+           'column_label', 'variant_colors', 'log_ticks', 'plot_curves', 'formation_comparison', 'formed_count',
+           'seeds_needed', 'spread_interval', 'seeds_range', 'batch_command', 'seeds_command', 'read_precision',
+           'precision_answer', 'precision_answers', 'safe_markdown', 'safe_table', 'provenance_table',
+           'hyperparameter_table', 'run_links', 'completed', 't_interval', 'interval_text', 'Comparison', 'paired',
+           'threshold_verdict', 'difference_verdict', 'formation', 'formation_level', 'formation_note', 'convergence',
+           'convergence_note', 'convergence_caveat', 'budget_text']
 
 # %% ../../nbs/report/32_tables.ipynb #a11c0e7e
 # re-exported: a report imports every tool from here
@@ -230,6 +231,26 @@ METRIC_LABELS = {
 def axis_label(name: str) -> str:
     "The words (and unit) for a metric or axis column; the column name itself when it has none."
     return METRIC_LABELS.get(name, name)
+
+# %% ../../nbs/report/32_tables.ipynb #f6c21b4d
+COLUMN_LABELS = {  # a report's column -> its header for people: words, with the unit (METRIC_LABELS are used too)
+    'best_val_ppl': 'best val PPL', 'final_val_ppl': 'final val PPL', 'best_step': 'best step', 'steps': 'steps',
+    'recall_acc': 'recall accuracy', 'tokens_per_s': 'tokens/s', 'wall_time_s': 'wall time (s)',
+    'runtime_dtype': 'precision', 'runtime_threads': 'CPU threads', 'backtest_error': 'backtest error',
+    'forecast_2x': 'forecast at 2x steps', 'recall_formed': 'recall circuit formed',
+    'step_time_median_s': 'step time, median (s)', 'ratio_to_first_median': 'time ratio, median',
+    'ratio_to_first_q1': 'time ratio, lower quartile', 'ratio_to_first_q3': 'time ratio, upper quartile',
+    'ratio_low': 'ratio 95% CI, low', 'ratio_high': 'ratio 95% CI, high', 'ratio_level': 'CI coverage (exact)',
+    'rounds': 'rounds timed', 'trainable_params': 'trainable parameters (timed)',
+    'runs_trainable_params': 'trainable parameters (runs)', 'flops_per_step': 'FLOPs per step', 'dtype': 'precision',
+    'n_runs': 'runs (count)', 'oelm_nb': 'oelm_nb version', 'world_size': 'processes', 'dirty': 'uncommitted changes',
+    'params_total': 'parameters', 'params_trainable': 'trainable parameters', 'params_frozen': 'frozen parameters',
+}
+
+def column_label(name) -> str:
+    "The header a reader sees for column `name`: `COLUMN_LABELS`, else `METRIC_LABELS`, else the name with spaces for '_'."
+    if not isinstance(name, str): return str(name)
+    return COLUMN_LABELS.get(name) or METRIC_LABELS.get(name) or name.replace('_', ' ')
 
 # %% ../../nbs/report/32_tables.ipynb #981043b1
 def variant_colors(variants) -> dict[str, str]:
@@ -451,14 +472,37 @@ def _is_text(v) -> bool: return not (v is None or isinstance(v, (int, float, np.
 def _as_text(v) -> str: return html.escape(str(v))
 
 # %% ../../nbs/report/32_tables.ipynb #ac24eba6
-def safe_table(t: pd.DataFrame | Styler) -> pd.DataFrame | Styler:
-    """`t` for display with its text HTML-escaped: a DataFrame's HTML escapes already; a Styler's text cells and labels
-    are escaped here."""
-    if isinstance(t, pd.DataFrame): return t
+# every table a report shows: its own scroll box when wider than the page, with a scrollbar that stays visible
+SCROLL_BOX = ('display: block; width: max-content; max-width: 100%; overflow-x: auto; scrollbar-width: thin; '
+              'scrollbar-color: #8a8a8a #ececec; border-collapse: collapse')
+
+def _empty(s: pd.Series) -> bool: return bool(s.map(lambda v: v is None or (isinstance(v, float) and math.isnan(v)) or str(v).strip() == '').all())
+
+def safe_table(t: pd.DataFrame | Styler, # a table to show: a DataFrame or a Styler with the report's formats
+               labels: bool = True, # headers for people (`column_label`); False: the column names as they are
+              ) -> Styler:
+    """`t` as a report shows it, a Styler: its text HTML-escaped (cells and labels), headers in words (`column_label`),
+    no index when it is only row numbers and no row for the index's name, columns without a value left out, text
+    left-aligned under its header, numbers keeping their formats, and the table in its own scroll box (`SCROLL_BOX`)."""
+    if isinstance(t, pd.DataFrame): t = t.style
+    if not isinstance(t, Styler): raise TypeError(f'safe_table: a DataFrame or a Styler, not {type(t).__name__}')
+    d = t.data
     # columns of numbers keep their formats
-    text = [c for j, c in enumerate(t.data.columns) if t.data.iloc[:, j].map(_is_text).any()]
+    text = [c for j, c in enumerate(d.columns) if d.iloc[:, j].map(_is_text).any()]
     if text: t = t.format(_as_text, subset=text, na_rep='')
-    return t.format_index(escape='html', axis=0).format_index(escape='html', axis=1)
+    head = (lambda c: html.escape(column_label(c))) if labels else 'html'
+    t = t.format_index(escape='html', axis=0)
+    t = t.format_index(head, axis=1) if labels else t.format_index(escape='html', axis=1)
+    if len(d) and (empty := [c for j, c in enumerate(d.columns) if _empty(d.iloc[:, j])]): t = t.hide(empty, axis='columns')
+    if isinstance(d.index, pd.RangeIndex) and d.index.name is None: t = t.hide(axis='index')  # row numbers: no column
+    elif any(n is not None for n in d.index.names): t = t.hide(axis='index', names=True)  # no extra header row
+    short = lambda j: d.iloc[:, j].map(lambda v: len(str(v))).max() <= 24  # a short text stays on one line
+    left = {c: [{'selector': '', 'props': 'text-align: left' + ('; white-space: nowrap' if short(j) else '')}]
+            for j, c in enumerate(d.columns) if c in text}
+    t = t.set_table_styles(left, overwrite=False) if left and d.columns.is_unique else t
+    return t.set_table_styles([{'selector': '', 'props': SCROLL_BOX},
+                               {'selector': 'thead th', 'props': 'vertical-align: bottom'},
+                               {'selector': 'th.row_heading', 'props': 'text-align: left; white-space: nowrap'}], overwrite=False)
 
 # %% ../../nbs/report/32_tables.ipynb #4e5a6353
 NOT_RECORDED = 'not recorded'
@@ -579,4 +623,5 @@ def run_links(batch_dir, runs: pd.DataFrame | None = None) -> HTML:
         cells = [html.escape(name), html.escape(str(r.status)), folder, notebooks or 'none', metrics or 'none']
         rows.append('<tr>' + ''.join(f'<td>{c}</td>' for c in cells) + '</tr>')
     head = ''.join(f'<th>{h}</th>' for h in ('run', 'status', 'folder', 'executed notebook', 'metrics'))
-    return HTML(f'<table class="run-links"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
+    box = 'display: block; width: max-content; max-width: 100%; overflow-x: auto'  # as `safe_table`'s tables scroll
+    return HTML(f'<table class="run-links" style="{box}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')

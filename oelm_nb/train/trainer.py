@@ -4,11 +4,11 @@
 
 # %% ../../nbs/train/42_trainer.ipynb #103c9165
 from __future__ import annotations
-import inspect, math, os, time, statistics
+import inspect, math, os, shutil, time, statistics
 from contextlib import nullcontext, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from fastcore.basics import patch
 
-from ..base.core import ModelConfig, TrainConfig, ConfigError, lr_at  # the schedule lives with its settings
+from ..base.core import ModelConfig, TrainConfig, ConfigError, lr_at, branch_points  # the schedule lives with its settings
 from .memory import choose_micro_batch
 from ..model.device import set_seed, pick_device, autocast_dtype, autocast, precision_note
 from ..model.freeze import UnfreezeSchedule, param_report
@@ -34,11 +34,11 @@ from ..model.freeze import attention_layers
 from ..model.device import is_oom
 
 # %% auto #0
-__all__ = ['LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'LossFn', 'DDP_LOSS_TOL', 'TrainingDiverged',
-           'step_divergence', 'param_rms', 'param_divergence', 'TrainingOutOfMemory', 'oom_message', 'oom_named',
-           'use_fused_adamw', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss', 'call_loss_hook',
-           'evaluate', 'DistInfo', 'init_distributed', 'all_mean', 'Trainer', 'checkpoint_fingerprint', 'runtime_info',
-           'copy_task_data']
+__all__ = ['LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'LossFn', 'DDP_LOSS_TOL', 'BRANCH_POINTS',
+           'TrainingDiverged', 'step_divergence', 'param_rms', 'param_divergence', 'TrainingOutOfMemory', 'oom_message',
+           'oom_named', 'use_fused_adamw', 'build_optimizer', 'set_lr', 'train_starts', 'eval_starts', 'lm_loss',
+           'call_loss_hook', 'evaluate', 'DistInfo', 'init_distributed', 'all_mean', 'Branch', 'branch_point',
+           'Trainer', 'checkpoint_fingerprint', 'runtime_info', 'copy_task_data']
 
 # %% ../../nbs/train/42_trainer.ipynb #119452dd
 LOSS_WINDOW = 20    # rule (b): the losses of up to this many previous steps ...
@@ -292,6 +292,22 @@ def _median_speed(records: list[dict]) -> float | None:
     tps = [r['tokens_per_s'] for r in records if r.get('tokens_per_s') is not None and math.isfinite(r['tokens_per_s'])]
     return statistics.median(tps[1:] or tps) if tps else None
 
+# %% ../../nbs/train/42_trainer.ipynb #eac10ea1
+BRANCH_POINTS = 'branch_points'  # a run's folder of the checkpoints its budgets' branches start from
+
+class Branch(NamedTuple):
+    """Where a branch run starts when it has no checkpoint of its own: its trunk run's checkpoint at the branch point,
+    the fingerprint of the configuration the trunk trained with (checked), and the trunk's metrics.jsonl (its records
+    up to that step become the branch's first)."""
+    checkpoint: Path
+    fingerprint: str
+    metrics: Path | None = None
+
+def branch_point(run_dir: Path | str, step: int) -> Path:
+    "The checkpoint a run keeps at `step` for the branch of a shorter budget (`TrainConfig.budgets`)."
+    return Path(run_dir) / BRANCH_POINTS / f'step_{step:07d}'
+
+
 # %% ../../nbs/train/42_trainer.ipynb #178e1881
 @dataclass
 class Trainer:
@@ -311,6 +327,7 @@ class Trainer:
     tokens_per_batch: int | None = None
     run_config: dict = field(default_factory=dict) # recorded in checkpoints and summary.json
     run_name: str = 'run'
+    branch: Branch | None = None # a branch of a longer run: where it starts when out_dir has no checkpoint of its own
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir) if self.out_dir else None
@@ -481,8 +498,10 @@ def _meta(self: Trainer) -> dict:
 
 # %% ../../nbs/train/42_trainer.ipynb #c538c430
 @patch
-def save(self: Trainer, tag: str | None = None) -> Path | None:
-    "Checkpoint now (every rank calls this); `tag` ('best' or 'final') also points that link at it."
+def save(self: Trainer, tag: str | None = None, # 'best' or 'final': that link also points at this checkpoint
+         root: Path | None = None, # write into this folder, outside the rotation (a branch point), instead
+        ) -> Path | None:
+    "Checkpoint now (every rank calls this)."
     if not self.ckpt_root: return None
     reason = param_divergence(param_rms(self._trained_params()), self._ref_rms)  # rule (c): nothing bad is written
     if reason: raise self._diverged(self.step, reason, checkpoint=True)
@@ -491,6 +510,7 @@ def save(self: Trainer, tag: str | None = None) -> Path | None:
         rank_rng = [None] * self.dist.world_size
         dist.all_gather_object(rank_rng, torch.get_rng_state())
     if not self.dist.is_main: return None
+    if root is not None: return save_checkpoint(root, self.step, self._checkpoint_modules(), self.opt, self._meta(), rank_rng)
     path = self.ckpt_root / f'step_{self.step:07d}'
     if self._saved_step != self.step or not path.exists():  # a step is written once, even if it is also 'best'
         path = save_checkpoint(self.ckpt_root, self.step, self._checkpoint_modules(), self.opt, self._meta(), rank_rng)
@@ -568,6 +588,22 @@ def _evaluate(self: Trainer) -> dict:
         self.amp,
     )
 
+# %% ../../nbs/train/42_trainer.ipynb #0f277912
+@patch
+def _start_branch(self: Trainer) -> bool:
+    """Start a branch from its trunk's checkpoint (`Branch`): weights, optimizer, RNG and counters as the trunk had them
+    there, and the trunk's metrics up to that step; refused when the trunk trained with another configuration."""
+    state = read_checkpoint(Path(self.branch.checkpoint), self._checkpoint_modules())
+    if checkpoint_fingerprint(state['meta']) != self.branch.fingerprint:
+        raise RunMismatch(f"{self.branch.checkpoint} was not trained with the configuration of the run it is said to "
+                          "come from (fingerprints differ); train that run again, or this branch as a run of its own")
+    self._commit_checkpoint(state)
+    if self.out_dir and self.dist.is_main and self.branch.metrics and Path(self.branch.metrics).exists():
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.branch.metrics, self.out_dir / 'metrics.jsonl')  # cut back to this step by `_start_fit`
+    print(f'[train] {self.run_name}: a branch, starting from step {self.step} of {self.branch.checkpoint}', flush=True)
+    return True
+
 # %% ../../nbs/train/42_trainer.ipynb #5e7da042
 @patch
 def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
@@ -580,6 +616,7 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
         if done: print(f'[train] {self.run_name}: cleaned up after an interrupted run: {", ".join(done)}', flush=True)
     if self.dist.enabled: dist.barrier()  # the other ranks look for checkpoints once that is done
     resumed = self.resume() if resume else False
+    if resume and not resumed and self.branch is not None: resumed = self._start_branch()
     set_seed(cfg.seed + self.dist.rank)
     self.opt = build_optimizer(self.raw, cfg, self.schedule, self.extra_modules)
     if resumed:
@@ -632,6 +669,7 @@ def _fit(self: Trainer, resume: bool, until: int | None) -> dict:
         dynamic_ncols=True,
     )
     t_start, t_mark, tok_mark, train_time, speeds = time.time(), time.time(), self.tokens, 0.0, []
+    forks = set(branch_points(cfg).values())  # where shorter budgets' branches start
     try:
         while self.step < min(cfg.max_steps, until or cfg.max_steps):
             if self.schedule and self.schedule.apply(self.raw, self.step, self.opt, cfg.weight_decay): self._wrap()
@@ -651,6 +689,7 @@ def _fit(self: Trainer, resume: bool, until: int | None) -> dict:
                 log.log(rec)
                 t_mark, tok_mark = time.time(), self.tokens
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and not last: self.save()
+            if self.step in forks and self.out_dir: self.save(root=self.out_dir / BRANCH_POINTS)
         if self.step < cfg.max_steps:  # stopped early on request
             self.save(); return self.summary(log.records, speeds, time.time() - t_start) | {'status': 'interrupted'}
         self.save('final')

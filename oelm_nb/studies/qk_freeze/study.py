@@ -26,15 +26,18 @@ from ...report.tables import (compare, completed, Comparison, variant_table, thr
 from ...report.convergence import (run_curves, convergence, formation, formation_rule, formation_test, not_settled,
                                  budget_sentence, FLAGS)
 from ...report.evidence import Answer, NO_DATA, answers_frame, MIN_PILOT, family_answers, comparison_answer
+from ...report.budgets import budget_answers, ladder, budgets, tokens_at, TREND_SIDES
+from ...base.rundir import split_branch
 from ...report.page import budget_text
 
 # %% auto #0
-__all__ = ['H1_TEXT', 'H3_TEXT', 'QK_FAMILY', 'CONTROLS', 'QK_TRAIN', 'QK_DATA', 'QK_FREEZE', 'progressive_unfreeze_steps',
-           'qk_variants', 'h1_verdict', 'load_timing', 'bounded_median_interval', 'median_interval', 'sign_test_p',
-           'h3_answer', 'what_it_takes', 'gap_answer', 'formation_delay', 'delay_text', 'formation_answer',
-           'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds', 'interleaved_timing',
-           'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run',
-           'scale_note', 'plot_run']
+__all__ = ['H1_TEXT', 'H3_TEXT', 'QK_FAMILY', 'LADDER', 'CONTROLS', 'QK_TRAIN', 'QK_DATA', 'QK_FREEZE',
+           'progressive_unfreeze_steps', 'qk_variants', 'h1_verdict', 'load_timing', 'bounded_median_interval',
+           'median_interval', 'sign_test_p', 'h3_answer', 'what_it_takes', 'gap_answer', 'formation_delay',
+           'delay_text', 'formation_answer', 'trunks', 'ladder_answers', 'ladder_family', 'convergence_caveat_line',
+           'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds', 'interleaved_timing', 'control_table',
+           'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run', 'scale_note',
+           'plot_run']
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -274,7 +277,26 @@ def formation_answer(rid: str, form: pd.DataFrame, a: str, b: str, budget: str) 
     return Answer(rid, question, verdict, counts + step, '', method, f'{n} runs', budget, caveats, p=t['p'], n=n)
 
 QK_FAMILY = {'H2': 'one-sided, non-inferiority with margin 5%', 'H3': 'one-sided, non-inferiority with margin 0',
-             'H4': 'one-sided, non-inferiority with margin 10%', 'R1': 'two-sided', 'R2': 'two-sided'}  # H1 counts
+             'H4': 'one-sided, non-inferiority with margin 10%', 'R1': 'two-sided', 'R2': 'two-sided',
+             'H2-trend': TREND_SIDES, 'H4-trend': TREND_SIDES}  # H1 counts; a ladder adds H2@B, H4@B (`ladder_family`)
+LADDER = (('H2', 'oelm-freeze', 'oelm', 0.05), ('H4', 'oelm-freeze', 'gpt', 0.10))  # the gaps answered at every budget
+
+def trunks(runs: pd.DataFrame) -> pd.DataFrame:
+    "The runs of a batch but its budgets' branches: the runs of its longest budget, which the one-budget answers read."
+    return runs[[split_branch(v) is None for v in runs.variant]] if len(runs) else runs
+
+def ladder_answers(runs: pd.DataFrame, # `report.load_runs` of a batch, branches included
+                  ) -> list[Answer]:
+    "H2 and H4 at every shorter budget of a ladder (`H2@400`, ...) and whether each gap closes (`H2-trend`, ...)."
+    out = []
+    for qid, a, b, limit in LADDER:
+        top = max(budgets(runs, [a, b]) or [0])
+        out += [x for x in budget_answers(runs, qid, a, b, limit) if x.steps != top]  # the longest: H2/H4 themselves
+    return out
+
+def ladder_family(answers: list[Answer]) -> dict:
+    "QK_FAMILY with each per-budget answer of `answers` (`H4@400`) tested as its hypothesis is."
+    return {**QK_FAMILY, **{a.qid: QK_FAMILY[a.qid.split('@')[0]] for a in answers if '@' in a.qid}}
 
 def convergence_caveat_line(conv: pd.DataFrame, variants) -> str | None:
     "The one caveat on training length for every answer that rests on training: the runs' labels, counted."
@@ -293,7 +315,8 @@ def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
               ) -> list[Answer]:
     """The H1-H4 answers of the Q/K freeze log and when the recall circuit forms (R1: vs `base`, R2: vs `nofreeze`),
     through the evidence kit."""
-    d = _batch_dir(runs)
+    d, every = _batch_dir(runs), runs
+    runs = trunks(runs)  # the one-budget answers: the runs of the longest budget
     if timing is None and d is not None: timing = load_timing(d)
     curves = run_curves(completed(runs)) if curves is None else curves
     conv, form = convergence(runs, curves), formation(runs, curves)
@@ -307,7 +330,13 @@ def qk_answers(runs: pd.DataFrame, # `report.load_runs` of a Q/K freeze batch
     if (line := convergence_caveat_line(conv, [freeze, nofreeze, base])):
         for a in answers:
             if a.qid not in ('H1', 'H3') and a.verdict != NO_DATA: a.caveats.insert(0, line)
-    family_answers(answers, QK_FAMILY)
+    ok = completed(runs, [freeze, nofreeze, base])
+    steps = pd.to_numeric(ok['steps'], errors='coerce').dropna() if 'steps' in ok else pd.Series(dtype=float)
+    if len(steps) and steps.nunique() == 1:  # one budget: the answers that rest on training say which
+        for a in answers:
+            if a.qid not in ('H1', 'H3'): a.steps, a.tokens = int(steps.iloc[0]), tokens_at(ok, int(steps.iloc[0]))
+    answers += ladder_answers(every)
+    family_answers(answers, ladder_family(answers))
     for a in answers:  # a formation difference is decided by its p: after the family's adjustment
         if a.qid.startswith('R') and a.p_holm is not None and a.p <= 0.05 < a.p_holm:
             a.verdict = 'no resolvable difference'
@@ -465,7 +494,8 @@ def pairwise_sentence(pairs: pd.DataFrame) -> str:
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #38f9d4f6
 QK_TRAIN = {**TRAIN_PRESETS,
-            'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 600, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 50}}
+            'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 800, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 50,
+                     'schedule': 'wsd', 'cooldown': 0.2, 'budgets': (400, 600, 800)}}
 QK_DATA = {**DATA_PRESETS, 'tiny': {**DATA_PRESETS['tiny'], 'vocab_size': 512, 'n_names': 64}}
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #07a4c2af

@@ -15,9 +15,9 @@ from ...report.convergence import formation
 from .study import qk_answers, load_timing
 
 # %% auto #0
-__all__ = ['SWEEP_VARIANTS', 'SWEEP_CONTROLS', 'SWEEP_SEEDS', 'EARLY_SHARE', 'SWEEP_BASE', 'CANDIDATES', 'FIRST_CORPUS',
-           'Candidate', 'candidate_row', 'candidate_batches', 'step_time', 'batch_formation', 'with_cost',
-           'sweep_table', 'pick', 'verdict_changes', 'task_note']
+__all__ = ['SWEEP_VARIANTS', 'SWEEP_CONTROLS', 'SWEEP_SEEDS', 'EARLY_SHARE', 'SWEEP_BASE', 'CANDIDATES', 'SWEEP_PAGE',
+           'FIRST_CORPUS', 'Candidate', 'candidate_row', 'candidate_batches', 'step_time', 'batch_formation',
+           'with_cost', 'sweep_table', 'pick', 'seeds_note', 'verdict_changes', 'task_note']
 
 # %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #9d16a41c
 SWEEP_VARIANTS = ('gpt', 'oelm', 'oelm-freeze')  # every candidate runs these
@@ -124,6 +124,21 @@ def pick(table: pd.DataFrame) -> str | None:
     ok = table[table.meets] if len(table) else table
     return None if not len(ok) else str(ok.sort_values('cost s per run').candidate.iloc[0])
 
+# %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #47b95f90
+SWEEP_PAGE = 'https://oelm-nb.github.io/oelm_nb/reports/qk_task_sweep.html'  # the sweep's page on the docs site
+
+def seeds_note(runs: pd.DataFrame) -> str:
+    """Which seeds chose the main job's task (the sweep's) and which seeds this batch trained: a batch that shares
+    seeds with the sweep repeats the runs that chose its task (CPU runs are deterministic) and confirms nothing."""
+    mine = sorted({int(s) for s in runs.seed}) if len(runs) else []
+    shared = sorted(set(mine) & set(SWEEP_SEEDS))
+    chose = (f"The main job's corpus and peak rate were chosen by the formation sweep ([Choosing the main job's task]"
+             f"({SWEEP_PAGE})) on seeds {SWEEP_SEEDS[0]}-{SWEEP_SEEDS[-1]}")
+    if not mine: return chose + '.'
+    if not shared: return chose + f"; this batch trained seeds {', '.join(map(str, mine))}, which chose nothing."
+    return chose + (f"; this batch shares seeds {', '.join(map(str, shared))} with it, so those runs repeat runs that "
+                    "chose its task and confirm nothing of it: `--seeds 8 9 10 11` trains fresh ones.")
+
 # %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #5f7e0ff1
 FIRST_CORPUS = 'names3000-steps1800'  # the candidate that repeats the main job's task and schedule before this sweep
 
@@ -140,8 +155,7 @@ def task_note(batch_dir, answers: list, # the batch and its answers (`qk_answers
     r = _recipe(recorded_config(runs.run_dir.iloc[0]) if len(runs) else None)
     steps = r['steps'] or (int(runs.steps.max()) if 'steps' in runs and runs.steps.notna().any() else None)
     head = (f"**Task.** This batch's story corpus draws its characters from {r['n_names']:,} distinct names"
-            + (f", and each run trains {steps:,} steps" if steps else '') + ". The main job's task and schedule were "
-            "chosen by the formation sweep (the docs' page *Choosing the main job's task*).")
+            + (f", and each run trains {steps:,} steps" if steps else '') + ". " + seeds_note(runs))
     first = Path(sweep_root or Path(batch_dir).parent / 'qk-task-sweep') / FIRST_CORPUS
     if not (first / 'batch.json').exists():
         cmd = next(c for c in CANDIDATES if c.name == FIRST_CORPUS).command(Path(first).parent)
