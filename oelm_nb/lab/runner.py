@@ -709,10 +709,13 @@ def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus:
 
 # %% ../../nbs/lab/56_runner.ipynb #908bb904
 def mine_or_its(batch: Batch, variants: list[str], seeds) -> tuple:
-    """(variants, seeds) for the command that trains them with the batch's own settings: this command's, or where the
-    batch belongs to another study (they would not be that study's variants), None, None: the batch's own."""
+    """(variants, seeds) for the command that trains them with the batch's own settings: this command's (branches
+    left out: their trunk's variant plans them), or where the batch belongs to another study (they would not be that
+    study's variants), None, None: the batch's own."""
     b = read_json(batch.out / 'batch.json')
-    return (variants, list(seeds)) if not isinstance(b, dict) or b.get('study') == batch.study else (None, None)
+    if isinstance(b, dict) and b.get('study') != batch.study: return None, None
+    # a branch (`<variant>@<budget>`) is planned from its trunk's variant, never named in --variants
+    return [v for v in variants if not split_branch(v)], list(seeds)
 
 # %% ../../nbs/lab/56_runner.ipynb #ee1a1012
 def record_outcome(out: Path, index: int, statuses: dict, interrupted: str | None = None):
