@@ -21,7 +21,7 @@ __all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FI
            'pid_alive', 'is_alive', 'describe_holder', 'read_holder', 'read_workers', 'RunLock', 'child_env',
            'watch_holder', 'die_with_parent', 'run_lock', 'run_name', 'parse_run_name', 'branch_name', 'split_branch',
            'flatten', 'identity_fields', 'fingerprint', 'config_diff', 'describe_diff', 'RunMismatch',
-           'recorded_config', 'record_config', 'check_same_run']
+           'recorded_config', 'relocated_dirs', 'record_config', 'check_same_run']
 
 # %% ../../nbs/base/01_rundir.ipynb #5b61ccf4
 def fsync_dir(path: Path):
@@ -329,6 +329,19 @@ def recorded_config(run_dir) -> dict | None:
     "The configuration a run directory was trained with (its config.json), or None."
     c = read_json(Path(run_dir) / 'config.json')
     return c if isinstance(c, dict) else None
+
+# %% ../../nbs/base/01_rundir.ipynb #00553e3e
+def relocated_dirs(config: dict, run_dir) -> dict:
+    """The `out_dir` and `data_dir` of a run's config.json (`config`) re-resolved where the run directory is now: the
+    directory itself, and a data_dir that was inside its batch at the same place in the batch now (a moved or copied
+    batch is read where it is, never from where it was); {} when config.json already names this directory."""
+    now, was = Path(run_dir).resolve(), config.get('out_dir')
+    if not isinstance(was, str) or Path(was) == now: return {}
+    out, d = {'out_dir': str(now)}, config.get('data_dir')
+    if isinstance(d, str):
+        try: out['data_dir'] = str(now.parent / Path(d).relative_to(Path(was).parent))
+        except ValueError: pass  # data outside the batch (a prepared directory given as --data) stays where it is
+    return out
 
 # %% ../../nbs/base/01_rundir.ipynb #9b72ecb8
 def record_config(run_dir, config: dict) -> Path:

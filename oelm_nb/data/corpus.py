@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from ..base.core import DataConfig, DataError
-from ..base.rundir import ABSENT_WHEN_DEFAULT
+from ..base.rundir import ABSENT_WHEN_DEFAULT, read_json
 from .tokenizer import (
     EOT, GPT2_FILES, BPETokenizer, TiktokenTokenizer, _reachable, gpt2_tokenizer, load_tokenizer)
 from .stories import NAMES, WORDS, Story, generate_stories, make_names, synthetic_splits
@@ -25,10 +25,10 @@ _all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic
 
 # %% auto #0
 __all__ = ['SPLITS', 'TINYSTORIES', 'FORMAT', 'GPT2_VOCAB_SIZES', 'token_dtype', 'recall_positions', 'split_at_eot',
-           'read_documents', 'load_tinystories', 'unigram_ppl', 'prepare_data', 'PlainUnpickler', 'read_nanogpt_meta',
-           'TokenData', 'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec', 'NAMES', 'WORDS',
-           'Story', 'generate_stories', 'make_names', 'synthetic_splits', 'EOT', 'GPT2_FILES', 'BPETokenizer',
-           'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer', 'DataError']
+           'read_documents', 'load_tinystories', 'unigram_ppl', 'prepare_data', 'data_changes', 'PlainUnpickler',
+           'read_nanogpt_meta', 'TokenData', 'read_meta', 'load_split', 'batch', 'CharCodec', 'IdCodec', 'data_codec',
+           'NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic_splits', 'EOT', 'GPT2_FILES',
+           'BPETokenizer', 'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer', 'DataError']
 
 # %% ../../nbs/data/12_corpus.ipynb #096c8f42
 SPLITS = ('train', 'val')
@@ -174,8 +174,21 @@ def _resolve_source(source: str):
     )
 
 # %% ../../nbs/data/12_corpus.ipynb #be986b0a
-def _fingerprint(cfg: DataConfig, kind: str, files) -> str:
-    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files] if kind == 'files' else []
+def _file_record(f: Path) -> dict:
+    "A source file as the prepared data records it: its path, size and the sha256 of its content (not its mtime)."
+    h = hashlib.sha256()
+    with open(f, 'rb') as fh:
+        for block in iter(lambda: fh.read(1 << 20), b''): h.update(block)
+    return {'path': str(f.resolve()), 'size': f.stat().st_size, 'sha256': h.hexdigest()}
+
+def _fingerprint(cfg: DataConfig, kind: str, files,
+                 records: list[dict] | None = None, # `_file_record` of each file, where already computed
+                 mtime: bool = False, # data prepared before content hashes: size and mtime stood for the content
+                ) -> str:
+    "A short hash of the data's identity: the layout's format, the data settings and, for files, each one's content."
+    if kind != 'files': stats = []
+    elif mtime: stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    else: stats = [(r['path'], r['size'], r['sha256']) for r in (records or [_file_record(f) for f in files])]
     config = {k: v for k, v in cfg.to_dict().items()  # a field added later, at its default: the fingerprint as before
               if not (f'data.{k}' in ABSENT_WHEN_DEFAULT and v == ABSENT_WHEN_DEFAULT[f'data.{k}'])}
     blob = json.dumps(dict(format=FORMAT, config=config, files=stats), sort_keys=True)
@@ -279,8 +292,10 @@ def prepare_data(cfg: DataConfig, # what to prepare
         for split in SPLITS: load_split(payload, split)  # validate
         return payload
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
-    fp = _fingerprint(cfg, kind, payload)
+    records = [_file_record(f) for f in payload] if kind == 'files' else []
+    fp = _fingerprint(cfg, kind, payload, records)
     if _cached_meta(out, fp) is not None: return out
+    if kind == 'files' and _cached_meta(out, _fingerprint(cfg, kind, payload, mtime=True)) is not None: return out
     (out / 'meta.json').unlink(missing_ok=True)  # the files change below: none of them counts until meta.json is new
     with tqdm(total=3, desc=f'prepare {kind}: documents', unit='step', disable=not progress, leave=False) as bar:
         docs, stories = _documents(cfg, kind, payload)
@@ -300,10 +315,35 @@ def prepare_data(cfg: DataConfig, # what to prepare
                 n_tokens={s: res[s][0] for s in SPLITS}, n_docs={s: len(docs[s]) for s in SPLITS},
                 unigram_ppl=unigram_ppl(res['train'][1], res['val'][1]),
                 recall=_recall_stats(tok, res['train'][2], res['val'][2]) if stories else None,
-                config=cfg.to_dict(), fingerprint=fp)
+                config=cfg.to_dict(), fingerprint=fp, **({'files': records} if kind == 'files' else {}))
     _tmp(out / 'meta.json').write_text(json.dumps(meta, indent=2))
     os.replace(_tmp(out / 'meta.json'), out / 'meta.json')  # written last: its presence marks a complete dataset
     return out
+
+# %% ../../nbs/data/12_corpus.ipynb #9f5293f2
+def data_changes(cfg: DataConfig, # the data settings of a batch's runs
+                 out_dir, # where the batch's data was prepared (`prepare_data`'s out_dir)
+                ) -> str | None:
+    """What differs between the files `cfg.source` names now and those the complete data in `out_dir` was prepared
+    from, in words ('corpus.txt: content changed (size 100 -> 98 bytes, ...)'); None when nothing does, when `out_dir`
+    holds no complete data (it is prepared afresh) or the source is not files. A new mtime alone is no change."""
+    kind, payload = _resolve_source(cfg.source)
+    if kind != 'files': return None
+    meta = read_json(Path(out_dir) / 'meta.json')
+    if not isinstance(meta, dict) or not isinstance(meta.get('fingerprint'), str): return None
+    records = [_file_record(f) for f in payload]
+    if meta['fingerprint'] in (_fingerprint(cfg, kind, payload, records), _fingerprint(cfg, kind, payload, mtime=True)):
+        return None
+    was = meta.get('files')
+    if not isinstance(was, list) or not all(isinstance(r, dict) for r in was):  # prepared before content hashes
+        return f"{', '.join(r['path'] for r in records)}: size or modification time changed (the data was prepared " \
+               "before its files' content was recorded)"
+    was, now = {r.get('path'): r for r in was}, {r['path']: r for r in records}
+    parts = [f'{p}: added' for p in now if p not in was] + [f'{p}: removed' for p in was if p not in now]
+    for p in (p for p in now if p in was and now[p].get('sha256') != was[p].get('sha256')):
+        parts.append(f"{p}: content changed (size {was[p].get('size')} -> {now[p]['size']} bytes, sha256 "
+                     f"{str(was[p].get('sha256'))[:12]}... -> {now[p]['sha256'][:12]}...)")
+    return '; '.join(parts) or f"the data settings differ from those it was prepared with ({Path(out_dir) / 'meta.json'})"
 
 # %% ../../nbs/data/12_corpus.ipynb #b434723d
 def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)

@@ -4,8 +4,9 @@
 
 # %% ../../nbs/lab/56_runner.ipynb #ecd9ef7d
 from __future__ import annotations
-import fnmatch, json, os, shlex, shutil, signal, socket, subprocess, sys, threading, time
+import fnmatch, json, os, re, shlex, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor, wait, FIRST_COMPLETED
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from graphlib import TopologicalSorter, CycleError
 from pathlib import Path
@@ -20,23 +21,26 @@ from ..base.rundir import record_config, write_json, read_json, run_name, parse_
 from .study import get_study, study_names, study_answers
 from .spec import split_scope
 from ..base.rundir import branch_name, split_branch
-from ..data.corpus import prepare_data, read_meta, DataError
+from ..data.corpus import prepare_data, read_meta, DataError, data_changes
 from ..train.checkpoint import list_checkpoints
 from ..train.memory import check_step_memory, available_memory, GiB
 from ..base.metrics import read_metrics
 from .status import BatchProgress
 from ..base.rundir import (RunLock, RunLocked, RunMismatch, run_lock, child_env, die_with_parent, describe_holder,
-                            recorded_config, config_diff, describe_diff, fingerprint, read_holder, VOLATILE_FIELDS)
+                            recorded_config, config_diff, describe_diff, fingerprint, read_holder, VOLATILE_FIELDS,
+                            is_alive, read_workers)
 
 # %% auto #0
-__all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'INTERRUPTED', 'NAMED_DATA', 'NO_SCRIPTS',
-           'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status', 'resumable', 'resumes', 'set_aside',
-           'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args', 'papermill_args', 'stop_children',
-           'execute_run', 'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text',
-           'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source', 'open_batch', 'check_memory',
-           'settings_diff', 'check_batch_settings', 'write_batch_json', 'record_outcome', 'pending_jobs', 'run_study',
-           'after_batch', 'fit_vocabulary', 'cpu_threads', 'report_html', 'write_answers', 'batch_study',
-           'check_batch_record', 'execute_report', 'render_report']
+__all__ = ['CPU_SETS_ENV', 'RESUMABLE', 'PLACE_KEYS', 'SKIPPED_IMPORTS', 'KERNEL_SIGNAL', 'DEAD_CHILD', 'INTERRUPTED',
+           'NAMED_DATA', 'NO_SCRIPTS', 'notebook_path', 'Job', 'parse_gpu_sets', 'check_gpus', 'run_status',
+           'resumable', 'resumes', 'set_aside', 'Batch', 'check_batch_flags', 'skip_slow_imports', 'module_args',
+           'papermill_args', 'child_failure', 'stop_children', 'execute_run', 'place_config', 'wait_for_workers',
+           'run_digest', 'execute_inline', 'schedule', 'BatchInterrupted', 'interrupted_text', 'StopSignal',
+           'stop_on_signals', 'BatchResult', 'with_upstream', 'override_notes', 'plan_batch', 'data_source',
+           'open_batch', 'check_memory', 'settings_diff', 'check_batch_settings', 'write_batch_json', 'mine_or_its',
+           'record_outcome', 'pending_jobs', 'run_study', 'after_batch', 'fit_vocabulary', 'check_data',
+           'check_block_size', 'cpu_threads', 'report_html', 'write_answers', 'batch_study', 'check_batch_record',
+           'execute_report', 'render_report']
 
 # %% ../../nbs/lab/56_runner.ipynb #097e58a3
 def notebook_path(rel: str) -> Path:
@@ -219,10 +223,25 @@ def skip_slow_imports():
     "Mark `SKIPPED_IMPORTS` absent in this process (unless already imported): `jsonschema` then leaves them out."
     for name in SKIPPED_IMPORTS: sys.modules.setdefault(name, None)
 
+KERNEL_SIGNAL = '[oelm] the kernel ended by signal '  # what a papermill child prints when a signal killed its kernel
+# papermill's child says which signal killed its kernel (nbclient says only 'Kernel died'), where jupyter_client allows
+_KERNEL_HOOK = f"""try:
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner as _P
+    _poll = _P.poll
+    async def _said(self):
+        rc = await _poll(self)
+        if isinstance(rc, int) and rc < 0 and not getattr(self, '_oelm_said', False):
+            self._oelm_said = True; print({KERNEL_SIGNAL!r} + str(-rc), file=sys.stderr, flush=True)
+        return rc
+    _P.poll = _said
+except Exception: pass
+"""
+
 def module_args(module: str) -> list[str]:
     "The arguments after `python` that run `python -m MODULE` with `SKIPPED_IMPORTS` absent."
     return ['-c', f"import runpy, sys\nfor name in {SKIPPED_IMPORTS!r}: sys.modules.setdefault(name, None)\n"
-                  f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
+                  + (_KERNEL_HOOK if module == 'papermill' else '')
+                  + f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
 
 def papermill_args(nb_in, nb_out, cwd, *params: str) -> list[str]:
     """The arguments after `python` that execute notebook `nb_in` into `nb_out` with papermill on the `python3` kernel,
@@ -232,12 +251,59 @@ def papermill_args(nb_in, nb_out, cwd, *params: str) -> list[str]:
 
 # %% ../../nbs/lab/56_runner.ipynb #7ddde8e8
 def _error_from_notebook(path: Path) -> str | None:
+    """The exception an executed notebook `path` holds, as 'Type (cell N of NAME): message' (N counts the executed
+    copy's cells, papermill's parameters included), or None; the notebook is data: anything but an error output is
+    ignored."""
     try: nb = json.loads(path.read_text())
     except Exception: return None
-    for cell in nb.get('cells', []):
-        for out in cell.get('outputs', []):
-            if out.get('output_type') == 'error': return f"{out.get('ename')}: {out.get('evalue')}"
+    cells = nb.get('cells') if isinstance(nb, dict) else None
+    for i, cell in enumerate(cells if isinstance(cells, list) else [], 1):
+        outs = cell.get('outputs') if isinstance(cell, dict) else None
+        for out in outs if isinstance(outs, list) else []:
+            if not (isinstance(out, dict) and out.get('output_type') == 'error'): continue
+            return f"{out.get('ename')} (cell {i} of {path.name}): {out.get('evalue', '')}"
     return None
+
+# %% ../../nbs/lab/56_runner.ipynb #33987933
+def _last_exception(text: str) -> str | None:
+    "The last line of `text` (a child's stderr) that names an exception, e.g. 'DeadKernelError: Kernel died'."
+    found = [l.strip() for l in text.splitlines() if re.match(r'\s*[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b', l)]
+    return found[-1] if found else None
+
+# the exceptions of a kernel that died (the out-of-memory killer's SIGKILL, kill -9), not of the run: a resume repeats nothing
+DEAD_CHILD = ('DeadKernelError', 'Kernel died')
+
+def _signal_name(n: int) -> str:
+    try: return signal.Signals(n).name
+    except ValueError: return f'signal {n}'
+
+def child_failure(returncode: int, # the papermill child's exit status (negative: the signal that killed it)
+                  stderr: str, # its standard error (papermill's log, and `KERNEL_SIGNAL` where the kernel was killed)
+                  nb_error: str | None, # the exception the executed notebook holds (`_error_from_notebook`)
+                  run_dir: Path | None = None, # where the run's checkpoints are
+                 ) -> dict:
+    """A failed run's summary fields: `error`, `resumable` and, for a child that died, the `signal` and the step of the
+    last checkpoint (`checkpoint_step`), which the next `oelm run` resumes from; else `not_resumable`, why not."""
+    cks = list_checkpoints(Path(run_dir) / 'checkpoints') if run_dir else []
+    step = int(cks[-1].name.removeprefix('step_')) if cks else None
+    kernel = re.search(re.escape(KERNEL_SIGNAL) + r'(\d+)', stderr)  # the signal that killed the kernel, where one did
+    if returncode < 0 or any(s in (nb_error or _last_exception(stderr) or '') for s in DEAD_CHILD):
+        sig = _signal_name(-returncode if returncode < 0 else int(kernel.group(1))) if returncode < 0 or kernel else None
+        who = 'the papermill process' if returncode < 0 else "the notebook's kernel"
+        how = f'was killed by {sig}' if sig else 'died (killed by a signal its parent did not see)'
+        at = f'its last checkpoint, step {step:,}' if step is not None else 'step 0 (it had no checkpoint yet)'
+        oom = ({'note': 'SIGKILL is what the out-of-memory killer sends (`dmesg` names its victims): where memory ran '
+                        'out, a smaller train.batch_size (train.micro_batch) or fewer --jobs lowers what a run needs'}
+               if sig in (None, 'SIGKILL') else {})
+        return {'error': f'interrupted: {who} {how}; the next `oelm run` resumes from {at}', 'resumable': True,
+                'signal': sig, 'checkpoint_step': step, **oom}
+    if nb_error: error = nb_error
+    elif returncode == 0: error = f'the notebook ended without writing a completed summary.json in {run_dir}'
+    else: error = _last_exception(stderr) or f'papermill exited with status {returncode}; see papermill.log'
+    if resumable(error): return {'error': error, 'resumable': True, 'checkpoint_step': step}
+    return {'error': error, 'resumable': False,
+            'not_resumable': 'the run itself raised this error: a resume would repeat it; fix its cause (the next '
+                             '`oelm run` sets this run aside and trains it afresh)'}
 
 # %% ../../nbs/lab/56_runner.ipynb #f7ecdeb3
 INTERRUPTED = threading.Event()  # set when Ctrl-C stops a batch: its runs' children are stopped, not failed
@@ -271,7 +337,7 @@ def execute_run(job: Job, batch: Batch, gpu_set: list[str] | None = None, thread
 def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     # the notebook's summary is not final until papermill is done
     (job.run_dir / '.running').write_text(str(os.getpid()))
-    config = record_config(job.run_dir, batch.spec(job.variant, job.seed).to_dict())  # the notebook reads it
+    config = place_config(job.run_dir, batch.spec(job.variant, job.seed).to_dict(), log)  # the notebook reads it
     params = dict(config=str(config.resolve()), nproc=max(1, len(gpu_set or [])), progress=False)
     nb_in = notebook_path(get_study(batch.study).notebook)
     nb_out = job.run_dir / nb_in.name
@@ -285,25 +351,47 @@ def _execute_locked(job: Job, batch: Batch, gpu_set, threads, log) -> str:
     (job.run_dir / 'papermill.log').write_text(res.stdout + res.stderr)
     s = read_json(job.run_dir / 'summary.json') or {}
     if res.returncode != 0 or s.get('status') != 'completed':
-        err = _error_from_notebook(nb_out) or (res.stderr.strip().splitlines() or ['unknown error'])[-1]
-        if INTERRUPTED.is_set() or err.startswith('KeyboardInterrupt'):
+        nb_error = _error_from_notebook(nb_out)
+        if INTERRUPTED.is_set() or (nb_error or '').startswith('KeyboardInterrupt'):
             return 'interrupted'  # as after kill -9: no summary, its checkpoints kept; the next `oelm run` resumes it
+        wait_for_workers(job.run_dir)  # a kernel whose papermill died stops itself: then its files are final
+        failure = child_failure(res.returncode, res.stderr, nb_error, job.run_dir)
         write_json(
             job.run_dir / 'summary.json',
             {
                 'status': 'failed',
                 **run_identity(batch.study, job.variant, batch.preset, job.seed),
-                'error': err,
-                'resumable': resumable(err),
+                **failure,
                 'log': str(job.run_dir / 'papermill.log'),
                 'wall_time_s': time.time() - t0,
             },
         )
-        log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {err}')
+        log(f'[oelm run] {job.name}: FAILED after {time.time() - t0:.0f}s: {failure["error"]}'
+            + (f' ({failure["note"]})' if failure.get('note') else ''))
         return 'failed'
     (job.run_dir / '.running').unlink(missing_ok=True)
     log(f'[oelm run] {job.name}: completed in {time.time() - t0:.0f}s; {run_digest(job.run_dir)}')
     return 'completed'
+
+# %% ../../nbs/lab/56_runner.ipynb #4b8538f2
+def place_config(run_dir: Path, config: dict, log=print) -> Path:
+    """Write the run's config.json (`record_config`); where one is recorded with another `out_dir` or `data_dir` (the
+    batch was moved or copied), make those two this batch's, saying so in one line: a run trains where it is, never
+    into the directory it was copied from. Returns the path."""
+    old = recorded_config(run_dir)
+    if old is None: return record_config(run_dir, config)
+    moved = [k for k in ('out_dir', 'data_dir') if old.get(k) != config.get(k)]
+    if moved:
+        write_json(Path(run_dir) / 'config.json', {**old, **{k: config.get(k) for k in moved}})
+        log(f"[oelm run] {Path(run_dir).name}: config.json named {', '.join(f'{k} {old.get(k)}' for k in moved)}; "
+            f"the batch was moved or copied: now {', '.join(f'{k} {config.get(k)}' for k in moved)}")
+    return Path(run_dir) / 'config.json'
+
+def wait_for_workers(run_dir: Path, timeout: float = 30.0):
+    "Wait (at most `timeout` s) until the processes that worked under the lock of `run_dir` (its kernel) have ended."
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(w.get('pid') != os.getpid() and is_alive(w) for w in read_workers(run_dir)):
+        time.sleep(0.2)
 
 # %% ../../nbs/lab/56_runner.ipynb #31738787
 def run_digest(run_dir: Path) -> str:
@@ -385,7 +473,7 @@ def _run_guarded(run_job, j: Job, w, on_blocked) -> str:
 class BatchInterrupted(KeyboardInterrupt):
     "Ctrl-C stopped a batch; its message says what each stopped run kept."
 
-def interrupted_text(jobs: list[Job], statuses: dict) -> str:
+def interrupted_text(jobs: list[Job], statuses: dict, why: str = 'Ctrl-C') -> str:
     "One line: the runs Ctrl-C stopped and the checkpoint each keeps, and the command that resumes them."
     kept = []
     for j in jobs:
@@ -393,8 +481,24 @@ def interrupted_text(jobs: list[Job], statuses: dict) -> str:
         cks = list_checkpoints(j.run_dir / 'checkpoints')
         kept.append(f"{j.name} keeps its checkpoint of step {int(cks[-1].name.removeprefix('step_'))}" if cks
                     else f'{j.name} had no checkpoint yet')
-    return ('interrupted (Ctrl-C): ' + ('; '.join(kept) or 'no run had started')
+    return (f'interrupted ({why}): ' + ('; '.join(kept) or 'no run had started')
             + '; run the same command again to resume (completed runs are skipped)')
+
+# %% ../../nbs/lab/56_runner.ipynb #7e3e35bf
+class StopSignal(KeyboardInterrupt):
+    "SIGTERM or SIGHUP (a job scheduler, `timeout`, a closed terminal) stops a batch as Ctrl-C does; args[0]: its name."
+    def __str__(self): return f'interrupted ({self.args[0]}); run the same command again to resume'
+
+@contextmanager
+def stop_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)):
+    """In the main thread, turn `signals` into `StopSignal` for the duration of the block: the batch then stops its runs
+    (their checkpoints kept), records the outcome in batch.json and says so in one line."""
+    if threading.current_thread() is not threading.main_thread(): yield; return
+    def stop(signum, frame): raise StopSignal(signal.Signals(signum).name)  # then the Ctrl-C path (`interrupted_text`)
+    old = {s: signal.signal(s, stop) for s in signals}
+    try: yield
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
 
 # %% ../../nbs/lab/56_runner.ipynb #81a2322b
 @dataclass
@@ -566,7 +670,8 @@ def check_batch_settings(batch: Batch, variants: list[str], seeds, restart: bool
         + (f" (runs {', '.join(stale)})" if stale else '')
         + ". This command would change its shared data and batch.json and train beside runs of other settings. "
         + (f"--restart sets aside only this command's runs, not {', '.join(others)}; " if restart else '')
-        + f"Run it with the batch's own settings: {batch_command(batch.out, variants, list(seeds))} ; "
+        # another study's variants are no command for this batch: then the batch's own runs (batch.json's)
+        + f"Run it with the batch's own settings: {batch_command(batch.out, *mine_or_its(batch, variants, seeds))} ; "
         + "or give another --out"
         + ("" if restart else "; or add --restart (when the command names every run of the batch) to train them afresh")
         + ".")
@@ -602,12 +707,24 @@ def write_batch_json(batch: Batch, variants: list[str], seeds, plan: dict, gpus:
                       **({'jobs': old['jobs']} if isinstance(old.get('jobs'), dict) else {})})
     return len(history) - 1
 
+# %% ../../nbs/lab/56_runner.ipynb #908bb904
+def mine_or_its(batch: Batch, variants: list[str], seeds) -> tuple:
+    """(variants, seeds) for the command that trains them with the batch's own settings: this command's (branches
+    left out: their trunk's variant plans them), or where the batch belongs to another study (they would not be that
+    study's variants), None, None: the batch's own."""
+    b = read_json(batch.out / 'batch.json')
+    if isinstance(b, dict) and b.get('study') != batch.study: return None, None
+    # a branch (`<variant>@<budget>`) is planned from its trunk's variant, never named in --variants
+    return [v for v in variants if not split_branch(v)], list(seeds)
+
 # %% ../../nbs/lab/56_runner.ipynb #ee1a1012
-def record_outcome(out: Path, index: int, statuses: dict):
-    "Add the runs' final statuses to invocation `index` of batch.json."
+def record_outcome(out: Path, index: int, statuses: dict, interrupted: str | None = None):
+    "Add the runs' final statuses (and what `interrupted` the batch: 'Ctrl-C', 'SIGTERM') to invocation `index` of batch.json."
     b = read_json(Path(out) / 'batch.json') or {}
     inv = (b.get('invocations') or [])
-    if index < len(inv): inv[index].update(statuses=statuses, finished=_now()); write_json(Path(out) / 'batch.json', b)
+    stop = {'interrupted': interrupted} if interrupted else {}
+    if index < len(inv):
+        inv[index].update(statuses=statuses, finished=_now(), **stop); write_json(Path(out) / 'batch.json', b)
 
 # %% ../../nbs/lab/56_runner.ipynb #090d891f
 def pending_jobs(
@@ -674,9 +791,10 @@ def run_study(study: str, # the registered study (`oelm run STUDY`)
         with run_lock(out, 'batch') as lock:  # RunLocked, naming the holder, when another `oelm run` writes this batch
             if lock.recovered:
                 log(f"[oelm run] recovered the batch lock of {describe_holder(lock.recovered)}, which is gone")
-            return _run_batch(
-                batch, names, plan, list(seeds), gpus, workers, restart, report, execute or execute_run, log
-            )
+            with stop_on_signals():
+                return _run_batch(
+                    batch, names, plan, list(seeds), gpus, workers, restart, report, execute or execute_run, log
+                )
     except BaseException:
         if created and out.exists() and not any(parse_run_name(p.name) for p in out.iterdir()):
             shutil.rmtree(out, ignore_errors=True)
@@ -704,6 +822,44 @@ def fit_vocabulary(batch: Batch, before: RunSpec, log=print):
         )
     if now != was: log(f"[oelm run] the data's vocabulary is {batch.data_vocab:,}: model.vocab_size {was:,} -> {now:,}")
 
+# %% ../../nbs/lab/56_runner.ipynb #9b45e5f8
+def check_data(batch: Batch, variants: list[str], seeds, restart: bool = False, log=print):
+    """Refuse, in one line with the ways forward, a batch whose corpus changed since its data/ was prepared
+    (`data_changes`: content, not mtime), data/ and every run left as they are; with --restart naming every run of the
+    batch, set data/ aside (`data.replaced-N`) so that it is prepared afresh and every run trains afresh."""
+    data, spec0 = batch.out / 'data', batch.spec(variants[0])
+    if (what := data_changes(spec0.data, data)) is None: return
+    mine = {run_name(v, s) for v in variants for s in seeds}
+    others = sorted(p.name for p in batch.out.iterdir() if p.is_dir() and parse_run_name(p.name) and p.name not in mine)
+    if restart and not others:
+        n = 1
+        while (aside := data.with_name(f'data.replaced-{n}')).exists(): n += 1
+        os.replace(data, aside)
+        log(f'[oelm run] the corpus changed ({what}); --restart: data/ kept as {aside.name}, prepared afresh, every run '
+            'trains afresh')
+        return
+    raise DataError(
+        f"{spec0.data.source} changed since {data} was prepared from it: {what}. data/ and the runs trained on it are "
+        "left as they are. To train on the new corpus give another --out, or add --restart"
+        + (f" with every run of the batch in --variants/--seeds (also {', '.join(others)})" if others else '')
+        + " to prepare the data afresh (the old data/ kept as data.replaced-N) and train every run afresh.")
+
+# %% ../../nbs/lab/56_runner.ipynb #e1272f3f
+def check_block_size(batch: Batch, variants: list[str]):
+    "Refuse, before any run starts, prepared data whose train or val split is too short for one window of a variant."
+    try: n = read_meta(batch.data_dir).get('n_tokens')
+    except DataError: return  # the runs name a damaged meta.json themselves
+    if not isinstance(n, dict): return
+    for v in variants:
+        T = batch.spec(v).model.block_size
+        for split in ('train', 'val'):
+            if isinstance(n.get(split), int) and n[split] < T + 1:
+                raise DataError(
+                    f"{batch.data_dir}: the {split} split holds {n[split]:,} tokens, fewer than one window of variant "
+                    f"{v!r} needs (block_size + 1 = {T + 1:,}); give a larger corpus (more validation text: "
+                    f"--set data.val_fraction=..., or data.n_val_stories for the synthetic corpus) or --set "
+                    f"model.block_size={max(1, n[split] - 1)} or less")
+
 # %% ../../nbs/lab/56_runner.ipynb #ed43cd0e
 def cpu_threads(jobs: int) -> int:
     "The threads of each of `jobs` runs sharing the CPU: `cores // jobs`, at most `OMP_NUM_THREADS` where that is set."
@@ -715,6 +871,7 @@ def cpu_threads(jobs: int) -> int:
 def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report, execute, log) -> BatchResult:
     out, study = batch.out, batch.study
     spec0 = batch.spec(names[0])
+    check_data(batch, names, seeds, restart, log)  # a changed corpus stops here, data/ untouched
     log(f'[oelm run] preparing data ({spec0.data.source}) in {out / "data"}')
     # a prepared source directory is used in place
     try: batch.data_dir = prepare_data(spec0.data, out / 'data', progress=False)
@@ -722,6 +879,7 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
         raise DataError(f"{out / 'data'}: preparing the data failed: {e.strerror or e}; free space there (or give "
                         "another --out), then run the same command: an incomplete data/ is prepared afresh") from None
     fit_vocabulary(batch, spec0, log)  # once, before any run starts
+    check_block_size(batch, names)  # a split too short for one window: refused once, not by every run
     all_jobs, todo = pending_jobs(batch, names, seeds, restart, log)  # a run of another configuration stops here
     index = write_batch_json(batch, names, seeds, plan, gpus, restart)
     threads = None if workers[0] else cpu_threads(len(workers))
@@ -755,8 +913,10 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
         try:
             schedule(todo, lambda j: [run_name(u, j.seed) for u in plan[j.variant].upstream], statuses, run_job,
                      workers, blocked, stop_children)
-        except KeyboardInterrupt:
-            raise BatchInterrupted(interrupted_text(all_jobs, statuses)) from None
+        except KeyboardInterrupt as e:
+            why = e.args[0] if isinstance(e, StopSignal) else 'Ctrl-C'
+            record_outcome(out, index, {j.name: statuses.get(j.name, 'pending') for j in all_jobs}, why)
+            raise BatchInterrupted(interrupted_text(all_jobs, statuses, why)) from None
     res = BatchResult(out, {j.name: statuses[j.name] for j in all_jobs})
     record_outcome(out, index, res.statuses)
     # the measurement after the batch: one model per trunk (a branch trains its trunk's model)

@@ -12,6 +12,8 @@ from ..model.gpt import GPT
 import numpy as np
 from .study import get_study
 from .spec import RunSpec
+from ..base.rundir import relocated_dirs
+from dataclasses import replace
 from ..train.checkpoint import list_checkpoints, load_weights, read_checkpoint_meta
 from ..data.corpus import data_codec, TokenData
 
@@ -69,6 +71,7 @@ def load_run_model(run_dir, # one run's directory
             f"{run_dir} is not a run directory (no config.json); pass one run's folder, e.g. runs/qk-freeze/gpt-s0"
         )
     spec = RunSpec.load_json(run_dir / 'config.json')
+    spec = replace(spec, **relocated_dirs(spec.to_dict(), run_dir))  # a moved or copied batch: its own data
     hook = get_study(spec.study).load_model  # a study whose runs are not a plain GPT says how to rebuild them
     found = hook(spec, lambda: find_checkpoint(run_dir, checkpoint)) if hook else None
     if found is None:

@@ -98,8 +98,10 @@ def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], o
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists(): os.replace(old, final)  # the rename failed: put the old copy back
-        if not isinstance(e, OSError): raise
-        space = getattr(e, 'errno', None) in (errno.ENOSPC, getattr(errno, 'EDQUOT', -1))
+        # safetensors' own error (SafetensorError, no OSError) says a full disk only in its text: 'os error 28'
+        space = (getattr(e, 'errno', None) in (errno.ENOSPC, getattr(errno, 'EDQUOT', -1))
+                 or any(s in str(e) for s in ('No space left on device', 'os error 28', 'Disk quota exceeded', 'os error 122')))
+        if not (isinstance(e, OSError) or space): raise
         fix = f"free disk space in {ckpt_root}" if space else f"check that {ckpt_root} is writable"
         raise CheckpointError(
             f"writing the checkpoint of step {step} failed: {e}. Its partial files ({tmp.name}) were removed "
