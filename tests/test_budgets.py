@@ -14,7 +14,7 @@ from oelm_nb.lab.spec import resolve_spec
 from oelm_nb.lab.run import train_run
 from oelm_nb.lab.study import SMALL_CORPUS
 from oelm_nb.train.trainer import Trainer
-from shared_runs import shared_batch, completed, copy_batch, _train
+from shared_runs import shared_batch, completed, copy_batch, _train, inline_batch
 
 LADDER = {'train.budgets': [8, 12], 'train.schedule': 'wsd', 'train.dtype': 'float32', 'model.dropout': 0.1}
 
@@ -109,7 +109,8 @@ def test_answers_json_has_every_budget_and_whether_each_gap_closes(tmp_path):
     for qid in ('H2-trend', 'H4-trend'):
         t = recs[qid]
         assert t['verdict'] == 'supported' and t['n'] == 4 and t['estimate'] < 0 and t['low'] < t['high'] < 0
-        assert t['p'] == 1 / 16 and t['sides'].startswith('one-sided')
+        assert t['p'] < 0.001 and (t['side'], t['test']) == ('less', 't-test (paired)') and t['sides'].startswith('one-sided')
+        assert 'exact sign-flip p = 0.0625' in t['method']  # the exact test of the same claim, at its 4-seed floor
     assert recs['H4-trend']['estimate'] == pytest.approx((math.log(1.2) - math.log(1.5)) / math.log2(2), rel=0.2)
 
 
@@ -158,7 +159,16 @@ def test_the_budgets_flag_sets_the_ladder_and_the_steps():
     from oelm_nb.base.core import ConfigError
     ns = argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[800, 400, 600], steps=None, variants=None)
     _, overrides, _ = study_plan(get_study('toy'), ns)
-    assert overrides == {'train.budgets': [400, 600, 800], 'train.schedule': 'wsd'} and ns.steps == 800
+    assert overrides == {'train.budgets': [400, 600, 800]} and ns.steps == 800  # the schedule stays the preset's
     with pytest.raises(ConfigError, match='--steps 700 with --budgets 400 600 800'):
         study_plan(get_study('toy'), argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[400, 600, 800],
                                                         steps=700, variants=None))
+
+
+def test_under_cosine_each_budget_is_a_run_of_its_own(tmp_path):
+    out = inline_batch(tmp_path / 'b', 'toy', variants=['depth-1'], overrides={**LADDER, 'train.schedule': 'cosine'})
+    cfg = read_json(out / 'depth-1@8-s0' / 'config.json')
+    assert 'branch_of' not in cfg and cfg['train']['schedule'] == 'cosine' and cfg['train']['max_steps'] == 8
+    assert not (out / 'depth-1-s0' / 'branch_points').exists()
+    assert read_json(out / 'batch.json')['plan']['depth-1@8']['upstream'] == []  # no trunk to wait for
+    assert read_json(out / 'depth-1@8-s0' / 'summary.json')['steps'] == 8

@@ -10,14 +10,15 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..base.core import ModelConfig, DataConfig, ConfigError
+from ..base.rundir import split_branch
 jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)  # a field's docstring is its flag's help
 
 # %% auto #0
 __all__ = ['SET_SECTIONS', 'RETIRED_FLAGS', 'parse_sets', 'study_of', 'cmd_params', 'cmd_data_prepare', 'cmd_train',
-           'print_batch_summary', 'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run',
-           'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'retire_field_flags',
-           'study_variants_text', 'add_seed_options', 'option_shapes', 'with_lists', 'flag_error', 'StudyParser',
-           'add_study_parser', 'build_parser', 'main']
+           'print_batch_summary', 'stored_answers', 'convergence_text', 'study_plan', 'cluster_config',
+           'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench',
+           'cmd_doctor', 'retire_field_flags', 'study_variants_text', 'add_seed_options', 'option_shapes', 'with_lists',
+           'flag_error', 'StudyParser', 'add_study_parser', 'build_parser', 'main']
 
 # %% ../../nbs/app/91_cli.ipynb #ec5943c2
 SET_SECTIONS = ('model', 'train', 'data', 'settings')
@@ -129,11 +130,23 @@ def print_batch_summary(batch_dir):
     if runs.empty: return
     with pd.option_context('display.width', 160, 'display.max_colwidth', 120):
         print('\n' + people_table(variant_table(runs)).to_string() + '\n')
-    answers = fn(runs) if (fn := study_answers(study)) else []
-    if answers:
-        print(answers_text(answers) + '\n')
-        write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(answers)})
-    if (conv := convergence_text(batch_dir, runs)): print(conv + '\n')
+    answers = stored_answers(batch_dir, runs)  # the report just wrote them from these runs: not computed twice
+    if answers is None:
+        answers = fn(runs) if (fn := study_answers(study)) else []
+        if answers: write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(answers)})
+    if answers: print(answers_text(answers) + '\n')
+    trunks = runs[[split_branch(v) is None for v in runs.variant]]  # a ladder's branches: measured, not forecast
+    if (conv := convergence_text(batch_dir, trunks)): print(conv + '\n')
+
+def stored_answers(batch_dir, runs) -> list | None:
+    "The answers in the batch's answers.json when it is newer than every run's summary.json (else None: stale or absent)."
+    from oelm_nb.report.evidence import Answer
+    path = Path(batch_dir) / 'answers.json'
+    summaries = [Path(d) / 'summary.json' for d in runs.run_dir] if 'run_dir' in runs else []
+    try:
+        if any(s.exists() and s.stat().st_mtime > path.stat().st_mtime for s in summaries): return None
+        return [Answer.from_dict(a) for a in json.loads(path.read_text())['answers']]
+    except (OSError, ValueError, KeyError, TypeError): return None
 
 # %% ../../nbs/app/91_cli.ipynb #7903bfc6
 def convergence_text(batch_dir, runs) -> str:
@@ -175,8 +188,7 @@ def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
             raise ConfigError(f"--steps {args.steps} with --budgets {' '.join(map(str, b))}: the runs are the longest "
                               f"budget's ({b[-1]} steps); drop --steps")
         args.steps = b[-1]
-        overrides['train.budgets'] = b
-        overrides.setdefault('train.schedule', 'wsd')
+        overrides['train.budgets'] = b  # the schedule is the preset's (or --set train.schedule=wsd: branches)
     return (args.variants.split(',') if args.variants else None), overrides, options
 
 # %% ../../nbs/app/91_cli.ipynb #caa30209
@@ -492,9 +504,10 @@ def add_study_parser(sub, study, presets):
     r.add_argument('--steps', type=_positive, default=None,
                    help="optimizer steps per run (default: the study's for the preset)")
     r.add_argument('--budgets', type=_positive, nargs='+', default=None, metavar='STEPS',
-                   help="answer at several budgets from one run per seed (warmup-stable-decay): the longest trained, "
-                        "each shorter one a branch cooling down from it, e.g. --budgets 400 600 800 (default: the "
-                        "preset's; --set train.cooldown=0.2 is the share cooling down)")
+                   help="answer at several budgets, e.g. --budgets 400 600 800: a run of its own per budget and seed "
+                        "under a cosine schedule; with --set train.schedule=wsd one run per seed at the longest and a "
+                        "cooldown branch from it at each shorter one (--set train.cooldown=0.2: the share cooling down; "
+                        "default: the preset's budgets)")
     r.add_argument('--gpus', default=None, help="GPU sets, e.g. '0,1;2,3' (a set of several GPUs trains through "
                    "torchrun; default: none, on the CPU or the one visible device)")
     r.add_argument('--concurrent', action='store_true',

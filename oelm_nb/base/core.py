@@ -15,7 +15,7 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['VARIANTS', 'FREEZE_VARIANTS', 'DTYPES', 'LOGGERS', 'MICRO_BATCH_MODES', 'SCHEDULES', 'ConfigError', 'check',
            'DataError', 'ConfigBase', 'ModelConfig', 'TrainConfig', 'cooldown_start', 'DataConfig', 'lr_at',
-           'branch_points']
+           'shorter_budgets', 'branch_points']
 
 # %% ../../nbs/base/00_core.ipynb #f0c64d3e
 class ConfigError(ValueError):
@@ -221,8 +221,9 @@ class TrainConfig(ConfigBase):
     # down to min_lr over the last `cooldown` share of max_steps (`lr_at`)
     schedule: str = 'cosine'
     cooldown: float = 0.2 # wsd: the share of max_steps spent cooling down to min_lr
-    # wsd: the step counts this run answers at, max_steps among them. The run keeps its weights where each smaller
-    # budget's cooldown starts (`branch_points`); the lab trains each such budget as a branch from there
+    # the step counts a study answers at, max_steps among them: the lab trains each shorter budget too. With 'wsd' one
+    # run serves them all: it keeps its weights where each shorter budget's cooldown starts (`branch_points`) and the
+    # lab trains that budget as a branch from there; with 'cosine' each budget is a run of its own
     budgets: tuple = ()
     weight_decay: float = 0.1 # decoupled weight decay on matrices only
     beta1: float = 0.9
@@ -302,9 +303,8 @@ def _check_schedule(self: TrainConfig):
     b = self.budgets
     check(all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b) and list(b) == sorted(set(b)),
           c, 'budgets', b, 'must be positive step counts in increasing order, each once, e.g. (400, 600, 800)')
-    check(self.schedule == 'wsd', c, 'budgets', b,
-          f"need schedule='wsd' (now {self.schedule!r}): only a constant rate can be branched at every budget")
     check(self.max_steps in b, c, 'max_steps', self.max_steps, f'must be one of the budgets {b}')
+    if self.schedule != 'wsd': return  # a run of its own per budget
     early = [x for x in b if cooldown_start(x, self.cooldown) < self.warmup_steps]
     check(not early, c, 'budgets', b, f'{early} cool down before warmup ends (step {self.warmup_steps}); give budgets '
           f'of at least {math.ceil(self.warmup_steps / (1 - self.cooldown))} steps or a shorter warmup')
@@ -359,6 +359,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 # %% ../../nbs/base/00_core.ipynb #943325b2
+def shorter_budgets(cfg: TrainConfig) -> list[int]:
+    "The budgets of `cfg` shorter than its run: the lab trains each (a branch of this run under wsd, else a run)."
+    return [b for b in cfg.budgets if b < cfg.max_steps]
+
 def branch_points(cfg: TrainConfig) -> dict[int, int]:
-    "{budget: the step its branch starts from} for every budget of `cfg` shorter than the run (wsd)."
-    return {b: cooldown_start(b, cfg.cooldown) for b in cfg.budgets if b < cfg.max_steps}
+    "{budget: the step its branch starts from} for every shorter budget of a wsd run ({} under cosine: no branches)."
+    return {b: cooldown_start(b, cfg.cooldown) for b in shorter_budgets(cfg)} if cfg.schedule == 'wsd' else {}

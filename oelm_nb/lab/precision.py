@@ -200,9 +200,18 @@ def fixed_design_text(batch_dir) -> str:
     seeds = b.get('seeds') if isinstance(b, dict) and _seed_list(b.get('seeds')) else None
     which = '' if not seeds else (f' (seed {seeds[0]}' if len(seeds) == 1
                                   else f' ({len(seeds)} seeds: {_seeds_text(seeds)}')
+    study = b.get('study') if isinstance(b, dict) and isinstance(b.get('study'), str) else 'STUDY'
+    exact = ''
+    if seeds and 2 * 0.5 ** len(seeds) > 0.05:  # an exact within-seed test: 2^n sign patterns, one-sided, doubled
+        need = next(n for n in range(1, 64) if 2 * 0.5 ** n <= 0.05)
+        exact = (f" With {len(seeds)} seeds an exact within-seed test (sign-flip, or a permutation within seed) cannot go "
+                 f"below p = {0.5 ** len(seeds):.3g} one-sided ({2 * 0.5 ** len(seeds):.3g} doubled for the family), so "
+                 f"an answer that rests on one alone is undecidable; {need} seeds can reach 5% (more against a family "
+                 "of several tests).")
     return ("**Design: fixed seeds**" + (f"{which}, for every variant)" if seeds else '')
-            + ", chosen before the runs: the number of seeds was not computed from the data. `oelm run STUDY "
-            "--precision 5%` runs as many seeds as an interval of ±5% on the study's main comparison needs.")
+            + ", chosen before the runs: the number of seeds was not computed from the data." + exact
+            + f" `oelm run {study} --out {Path(batch_dir).name}-stein --precision 5%` runs as many seeds as an interval "
+            "of ±5% on the study's main comparison needs.")
 
 # %% ../../nbs/lab/59_precision.ipynb #c4d54a81
 def precision_text(batch_dir) -> str:

@@ -11,23 +11,23 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from ..base.core import ConfigError, cooldown_start
+from ..base.core import ConfigError, cooldown_start, branch_points
 from ..model.gpt import GPT
 from ..train.trainer import Trainer, init_distributed, Branch, branch_point
 from ..data.corpus import prepare_data, load_split, data_codec, DataError, TokenData
 from ..model.weights import load_init_weights
 from ..base.rundir import record_config, run_lock, check_same_run, child_env, run_name, read_json
-from ..base.rundir import recorded_config, config_diff, describe_diff, fingerprint, RunMismatch
+from ..base.rundir import recorded_config, config_diff, describe_diff, fingerprint, RunMismatch, RunLocked, branch_name
 from .study import Study, get_study
-from .spec import RunSpec, resolve_spec
+from .spec import RunSpec, resolve_spec, branch_spec
 from .provenance import record_provenance, write_summary
 from .sample import sample_prompts, generate
 from ..train.checkpoint import list_checkpoints
 from ..base.metrics import read_metrics
 
 # %% auto #0
-__all__ = ['run_samples', 'earlier_wall_time', 'start_run', 'prepare_run', 'branch_start', 'train_run', 'launch_run', 'run_spec',
-           'run_in_notebook', 'plot_run']
+__all__ = ['run_samples', 'earlier_wall_time', 'start_run', 'prepare_run', 'branch_start', 'train_run', 'launch_run',
+           'run_branches', 'run_spec', 'run_in_notebook', 'plot_run']
 
 # %% ../../nbs/lab/54_run.ipynb #92592c78
 def run_samples(model: GPT, spec: RunSpec, val_d: TokenData) -> dict:
@@ -163,13 +163,37 @@ def launch_run(spec: RunSpec, nproc: int = 1, progress: bool | None = None) -> d
     return read_json(run_dir / 'summary.json')
 
 # %% ../../nbs/lab/54_run.ipynb #4b80489e
+def run_branches(spec: RunSpec, study: Study, progress: bool | None = None, nproc: int = 1, log=print) -> list[str]:
+    """Train the branches of the finished wsd run `spec` in this process, each into its own run directory under its own
+    lock, as the runner would (`spec.branch_spec`): what a process per branch would cost in start-up (a kernel,
+    imports) is saved. Branches already completed are left; one that fails here is left to the runner, which trains
+    it as it trains any run. Returns the branches trained."""
+    if spec.branch_of or not branch_points(spec.train): return []
+    done, kw = [], ({'nproc': nproc} if nproc > 1 else {})
+    for b in branch_points(spec.train):
+        out = Path(spec.out_dir).parent / run_name(branch_name(spec.name, b), spec.train.seed)
+        s = read_json(out / 'summary.json')
+        if isinstance(s, dict) and s.get('status') == 'completed': continue
+        bspec = branch_spec(spec, b, str(out))
+        try:
+            with run_lock(out):
+                study.run(bspec, progress=progress, **kw)
+            done.append(bspec.name)
+        except RunLocked: continue  # another process trains it
+        except Exception as e:  # its own run, through the runner, says why
+            log(f'[run] {bspec.name}: not trained in its trunk\'s process ({type(e).__name__}: {e}); the runner trains it')
+    return done
+
 def run_spec(spec: RunSpec, study: Study | None = None, progress: bool | None = None, nproc: int = 1) -> dict:
-    """Run `spec` through `study` (default: the registered study it names) under the run directory's lock; `nproc` > 1
-    only for a study whose run trains through torchrun (`launch_run`)."""
+    """Run `spec` through `study` (default: the registered study it names) under the run directory's lock, then its
+    budgets' branches (`run_branches`); `nproc` > 1 only for a study whose run trains through torchrun (`launch_run`)."""
     st = study or get_study(spec.study)
     kw = {'nproc': nproc} if nproc > 1 else {}
-    with run_lock(spec.out_dir) if init_distributed(spec.train.device).is_main else nullcontext():
-        return st.run(spec, progress=progress, **kw)
+    main = init_distributed(spec.train.device).is_main
+    with run_lock(spec.out_dir) if main else nullcontext():
+        summary = st.run(spec, progress=progress, **kw)
+    if main: run_branches(spec, st, progress, nproc)
+    return summary
 
 # %% ../../nbs/lab/54_run.ipynb #53e276f2
 def run_in_notebook(config: str = '', # the notebook's parameter: the config.json `oelm run` wrote ('': the example)

@@ -12,7 +12,7 @@ from graphlib import TopologicalSorter, CycleError
 from pathlib import Path
 from typing import Callable
 
-from ..base.core import ConfigError, branch_points
+from ..base.core import ConfigError, shorter_budgets
 from .study import Study, Variant
 from .spec import RunSpec, resolve_spec, train_settings, planned_steps, run_identity
 from .provenance import COMMAND_ENV
@@ -154,8 +154,8 @@ class Batch:
         return planned_steps(train_settings(get_study(self.study), self.preset, 0, self.steps))
 
     def plan(self) -> dict:
-        """The study's variants for these flags (name -> Variant), and the branch of each at every shorter budget of its
-        runs (`TrainConfig.budgets`): `<variant>@<budget>`, after its trunk."""
+        """The study's variants for these flags (name -> Variant), and each at every shorter budget of its runs
+        (`TrainConfig.budgets`): `<variant>@<budget>`, a branch after its trunk (wsd) or a run of its own (cosine)."""
         plan = get_study(self.study).variants(self.preset, self.plan_steps, dict(self.options))
         branches = {}
         for v in plan:
@@ -164,7 +164,8 @@ class Batch:
                 raise ConfigError(f"variant {v!r}: its runs are {train.max_steps} steps, but its budgets "
                                   f"{train.budgets} end at {max(train.budgets)}: a ladder's run is its longest budget; "
                                   f"give --budgets {' '.join(map(str, train.budgets))} (it sets --steps)")
-            for b in branch_points(train): branches[branch_name(v, b)] = Variant({'train.max_steps': b}, upstream=(v,))
+            after = (v,) if train.schedule == 'wsd' else plan[v].upstream  # a branch starts from its trunk
+            for b in shorter_budgets(train): branches[branch_name(v, b)] = Variant({'train.max_steps': b}, upstream=after)
         return {**plan, **branches}
 
     def spec(self, variant: str, seed: int = 0):
@@ -554,7 +555,10 @@ def plan_batch(batch: Batch, variants: list[str] | None = None, log=print) -> tu
     names = with_upstream(plan, asked)
     if names != asked: log(f"[oelm run] added upstream run(s) {[v for v in names if v not in asked]}")
     branches = [b for b in plan if (s := split_branch(b)) and s[0] in names and b not in names]
-    if branches: log(f"[oelm run] budgets: {len(branches)} branch run(s) per seed from the runs of the longest, {branches}")
+    if branches:
+        wsd = batch.spec(names[0]).train.schedule == 'wsd'
+        log(f"[oelm run] budgets: {len(branches)} more run(s) per seed, " + ('branches from the runs of the longest'
+            if wsd else 'each a run of its own (cosine: a branch is not a run of its budget)') + f": {branches}")
     names += branches
     for v in names:  # every variant's spec must resolve before anything trains
         try: batch.spec(v)
@@ -888,6 +892,9 @@ def _run_batch(batch: Batch, names, plan, seeds, gpus, workers, restart, report,
     with BatchProgress(all_jobs, steps, statuses) as progress:
         say = progress.write if log is print else log  # lines go above the live bar
         def run_job(j, gpu_set):
+            if split_branch(j.variant) and run_status(j.run_dir) == 'completed':  # its trunk's process trained it
+                say(f"[oelm run] {j.name}: completed in its trunk's process; {run_digest(j.run_dir)}")
+                return 'completed'
             cks = list_checkpoints(j.run_dir / 'checkpoints')
             say(
                 f'[oelm run] {j.name}: '

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastcore.basics import patch
-from ..base.core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError, branch_points
+from ..base.core import ModelConfig, TrainConfig, DataConfig, ConfigBase, ConfigError, shorter_budgets
 from ..base.rundir import run_name, branch_name, split_branch
 from ..model.gpt import PRESETS, model_config
 from ..data.corpus import read_meta
@@ -167,16 +167,17 @@ def planned_steps(train: dict) -> int:
 
 # %% ../../nbs/lab/51_spec.ipynb #763187b3
 def branch_spec(trunk: RunSpec, budget: int, out_dir: str) -> RunSpec:
-    """The branch of `trunk`'s run at `budget` steps: the same run but for its length (and so its cooldown), starting
-    from the trunk's checkpoint where its own cooldown starts (`TrainConfig.budgets`)."""
-    points = branch_points(trunk.train)
-    if budget not in points:
+    """The run of `trunk`'s variant at the shorter `budget` of its ladder: the same run but for its length. Under wsd a
+    branch (`branch_of`: it starts from the trunk's checkpoint where its own cooldown starts); under cosine a run of
+    its own (`TrainConfig.budgets`)."""
+    shorter = shorter_budgets(trunk.train)
+    if budget not in shorter:
         raise ConfigError(f"variant {branch_name(trunk.name, budget)!r}: {budget} is not a budget shorter than the run "
                           f"of {trunk.name!r} (budgets {trunk.train.budgets or 'none'}); "
-                          + (f"choose from {[branch_name(trunk.name, b) for b in points]}" if points else
+                          + (f"choose from {[branch_name(trunk.name, b) for b in shorter]}" if shorter else
                              "give the batch budgets: oelm run STUDY --budgets 400 600 800"))
     return replace(trunk, train=trunk.train.replace(max_steps=budget), name=branch_name(trunk.name, budget),
-                         branch_of=trunk.name, out_dir=str(out_dir))
+                   branch_of=trunk.name if trunk.train.schedule == 'wsd' else None, out_dir=str(out_dir))
 
 # %% ../../nbs/lab/51_spec.ipynb #b18424f3
 def resolve_spec(study: str | Study, variant: str, preset: str = 'tiny', seed: int = 0,

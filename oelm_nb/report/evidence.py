@@ -111,8 +111,11 @@ class Comparison:
         if np.all(d == d[0]):  # no spread: the difference is the point, exactly
             hit = {'less': d[0] < 0, 'greater': d[0] > 0, 'two-sided': d[0] != 0}[alternative]
             return 0.0 if hit else 1.0
+        import warnings
         from scipy import stats
-        return float(stats.ttest_1samp(d, 0.0, alternative=alternative).pvalue)
+        with warnings.catch_warnings():  # nearly equal differences: scipy warns of precision, the p is still right
+            warnings.simplefilter('ignore', RuntimeWarning)
+            return float(stats.ttest_1samp(d, 0.0, alternative=alternative).pvalue)
     def exact_can_decide(self) -> bool:
         "Whether the sign-flip test can reach the interval's level at all with these seeds (4 seeds: 0.125 > 0.05)."
         return self.n >= 2 and smallest_signflip_p(self.n) <= 1 - self.confidence

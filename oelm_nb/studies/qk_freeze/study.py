@@ -525,8 +525,8 @@ def pairwise_sentence(pairs: pd.DataFrame) -> str:
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #38f9d4f6
 QK_TRAIN = {**TRAIN_PRESETS,
-            'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 800, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 50,
-                     'schedule': 'wsd', 'cooldown': 0.2, 'budgets': (400, 600, 800)}}
+            'tiny': {**TRAIN_PRESETS['tiny'], 'max_steps': 600, 'lr': 1e-2, 'min_lr': 1e-4, 'eval_every': 50,
+                     'schedule': 'wsd', 'cooldown': 0.2, 'budgets': (300, 450, 600)}}
 QK_DATA = {**DATA_PRESETS, 'tiny': {**DATA_PRESETS['tiny'], 'vocab_size': 512, 'n_names': 64}}
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #07a4c2af
