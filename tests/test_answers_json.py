@@ -38,12 +38,17 @@ def test_oelm_report_rewrites_answers_json_with_numbers(tmp_path, monkeypatch):
     h2 = got['H2']
     assert all(isinstance(h2[k], float) for k in ('estimate', 'low', 'high', 'p')) and h2['n'] == 4
     assert h2['estimate_text'] == f"{h2['estimate']:+.1%}" and h2['low'] < h2['estimate'] < h2['high']
-    assert h2['p'] == 1.0  # one-sided against 'below 5%': all 4 seeds above it, the least extreme pattern
-    assert h2['sides'] == 'one-sided, non-inferiority with margin 5%' and h2['p_holm'] == 1.0
-    assert got['R2']['sides'] == 'two-sided' and got['R2']['p_holm'] >= got['R2']['p'] and got['H1']['p_holm'] is None
-    r2 = got['R2']  # oelm formed it in 4 of 4 seeds, oelm-freeze in none: within seed p = 2/16
-    assert (r2['estimate'], r2['p'], r2['n']) == (None, 0.125, 8) and r2['verdict'] == 'no resolvable difference'
+    # all 4 seeds above 5%: the claim is 'rejected' (the gap is above its margin), and p is that claim's t-test; it
+    # reaches 5% alone (doubled: 0.04) but not after Holm over the family, so the answer claims nothing
+    assert (h2['side'], h2['test']) == ('greater', 't-test (paired)') and 2 * h2['p'] <= 0.05 < h2['p_holm']
+    assert h2['verdict'] == 'inconclusive' and any("'rejected' alone" in c for c in h2['caveats'])
+    assert h2['sides'] == 'one-sided, non-inferiority with margin 5%'
+    assert got['R2']['sides'].startswith('one-sided, later') and got['R2']['p_holm'] >= got['R2']['p']
+    assert got['H1']['p'] == 0.0 and got['H1']['test'].startswith('exact count')  # a count: no sampling
+    r2 = got['R2']  # oelm formed it in 4 of 4 seeds, oelm-freeze in none: within seed, one-sided p = 1/16
+    assert (r2['estimate'], r2['p'], r2['n']) == (None, 0.0625, 8)
+    assert r2['verdict'] == 'undecidable with 4 seeds: oelm-freeze later in 4, earlier in 0 of 4'
     # every oelm run formed it: the estimate is oelm-freeze's delay, its censored runs bounds (1,800 minus 300..1,200)
     assert r2['estimate_text'].startswith('delay of oelm-freeze behind oelm: at least +1,050 steps (median over 4 seeds')
-    assert (r2['low'], r2['high']) == (600.0, None) and r2['interval'].startswith('87.5% interval +600 .. no upper end')
+    assert (r2['low'], r2['high']) == (600.0, None) and r2['interval'].startswith('at least 87.5% interval +600 .. no upper end')
     assert 'formed within 1,800 steps: oelm-freeze 0 of 4 vs oelm 4 of 4' in r2['caveats']

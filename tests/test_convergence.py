@@ -224,6 +224,7 @@ def test_the_exact_formation_test_reproduces_the_reference_p_values(rid, steps, 
 
 
 def test_formation_answers_claim_no_order_the_censoring_does_not_show(tmp_path):
+    from oelm_nb.report.evidence import is_claim
     "R1/R2 on a written batch: counts within the budget, the exact test named, no 'earlier', the floor's caveat."
     from oelm_nb.studies.qk_freeze.study import formation_answer
     at = {0: 0.1, 1: 0.17, 2: 0.23, 3: None}  # gpt formed it at steps 300, 500, 700; never in seed 3
@@ -231,11 +232,11 @@ def test_formation_answers_claim_no_order_the_censoring_does_not_show(tmp_path):
                                   **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(None)} for s in at}})
     form = formation(load_runs(root))
     a = formation_answer('R1', form, 'oelm-freeze', 'gpt', 'at 3,000 steps')
-    assert a.verdict == 'no resolvable difference' and 'earlier' not in a.verdict
+    assert a.verdict.startswith('undecidable with 4 seeds') and not is_claim(a.verdict)  # no order claimed
     assert a.estimate.startswith('formed within 3,000 steps: oelm-freeze 0 of 4 vs gpt 3 of 4')
     assert 'exact permutation test of the log-rank statistic over 16 relabellings within seed' in a.method
-    assert a.p == 0.25 and a.n == 8 and 'p = 0.25' in a.method
-    assert any('the exact test cannot go below p = 0.25' in c for c in a.caveats)
+    assert a.p == 0.125 and a.n == 8 and 'p = 0.125' in a.method and (a.side, a.floor) == ('greater', 0.125)  # one-sided
+    assert any('the exact test cannot go below p = 0.125 one-sided' in c for c in a.caveats)
     assert not any('large-sample' in c for c in a.caveats)
 
 
@@ -245,13 +246,13 @@ def test_with_enough_seeds_censoring_after_every_event_says_more_often_not_earli
                                      for s in range(6)},
                                   **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(None)} for s in range(6)}})
     a = formation_answer('R1', formation(load_runs(root)), 'oelm-freeze', 'gpt', '')
-    assert a.verdict == 'gpt formed it more often within 3,000 steps' and a.p == pytest.approx(2 / 64)
+    assert a.verdict == 'gpt formed it more often within 3,000 steps' and a.p == pytest.approx(1 / 64)  # one-sided
     # one oelm-freeze run formed it late, amid no other event: the order is now in the data
     root2 = write(tmp_path / 'c', {**{('gpt', s): {'val_loss': SETTLED, 'recall_acc': jump(0.1 + 0.02 * s)}
                                       for s in range(6)},
                                    **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(0.8 if s == 0 else None)}
                                       for s in range(6)}})
-    assert formation_answer('R1', formation(load_runs(root2)), 'oelm-freeze', 'gpt', '').verdict == 'gpt earlier'
+    assert formation_answer('R1', formation(load_runs(root2)), 'oelm-freeze', 'gpt', '').verdict == 'oelm-freeze later'
 
 
 def check_level(pvalues, times, events, size: float) -> dict:
@@ -358,8 +359,8 @@ def test_an_unresolved_answer_says_what_it_would_take(tmp_path):
     n = seeds_needed(c2, 0.05)
     assert any(f"{n} seeds would give 80% power to resolve 5%" in c for c in a['H2'].caveats)
     assert any('optional stopping' in c for c in a['H2'].caveats)
-    # every seed formed it at the same step in every variant: no difference
-    assert a['R1'].verdict == 'no resolvable difference'
+    # every seed formed it at the same step in every variant: no difference, and 4 seeds could not show one anyway
+    assert a['R1'].verdict == 'undecidable with 4 seeds: oelm-freeze later in 0, earlier in 0 of 4'
     assert a['R1'].estimate == 'delay of oelm-freeze behind gpt: +0 steps (median over 4 seeds)'
     assert 'formed within 3,000 steps: oelm-freeze 4 of 4 vs gpt 4 of 4' in a['R1'].caveats
     for x in a.values():  # H1 counts parameters, H3 times steps: neither rests on how far the runs trained

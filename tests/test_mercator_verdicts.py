@@ -377,7 +377,8 @@ def test_answers_three_seeds_trace_to_the_summaries(tmp_path):
     m, lo, hi = t_interval(a, b)
     assert (ppl.qid, ppl.verdict) == ('PPL', 'yes: 1 of 2 (mercator-b0) beat it; resolvably worse: 1 of 2 (mse)')
     assert (ppl.estimate, ppl.interval) == (f'best mercator-b0 {m:+.2%}', f'95% CI {lo:+.2%} .. {hi:+.2%}')
-    assert 'ratio of geometric means (log scale)' in ppl.method and 'sign-flip p = 0.25' in ppl.method
+    assert 'ratio of geometric means (log scale)' in ppl.method and 'exact sign-flip p = 0.25' in ppl.method
+    assert (ppl.side, ppl.test) == ('two-sided', 't-test (paired)') and ppl.p < 0.05  # the claim's p: its t-test
     assert ppl.seeds == '3 paired seeds' and ppl.budget == '30 steps per run' and own(ppl) == [EXACT_3]
     am, alo, ahi = (100 * x for x in diff_interval(acc_a, acc_b))
     assert (acc.qid, acc.verdict) == ('ACC', 'yes: 1 of 2 (mercator-b0) beat it')
@@ -434,6 +435,6 @@ def test_the_console_summary_prints_the_answers_and_writes_answers_json(tmp_path
     stored = json.loads((out_dir / 'answers.json').read_text())
     assert stored['study'] == 'mercator' and [a['qid'] for a in stored['answers']] == ['PPL', 'ACC']
     ppl = stored['answers'][0]  # numbers as numbers beside the text (issue 46)
-    assert all(isinstance(ppl[k], float) for k in ('estimate', 'low', 'high', 'p')) and ppl['n'] == 2 and ppl['p'] == 0.5
+    assert all(isinstance(ppl[k], float) for k in ('estimate', 'low', 'high', 'p')) and ppl['n'] == 2 and ppl['side'] == 'two-sided'
     assert ppl['estimate_text'] == f"best mercator-b0 {ppl['estimate']:+.2%}" and ppl['low'] < ppl['estimate'] < ppl['high']
     for a in map(Answer.from_dict, stored['answers']): assert f'{a.qid:>4} {a.verdict}' in out

@@ -103,7 +103,8 @@ def test_one_seed_gives_no_interval_and_no_verdict(tmp_path):
 
 def timing_row(variant, ratio, low, high):
     return {'variant': variant, 'step_time_median_s': 0.1 * ratio, 'ratio_to_first_median': ratio, 'ratio_to_first_q1': low,
-            'ratio_to_first_q3': high, 'ratio_low': low, 'ratio_high': high, 'ratio_level': 0.9586, 'ratio_p': 0.5, 'rounds': 20}
+            'ratio_to_first_q3': high, 'ratio_low': low, 'ratio_high': high, 'ratio_level': 0.9586, 'ratio_p': 0.5, 'rounds': 20,
+            'ratios': [low + (high - low) * i / 19 for i in range(20)]}  # the rounds: from the interval's low to its high
 
 
 @pytest.mark.parametrize('low, high, verdict', [(0.93, 0.99, 'supported'), (0.97, 1.02, 'inconclusive'), (1.01, 1.08, 'rejected')])

@@ -108,9 +108,7 @@ class Comparison:
         inverts), one-sided with `alternative` 'less' or 'greater'; None with fewer than 2 seeds."""
         d = np.asarray(list(self.diffs.values()), dtype=float) - self.to_test_scale(threshold)
         if len(d) < 2: return None
-        if np.all(d == d[0]):  # no spread: the difference is the point, exactly
-            hit = {'less': d[0] < 0, 'greater': d[0] > 0, 'two-sided': d[0] != 0}[alternative]
-            return 0.0 if hit else 1.0
+        if np.all(d == d[0]): return self.p_value(threshold, alternative)  # no spread to scale by: the exact test's p
         import warnings
         from scipy import stats
         with warnings.catch_warnings():  # nearly equal differences: scipy warns of precision, the p is still right
@@ -398,7 +396,7 @@ def exact_caveat(c: Comparison | None, limit: float = 0.0, side: str = 'two-side
     if decides(p, side, 1 - c.confidence): return None
     floor = smallest_signflip_p(c.n, side)
     words = '' if side == 'two-sided' else ', one-sided'
-    return (f"rests on the t-test's normal assumption: the exact sign-flip test of the same claim gives p = {p:.3g}"
+    return (f"rests on the normal assumption: the exact sign-flip test gives p = {p:.3g}"
             + (f"{words} (with {c.n} seeds it cannot go below {floor:.3g})" if not decides(floor, side, 1 - c.confidence)
                else f"{words} (not below the level)"))
 
