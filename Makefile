@@ -65,8 +65,8 @@ loggers: $(STAMP)
 
 # The main job: the Q/K freeze study on the embedded corpus, ending in a report. Four seeds per variant (a paired
 # interval with 3 degrees of freedom), seeds 8-11: the formation sweep (nbs/reports/qk_task_sweep.ipynb) chose the task
-# (64 distinct names, a 512-token vocabulary) on seeds 0-7. The study's `tiny` preset is a ladder of budgets, 300, 450
-# and 600 steps, from one warmup-stable-decay run per seed (a cooldown branch at each shorter budget), so the report
+# (64 distinct names, a 512-token vocabulary) on seeds 0-7. The study's `tiny` preset is a ladder of budgets, 250, 375
+# and 500 steps, from one warmup-stable-decay run per seed (a cooldown branch at each shorter budget), so the report
 # says whether the frozen variant's gap closes with tokens; within ten minutes on 2 cores with set-up.
 RUN_FLAGS ?= --preset tiny --variants gpt,oelm,oelm-freeze --seeds 8 9 10 11 --jobs 2
 run: $(RUN_STAMP)
