@@ -13,6 +13,7 @@ from ..base.rundir import split_branch
 from .evidence import (Answer, Comparison, paired, slope_comparison, line_backtest, crossing_budget,
                                      comparison_answer, NO_DATA, TREND_TOLERANCE, CROSSING_HORIZON)
 from .convergence import completed
+from .tables import axis_label
 
 # %% auto #0
 __all__ = ['TREND_SIDES', 'ladder', 'budgets', 'budget_gaps', 'gap_frame', 'tokens_at', 'crossing_text', 'budget_answers',
@@ -139,7 +140,7 @@ def plot_budget_gaps(runs: pd.DataFrame, # `report.load_runs` of a ladder
         ax.set_xscale('log', base=2); ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticks(x); ax.set_xticklabels([f'{B:,}\n{_tokens(t)}' for B, t in zip(Bs, x)])
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f'{v:+.0f}%'))
-        ax.set(title=f'{title}: {a} vs {b}', xlabel='steps / tokens per run', ylabel=f'{metric} gap')
+        ax.set(title=f'{title}: {a} vs {b}', xlabel='steps / tokens per run', ylabel=f'gap in {axis_label(metric)}')
         ax.legend(fontsize=8, loc='upper right', frameon=False)
     return axes
 
