@@ -141,7 +141,8 @@ def plot_budget_gaps(runs: pd.DataFrame, # `report.load_runs` of a ladder
         ax.set_xticks(x); ax.set_xticklabels([f'{B:,}\n{_tokens(t)}' for B, t in zip(Bs, x)])
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f'{v:+.0f}%'))
         ax.set(title=f'{title}: {a} vs {b}', xlabel='steps / tokens per run', ylabel=f'gap in {axis_label(metric)}')
-        ax.legend(fontsize=8, loc='upper right', frameon=False)
+        y0, y1 = ax.get_ylim(); ax.set_ylim(y0, y1 + 0.3 * (y1 - y0))  # a band above the data holds the legend
+        ax.legend(fontsize=8, loc='upper center', frameon=False)
     return axes
 
 # %% ../../nbs/report/35_budgets.ipynb #a52e330d

@@ -22,8 +22,9 @@ from ..base.rundir import read_json
 
 # %% auto #0
 __all__ = ['BUDGET', 'PHONE_WIDTH', 'PROVENANCE_SHOWN', 'code_span', 'no_data_line', 'people_count', 'budget_text', 'seeds_text',
-           'PageStyler', 'answers_table', 'plot_comparisons', 'split_no_data', 'config_diff_table', 'html_of', 'folded',
-           'configuration', 'open_report', 'batch_line', 'provenance_footer']
+           'PageStyler', 'answers_table', 'plot_comparisons', 'figure_panels', 'panels_html', 'show_figures_in_panels',
+           'split_no_data', 'config_diff_table', 'html_of', 'folded', 'configuration', 'open_report', 'batch_line',
+           'provenance_footer']
 
 # %% ../../nbs/report/33_page.ipynb #efb0fc55
 def code_span(text) -> str:
@@ -132,6 +133,71 @@ def plot_comparisons(cmps: dict, # label -> `report.Comparison` (None: left out)
     ax.set_xlabel(f"paired difference per seed ({'A / B - 1' if relative else 'A - B'}); mean and 95% interval")
     return ax
 
+# %% ../../nbs/report/33_page.ipynb #27c9ba2b
+def _row_of(a, b) -> bool:
+    "Two boxes in one row: their vertical extents overlap by at least half the shorter one."
+    return min(a.y1, b.y1) - max(a.y0, b.y0) >= 0.5 * min(a.height, b.height)
+
+def figure_panels(fig) -> list[list[tuple]]:
+    """The panels of `fig`, as rows top to bottom of panels left to right, each `(bbox, artists)`: a bounding box in
+    inches (`matplotlib.transforms.Bbox`) and what the panel draws. A panel is a visible axes with its labels and
+    title (axes that mostly overlap, such as twins, are one panel), a figure-level text (a suptitle) or a legend."""
+    from matplotlib.transforms import Bbox
+    fig.canvas.draw()
+    r, inch = fig.canvas.get_renderer(), fig.dpi_scale_trans.inverted()
+    panels = []
+    for a in [ax for ax in fig.axes if ax.get_visible()] + [t for t in fig.texts if t.get_text()] + list(fig.legends):
+        bb = (a.get_tightbbox(r) if hasattr(a, 'get_tightbbox') else a.get_window_extent(r)).transformed(inch)
+        same = next((p for p in panels if (x := Bbox.intersection(bb, p[0])) is not None
+                     and x.width * x.height >= 0.5 * min(bb.width * bb.height, p[0].width * p[0].height)), None)
+        if same is None: panels.append((bb, [a]))
+        else: panels[panels.index(same)] = (Bbox.union([same[0], bb]), same[1] + [a])
+    rows = []
+    for p in sorted(panels, key=lambda p: -p[0].y1):
+        row = next((row for row in rows if _row_of(row[0][0], p[0])), None)
+        if row is None: rows.append([p])
+        else: row.append(p)
+    return [sorted(row, key=lambda p: p[0].x0) for row in rows]
+
+# %% ../../nbs/report/33_page.ipynb #c141f774
+def panels_html(fig, # a matplotlib figure
+                below: int = PHONE_WIDTH, # px: narrower screens show one panel per line
+               ) -> str | None:
+    """`fig` as HTML: one PNG per panel (`figure_panels`, drawn alone) in the figure's rows, each as wide as its share
+    of the row on a wide screen, one column below `below` px; None for a figure of one panel (shown as one picture)."""
+    import base64, io
+    rows = figure_panels(fig)
+    if sum(len(r) for r in rows) < 2: return None
+    dpi, n, out = fig.dpi, sum(len(r) for r in rows), []
+    for row in rows:
+        widths = [b.width for b, _ in row]
+        imgs = []
+        for b, artists in row:
+            buf, others = io.BytesIO(), [a for r in rows for _, arts in r for a in arts if a not in artists and a.get_visible()]
+            for a in others: a.set_visible(False)  # a label reaching into the box is another panel's: not drawn here
+            try: fig.savefig(buf, format='png', dpi=dpi, bbox_inches=b.padded(0.04), facecolor=fig.get_facecolor())
+            finally:
+                for a in others: a.set_visible(True)
+            share = 100 * b.width / sum(widths)
+            imgs.append(f'<img src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}" '
+                        f'alt="Figure, panel {len(out) + len(imgs) + 1} of {n}" style="width: {share:.2f}%">')
+        out.append(f'<div class="oelm-panel-row" style="max-width: {round(sum(widths) * dpi)}px">{"".join(imgs)}</div>')
+    return (f'<style>\n.oelm-panels .oelm-panel-row {{ display: flex; align-items: flex-start; }}\n'
+            f'.oelm-panels img {{ min-width: 0; height: auto; }}\n'
+            f'@media (max-width: {below}px) {{ .oelm-panels .oelm-panel-row {{ display: block; max-width: 100% !important; }} '
+            f'.oelm-panels img {{ display: block; width: auto !important; max-width: 100%; margin: 4px 0; }} }}\n</style>\n'
+            f'<div class="oelm-panels">{"".join(out)}</div>')
+
+# %% ../../nbs/report/33_page.ipynb #211bf389
+def show_figures_in_panels():
+    """Figures of several panels shown by `panels_html` in this IPython session (nothing outside IPython). The backend
+    is loaded first: Jupyter's inline backend clears every figure formatter when it loads (at the first figure)."""
+    from IPython import get_ipython
+    from matplotlib.figure import Figure
+    if (ip := get_ipython()) is None: return
+    plt.close(plt.figure())
+    ip.display_formatter.formatters['text/html'].for_type(Figure, panels_html)
+
 # %% ../../nbs/report/33_page.ipynb #a90277b3
 def split_no_data(table: pd.DataFrame, column: str = 'verdict') -> tuple[pd.DataFrame, pd.DataFrame]:
     "(rows with data, rows whose `column` says 'no data')."
@@ -185,11 +251,12 @@ def open_report(run_dir, # the report's parameter: a batch directory, absolute o
                 make_target: str | None = None, # a make target that writes the batch, if there is one
                ) -> tuple[Path, dict, pd.DataFrame]:
     """A report's opening: the batch directory (`find_batch_dir`), its batch.json and its runs table (`load_runs`);
-    figures in the reports' theme, warnings not shown."""
+    figures in the reports' theme and in panels (`show_figures_in_panels`), warnings not shown."""
     import seaborn as sns
     run_dir = find_batch_dir(run_dir, study, make_target)
     warnings.filterwarnings('ignore')
     sns.set_theme(style='whitegrid', context='notebook')
+    show_figures_in_panels()
     return run_dir, read_json(run_dir / 'batch.json') or {}, load_runs(run_dir)
 
 # %% ../../nbs/report/33_page.ipynb #ca355cf4
