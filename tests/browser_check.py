@@ -7,6 +7,8 @@ opened, and checked for what a reader trips on (`check_pages`):
 
 - the page wider than the viewport (a reader must scroll the whole page sideways);
 - a table cut: wider than the space it has, with no scroll box (an ancestor with `overflow-x: auto/scroll`) around it;
+- a figure shrunk below `SHRUNK` of its drawn width (its labels, drawn at 8-10 pt, then read at under 4 pt: a figure
+  of several panels 16 inches wide on a phone);
 - a broken link (an internal link to a missing file or anchor: `tools/check_links.check_page`) or image (not loaded),
   or a request of the page answered with an error;
 - a console error or an uncaught exception from the page's own code (requests outside the served folder are blocked:
@@ -34,6 +36,7 @@ from check_links import check_page  # noqa: E402  (one link checker for the site
 VIEWPORTS = {'desktop': (1440, 900), 'phone': (390, 844)}
 CHROMIUM_ENV = 'OELM_CHROMIUM'  # a Chromium or Chrome binary to use instead of the one found on PATH
 REQUIRE_ENV = 'OELM_REQUIRE_BROWSER'  # set (CI: .ci/run): a missing browser fails the check instead of skipping it
+SHRUNK = 0.4  # an image shown at less than this share of its natural width is too small to read
 CHROMIUM_NAMES = ('chromium', 'chromium-browser', 'google-chrome', 'google-chrome-stable')
 
 
@@ -57,7 +60,7 @@ def missing() -> str | None:
 class Problem:
     page: str      # the page, relative to the served folder
     viewport: str  # 'desktop', 'phone' (VIEWPORTS) or 'any' (the same at every size)
-    kind: str      # 'page wider than the viewport', 'table cut', 'broken link', 'broken image', 'console error'
+    kind: str      # 'page wider than the viewport', 'table cut', 'figure too small', 'broken link', 'broken image', 'console error'
     detail: str
 
     def __str__(self): return f'{self.page} [{self.viewport}]: {self.kind}: {self.detail}'
@@ -81,8 +84,8 @@ class serve:
 
 
 # what the page measures of itself, after opening every <details>: the page's width, what sticks out of it, the tables that
-# are wider than their space with no scroll box, the images that did not load
-MEASURE = r"""() => {
+# are wider than their space with no scroll box, the images that did not load, those shown too small to read
+MEASURE = r"""(shrunk) => {
   document.querySelectorAll('details').forEach(d => { d.open = true; });
   const vw = document.documentElement.clientWidth;
   const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') +
@@ -91,7 +94,7 @@ MEASURE = r"""() => {
   const ox = e => getComputedStyle(e).overflowX;
   const scrollBox = t => { for (let e = t; e && e !== document.body; e = e.parentElement)
     if (['auto', 'scroll'].includes(ox(e))) return e; return null; };
-  const out = {width: document.documentElement.scrollWidth, vw, sticking: [], cut: [], images: []};
+  const out = {width: document.documentElement.scrollWidth, vw, sticking: [], cut: [], images: [], small: []};
   if (out.width > vw + 1) {
     for (const e of document.body.querySelectorAll('*')) {
       const r = e.getBoundingClientRect(), p = e.parentElement.getBoundingClientRect();
@@ -115,8 +118,12 @@ MEASURE = r"""() => {
       if (['hidden', 'clip'].includes(ox(e))) limit = Math.min(limit, e.getBoundingClientRect().right);
     if (r.right > limit + 1) out.cut.push(label(t) + ': ' + Math.round(r.width) + 'px wide, ' + Math.max(0, Math.round(limit - r.left)) + 'px of it in view, no scroll box');
   }
-  for (const img of document.images)
-    if (img.getAttribute('src') && (!img.complete || img.naturalWidth === 0)) out.images.push(img.getAttribute('src').slice(0, 80));
+  for (const img of document.images) {
+    if (img.getAttribute('src') && (!img.complete || img.naturalWidth === 0)) { out.images.push(img.getAttribute('src').slice(0, 80)); continue; }
+    const w = img.getBoundingClientRect().width;
+    if (w && w < shrunk * img.naturalWidth)
+      out.small.push((img.getAttribute('alt') || img.getAttribute('src').slice(0, 40)) + ': ' + Math.round(w) + 'px of ' + img.naturalWidth + 'px');
+  }
   return out;
 }"""
 
@@ -154,12 +161,13 @@ def check_pages(browser, folder, pages, viewports=VIEWPORTS, screenshots=None) -
             for p in pages:
                 now.update(errors=[], failed=[])
                 page.goto(root + Path(p).as_posix(), wait_until='load')
-                m = page.evaluate(MEASURE)
+                m = page.evaluate(MEASURE, SHRUNK)
                 if m['width'] > m['vw'] + 1:
                     problems.append(Problem(p, vname, 'page wider than the viewport',
                                             f"{m['width']}px at {m['vw']}px: " + ', '.join(m['sticking'] or ['?'])))
                 problems += [Problem(p, vname, 'table cut', c) for c in m['cut']]
                 problems += [Problem(p, vname, 'broken image', i) for i in m['images']]
+                problems += [Problem(p, vname, 'figure too small', s) for s in m['small']]
                 problems += [Problem(p, vname, 'broken link', f) for f in dict.fromkeys(now['failed'])]
                 problems += [Problem(p, vname, 'console error', e) for e in dict.fromkeys(now['errors'])]
                 if screenshots is not None:

@@ -42,6 +42,8 @@ def planted(tmp_path: Path, **bodies) -> Path:
     "A folder of pages named after the keywords, each a small page with that body."
     (tmp_path / 'fig.png').write_bytes(bytes.fromhex('89504e470d0a1a0a0000000d4948445200000001000000010806000000'
                                                      '1f15c4890000000d49444154789c63f8cfc0f01f0005000201a2d6ea1a0000000049454e44ae426082'))
+    from PIL import Image
+    Image.new('RGB', (1600, 60), 'white').save(tmp_path / 'wide.png')  # a figure of several panels drawn 16 inches wide
     for name, body in bodies.items(): (tmp_path / f'{name}.html').write_text(PAGE.format(body=body))
     return tmp_path
 
@@ -57,12 +59,16 @@ def test_the_check_fails_on_a_planted_overflow(browser, tmp_path):
     folder = planted(tmp_path, ok=f'<div class="box">{WIDE_TABLE}</div><img src="fig.png" alt="a figure"><a href="ok.html#x">self</a><i id="x"></i>',
                      wide=f'<div style="width: 2000px">a block wider than any screen</div>',
                      cut=f'<div style="overflow: hidden">{WIDE_TABLE}</div>',
-                     spill=WIDE_TABLE)
-    found = kinds(bc.check_pages(browser, folder, ['ok.html', 'wide.html', 'cut.html', 'spill.html']))
+                     spill=WIDE_TABLE,
+                     small='<img src="wide.png" alt="three panels" style="max-width: 100%">')
+    problems = bc.check_pages(browser, folder, ['ok.html', 'wide.html', 'cut.html', 'spill.html', 'small.html'])
+    found = kinds(problems)
     assert 'ok' not in found, found  # a wide table in a scroll box, an image that loads, a link to an anchor that exists
     assert found['wide'] == {'page wider than the viewport'}, found
     assert found['cut'] == {'table cut'}, found  # clipped: the page fits, the table does not
     assert found['spill'] >= {'table cut', 'page wider than the viewport'}, found
+    # shrunk to fit: on a wide screen 1,408 of 1,600 px, readable; on a phone under a quarter, not
+    assert [(p.viewport, p.kind) for p in problems if p.page == 'small.html'] == [('phone', 'figure too small')], problems
 
 
 def test_the_check_fails_on_a_planted_dead_link_image_and_error(browser, tmp_path):

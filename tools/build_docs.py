@@ -123,13 +123,20 @@ def nav(docs: list[DocNb]) -> list:
     return out
 
 # ---------------------------------------------------------------------------------------------- nbdev, one notebook
+# a figure of several panels on a page is one picture per panel (oelm_nb.report.page.panels_html), as in the reports;
+# registered without a name in the notebook's namespace, so a notebook still needs its own imports
+PANELS = "__import__('oelm_nb.report.page', fromlist=['_']).show_figures_in_panels()"
+
 def run_test_nb(fn: Path):
     """Run `fn` with nbdev's test runner, nbdev.test.test_nb (nbdev's rules for which cells run and what fails), and return
     its shell and the notebook it ran, whose cells hold the outputs (None when it ran nothing: `skip_exec`). A cell that
     raises: DocsBuildError with the notebook, the cell and the traceback."""
     ran = []
     class RecordingShell(CaptureShell):  # test_nb's shell, keeping the notebook it runs
-        def run_all(self, nb, *args, **kw): ran.append((self, nb)); return super().run_all(nb, *args, **kw)
+        def run_all(self, nb, *args, **kw):
+            ran.append((self, nb))
+            self.run_cell(PANELS)  # the page's figures of several panels: one picture per panel, one column on a phone
+            return super().run_all(nb, *args, **kw)
     nbdev.test.CaptureShell = RecordingShell
     try: ok, _ = nbdev.test.test_nb(fn, skip_flags=nbdev_config().tst_flags.split(), showerr=False, basepath=ROOT)
     finally: nbdev.test.CaptureShell = CaptureShell
