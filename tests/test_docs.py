@@ -482,3 +482,14 @@ def test_a_new_study_folder_gets_its_docs_section(tmp_path):
     assert bd.study_sections()['studies/qk_freeze'] == 'Study: Q/K freeze'  # from the entry points and Study.title
     with pytest.raises(KeyError, match='package folder'):
         bd.sections([chapter('misc/99_notes.ipynb')], nbs)
+
+
+def test_the_search_index_holds_prose_not_code_or_tables():
+    "A search finds chapters by their prose: code blocks (and the copy button's repeat of them), output tables and the permalink sign are left out."
+    ix = {'docs': [{'location': 'a.html#s', 'title': 'Freezing Q/K\u00b6',
+                    'text': '<p>Why we freeze.</p> <pre>test_eq(freeze(m),\n  1)</pre> test_eq(freeze(m),\n1) '
+                            '<table><tr><td>oelm-freeze</td></tr></table> <p>Then &lt;more&gt; prose.</p>'}]}
+    d = bd.search_prose(ix)['docs'][0]
+    assert d['title'] == 'Freezing Q/K'
+    assert d['text'] == '<p>Why we freeze.</p> <p>Then &lt;more&gt; prose.</p>', d['text']
+    assert bd.search_prose({'docs': [{'title': 't', 'text': '<pre>a</pre> b'}]})['docs'][0]['text'] == 'b'  # not a repeat: kept

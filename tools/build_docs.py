@@ -389,6 +389,10 @@ EXTRA_CSS = """.md-grid { max-width: 1400px; }
 .jupyter-wrapper .jp-RenderedHTMLCommon thead tr { background: var(--md-default-fg-color--lightest); }
 .jupyter-wrapper .jp-RenderedHTMLCommon tbody tr:nth-child(odd) { background: rgba(0,0,0,.025); }
 .jupyter-wrapper .jp-OutputArea-output img { max-width: 100%; height: auto; }
+/* the left navigation's sticky site name repeats the header's and covered the section title scrolled under it: shown
+   only where the navigation is a drawer (narrow screens), with a background there */
+@media screen and (min-width: 76.25em) { .md-nav--primary > .md-nav__title { display: none; } }
+.md-nav--primary > .md-nav__title { background-color: var(--md-default-bg-color); z-index: 1; }
 """
 
 # ---------------------------------------------------------------------------------------------- the site
@@ -453,8 +457,26 @@ def polish_site(site_dir: Path) -> dict:
     index = site_dir / 'search' / 'search_index.json'  # mkdocs-jupyter's copy button says 'Copied!' on every code cell
     if index.exists():
         text, counts['copied'] = re.subn(r'Copied! ?', '', index.read_text(encoding='utf-8'))
-        index.write_text(text, encoding='utf-8')
+        index.write_text(json.dumps(search_prose(json.loads(text))), encoding='utf-8')
     return counts
+
+def search_prose(index: dict) -> dict:
+    """The search index of prose: each entry's text without code blocks and tables (a search for a word found test lines
+    and whole output tables before the chapter about it, and their snippets ran past the results panel), its title
+    without the heading's permalink sign."""
+    def drop(text: str) -> str:
+        text = re.sub(r'<table\b.*?</table>', ' ', text, flags=re.S)
+        out, at = [], 0
+        for m in re.finditer(r'<pre\b[^>]*>(.*?)</pre>\s*', text, re.S):
+            out.append(text[at:m.start()]); at = m.end()
+            words = m[1].split()  # the copy button's text repeats the block right after it
+            repeat = words and re.match(r'\s*'.join(map(re.escape, words)), text[at:])
+            if repeat: at += repeat.end()
+        return re.sub(r'\s+', ' ', ''.join(out) + text[at:]).strip()
+    for d in index.get('docs', []):
+        d['title'] = d.get('title', '').replace('\u00b6', '').strip()
+        d['text'] = drop(d.get('text', ''))
+    return index
 
 def write_pages(docs: list[DocNb], processed: dict[Path, Path], docs_dir: Path) -> None:
     "The pages for mkdocs-jupyter (and the CSS) in docs_dir, from the processed notebooks."
