@@ -223,17 +223,6 @@ def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path)
     assert r.returncode == 2 and "unknown ['tensorbord']" in r.stderr and not (tmp_path / 'b').exists()
 
 
-@pytest.mark.parametrize('study', study_names())  # every registered study, the toy of tests/toy_study too
-def test_one_meaning_per_flag_the_old_spellings_are_refused_naming_the_new(study, capsys):
-    "`--parallel` meant 'GPU sets at once' in three studies and 'Phase 1's parallel version' in CVFP: refused everywhere."
-    from oelm_nb.app.cli import build_parser
-    for flag, new in (('--parallel', '--concurrent'), ('--sequential', '--phase1 sequential')):
-        with pytest.raises(SystemExit) as e: build_parser().parse_args(['run', study, flag])
-        assert e.value.code == 2 and new in capsys.readouterr().err
-    args = build_parser().parse_args(['run', study, '--concurrent'])
-    assert args.concurrent is True
-
-
 # ---------------------------------------------------------------- a study's flags: one per field of its options dataclass
 def test_study_flags_come_from_the_options_dataclass(capsys):
     from oelm_nb.app.cli import build_parser, study_plan
