@@ -46,21 +46,26 @@ def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict 
     return out
 
 # %% ../../nbs/app/91_cli.ipynb #88a3342b
-def study_of(variants: list[str], preset: str, flag: str) -> str:
+def study_of(variants: list[str], preset: str, flag: str,
+             model_of=None, # study name -> what a run of the variant builds there: studies that agree count as one
+            ) -> str:
     """The one registered study that plans every name of `variants` (at `preset`, its default flags): what a command
-    given variants without `--study` runs; a `ConfigError` asking for `--study` when no study or several plan them."""
+    given variants without `--study` runs; a `ConfigError` asking for `--study` when no study plans them, or several
+    do (and, with `model_of`, build different models), naming them."""
     from oelm_nb.lab.study import studies
     def plans(st) -> bool:
         try: return set(variants) <= set(st.variants(preset, 1000, {}))
         except ConfigError: return False  # a study that plans nothing at this preset
     known = studies(); have = [n for n, st in known.items() if plans(st)]
-    if len(have) == 1: return have[0]
+    if len(have) == 1 or (have and model_of and all(model_of(n) == model_of(have[0]) for n in have[1:])): return have[0]
     names = ','.join(variants)
     raise ConfigError(f"{flag} {names}: " + (
-        f"planned by the studies {', '.join(have)}; name one with --study NAME" if have else
+        f"planned by the studies {', '.join(have)}{', which build different models' if model_of else ''}; name one "
+        "with --study NAME" if have else
         f"no registered study plans {'it' if len(variants) == 1 else 'them all'}; name the study with --study NAME "
         f"(one of {', '.join(known)}) and variants it plans"))
 
+# %% ../../nbs/app/91_cli.ipynb #a410c7d3
 def cmd_params(args) -> int:
     from oelm_nb.model.gpt import GPT, model_config
     from oelm_nb.model.freeze import param_report
@@ -71,7 +76,10 @@ def cmd_params(args) -> int:
         cfg, study, variant = model_config(args.preset, **{k.split('.', 1)[1]: v for k, v in sets.items()}), None, None
         model = GPT(cfg, init_seed=0)
     else:  # a study's variant: its model settings (`resolve_spec`), its model (`Study.build_model`)
-        st = get_study(args.study or study_of([args.variant], args.preset, '--variant'))
+        def model_of(name):  # what a run of the variant builds in study `name`: its model settings and builder
+            st = get_study(name)
+            return resolve_spec(st, args.variant, args.preset, overrides=sets).model, st.build_model
+        st = get_study(args.study or study_of([args.variant], args.preset, '--variant', model_of))
         variant = args.variant or st.planned(args.preset)[0]
         spec = resolve_spec(st, variant, args.preset, overrides=sets)
         cfg, study = spec.model, st.name
