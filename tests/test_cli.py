@@ -193,12 +193,27 @@ def test_params_takes_the_study_variants():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d['config']['variant'] == 'oelm-freeze' and d['config']['freeze_layers'] == 1  # tiny: 2 layers, half frozen
-    full = json.loads(oelm_main('params', '--variant', 'oelm-freeze', '--json').stdout)
+    full = json.loads(oelm_main('params', '--study', 'qk-freeze', '--variant', 'oelm-freeze', '--json').stdout)
     assert d['frozen'] < full['frozen']
     bad = oelm_main('params', '--study', 'qk-freeze', '--variant', 'oelm-freez')
     assert bad.returncode == 2 and 'oelm-freeze-half' in bad.stderr
     unknown = oelm_main('params', '--variant', 'oelm-freez')  # without --study: no study plans it, so name one
     assert unknown.returncode == 2 and 'no registered study plans it; name the study with --study NAME' in unknown.stderr
+
+
+def test_params_counts_a_variant_that_several_studies_build_alike(monkeypatch):
+    "Studies that plan one variant name and build the same model for it count as one; models that differ need --study."
+    from dataclasses import replace
+    from oelm_nb.lab.study import STUDIES, Variant, get_study
+    qk = get_study('qk-freeze'); half = qk.variant('oelm-freeze-half')
+    monkeypatch.setitem(STUDIES, 'qk-twin', replace(qk, name='qk-twin', variants=lambda p, s, o: {'oelm-freeze-half': half}))
+    r = oelm_main('params', '--variant', 'oelm-freeze-half', '--json')
+    assert r.returncode == 0 and json.loads(r.stdout)['study'] in ('qk-freeze', 'qk-twin'), r.stderr
+    deeper = Variant({**half.overrides, 'model.freeze_layers': 2})
+    monkeypatch.setitem(STUDIES, 'qk-deep', replace(qk, name='qk-deep', variants=lambda p, s, o: {'oelm-freeze-half': deeper}))
+    r = oelm_main('params', '--variant', 'oelm-freeze-half', '--json')
+    assert r.returncode == 2 and 'which build different models; name one with --study NAME' in r.stderr, r.stderr
+    assert all(n in r.stderr for n in ('qk-freeze', 'qk-twin', 'qk-deep')) and r.stdout == ''
 
 
 @pytest.mark.parametrize('study', study_names())  # every registered study, the toy of tests/toy_study too
@@ -221,17 +236,6 @@ def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path)
     assert study_plan(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
     r = oelm_main('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
     assert r.returncode == 2 and "unknown ['tensorbord']" in r.stderr and not (tmp_path / 'b').exists()
-
-
-@pytest.mark.parametrize('study', study_names())  # every registered study, the toy of tests/toy_study too
-def test_one_meaning_per_flag_the_old_spellings_are_refused_naming_the_new(study, capsys):
-    "`--parallel` meant 'GPU sets at once' in three studies and 'Phase 1's parallel version' in CVFP: refused everywhere."
-    from oelm_nb.app.cli import build_parser
-    for flag, new in (('--parallel', '--concurrent'), ('--sequential', '--phase1 sequential')):
-        with pytest.raises(SystemExit) as e: build_parser().parse_args(['run', study, flag])
-        assert e.value.code == 2 and new in capsys.readouterr().err
-    args = build_parser().parse_args(['run', study, '--concurrent'])
-    assert args.concurrent is True
 
 
 # ---------------------------------------------------------------- a study's flags: one per field of its options dataclass

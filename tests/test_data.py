@@ -221,7 +221,7 @@ def test_tinystories_unreachable_hub_fails_fast(monkeypatch, tmp_path):
     import oelm_nb.data.corpus as D
     for k in ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'): monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv('HF_HOME', str(tmp_path / 'hf'))
-    monkeypatch.setattr(D, '_reachable', lambda *a, **k: False)
+    monkeypatch.setattr(D, 'reachable', lambda *a, **k: False)
     t0 = time.time()
     with pytest.raises(DataError, match='local files'): D.load_tinystories()
     assert time.time() - t0 < 20
@@ -231,7 +231,7 @@ def test_gpt2_tokenizer_offline_fails_fast(monkeypatch, tmp_path):
     import oelm_nb.data.tokenizer as T
     pytest.importorskip('tiktoken')
     monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'empty-cache'))
-    monkeypatch.setattr(T, '_reachable', lambda *a, **k: False)
+    monkeypatch.setattr(T, 'reachable', lambda *a, **k: False)
     t0 = time.time()
     with pytest.raises(DataError, match='TIKTOKEN_CACHE_DIR'): gpt2_tokenizer()
     assert time.time() - t0 < 5

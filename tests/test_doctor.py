@@ -66,7 +66,7 @@ def test_a_broken_training_step_fails_its_check_with_the_error(monkeypatch, fit,
 
 def test_a_papermill_batch_that_fails_is_reported_with_its_output_and_the_command(tmp_path, monkeypatch):
     monkeypatch.setattr(D, 'small_corpus', lambda m: tmp_path)
-    monkeypatch.setattr(D, 'batch_command', lambda out, data, device: [
+    monkeypatch.setattr(D, 'papermill_batch_command', lambda out, data, device: [
         sys.executable, '-c', 'import sys; print("[oelm run] FAILED runs: gpt-s0", file=sys.stderr); sys.exit(1)'])
     c = D.run_check('papermill-batch', D.check_papermill_batch, D.Machine(torch.device('cpu'), tmp_path))
     assert c.status == 'failed' and c.error.startswith('Problem: oelm run exited with 1')

@@ -65,7 +65,5 @@ def oelm(*args):
 def test_every_command_takes_the_one_set_syntax():
     r = oelm('params', '--set', 'model.n_embd=128', '--json')
     assert r.returncode == 0 and json.loads(r.stdout)['config']['n_embd'] == 128, r.stderr
-    old = oelm('params', '--n-embd', '128')
-    assert old.returncode == 2 and '--n-embd VALUE is now --set model.n_embd=VALUE' in old.stderr
     bare = oelm('bench', '--set', 'n_embd=128', '--json')
     assert bare.returncode == 2 and 'SECTION.FIELD' in bare.stderr and '--set model.n_embd=128' in bare.stderr

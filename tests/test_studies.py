@@ -54,8 +54,6 @@ def test_settings_errors_reach_the_command_line_before_anything_runs(tmp_path):
     res = oelm_main('run', 'pca', '--ks', '8', '--set', 'settings.lora_rnak=2', '--out', str(tmp_path / 'b'))
     assert res.returncode == 2 and "study 'pca', settings: PCASettings has no field(s) ['lora_rnak']" in res.stderr
     assert not (tmp_path / 'b' / 'batch.json').exists()
-    old = oelm_main('run', 'pca', '--ks', '8', '--set', 'extra.k=2', '--out', str(tmp_path / 'c'))
-    assert old.returncode == 2 and 'write settings.k' in old.stderr
 
 
 @given(st_.from_regex(r'[a-z][a-z0-9.\-]{0,20}', fullmatch=True), st_.integers(0, 10_000))
@@ -200,7 +198,8 @@ def test_every_study_answers_through_the_kit(study, tmp_path):
     from oelm_nb.lab.study import study_answers
     st = get_study(study)
     answers = study_answers(st)  # a 'module:function' string (a study whose report sits above it) imported here
-    assert callable(answers), f'{study}: no answers: `oelm run` would print none and answers.json would be empty'
+    if st.answers is None: return  # optional (`Study.answers`): `oelm run` then prints none and writes no answers.json
+    assert callable(answers), f'{study}: answers={st.answers!r} is not a function'
     assert sum(study_answers(s) is answers for s in studies().values()) == 1, f'{study} shares another study\'s answers'
     empty = answers(load_runs(fake_batch(tmp_path, study, {})))
     assert empty and all(isinstance(a, Answer) for a in empty), empty

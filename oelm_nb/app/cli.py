@@ -14,11 +14,11 @@ from ..base.rundir import split_branch
 jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)  # a field's docstring is its flag's help
 
 # %% auto #0
-__all__ = ['SET_SECTIONS', 'RETIRED_FLAGS', 'parse_sets', 'study_of', 'cmd_params', 'cmd_data_prepare', 'cmd_train',
-           'print_batch_summary', 'stored_answers', 'convergence_text', 'study_plan', 'cluster_config',
-           'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench',
-           'cmd_doctor', 'retire_field_flags', 'study_variants_text', 'add_seed_options', 'option_shapes', 'with_lists',
-           'flag_error', 'StudyParser', 'add_study_parser', 'build_parser', 'main']
+__all__ = ['SET_SECTIONS', 'parse_sets', 'study_of', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
+           'stored_answers', 'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run',
+           'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'study_variants_text',
+           'add_seed_options', 'option_shapes', 'with_lists', 'flag_error', 'StudyParser', 'add_study_parser',
+           'build_parser', 'main']
 
 # %% ../../nbs/app/91_cli.ipynb #ec5943c2
 SET_SECTIONS = ('model', 'train', 'data', 'settings')
@@ -38,7 +38,6 @@ def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict 
         section, dot, name = key.partition('.')
         if key in (places or {}): raise ConfigError(f"--set {key}=...: {key} is not set with --set; use {places[key]}")
         if key in sections: raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
-        if section == 'extra' and name: raise ConfigError(f"--set {kv!r}: extra.* is now settings.*; write settings.{name}")
         if not dot or section not in sections or not name:
             raise ConfigError(f"--set {kv!r}: the key is SECTION.FIELD with SECTION one of {', '.join(sections)} "
                               f"(e.g. --set {sections[0]}.{name if dot else key}={v})")
@@ -47,21 +46,26 @@ def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict 
     return out
 
 # %% ../../nbs/app/91_cli.ipynb #88a3342b
-def study_of(variants: list[str], preset: str, flag: str) -> str:
+def study_of(variants: list[str], preset: str, flag: str,
+             model_of=None, # study name -> what a run of the variant builds there: studies that agree count as one
+            ) -> str:
     """The one registered study that plans every name of `variants` (at `preset`, its default flags): what a command
-    given variants without `--study` runs; a `ConfigError` asking for `--study` when no study or several plan them."""
+    given variants without `--study` runs; a `ConfigError` asking for `--study` when no study plans them, or several
+    do (and, with `model_of`, build different models), naming them."""
     from oelm_nb.lab.study import studies
     def plans(st) -> bool:
         try: return set(variants) <= set(st.variants(preset, 1000, {}))
         except ConfigError: return False  # a study that plans nothing at this preset
     known = studies(); have = [n for n, st in known.items() if plans(st)]
-    if len(have) == 1: return have[0]
+    if len(have) == 1 or (have and model_of and all(model_of(n) == model_of(have[0]) for n in have[1:])): return have[0]
     names = ','.join(variants)
     raise ConfigError(f"{flag} {names}: " + (
-        f"planned by the studies {', '.join(have)}; name one with --study NAME" if have else
+        f"planned by the studies {', '.join(have)}{', which build different models' if model_of else ''}; name one "
+        "with --study NAME" if have else
         f"no registered study plans {'it' if len(variants) == 1 else 'them all'}; name the study with --study NAME "
         f"(one of {', '.join(known)}) and variants it plans"))
 
+# %% ../../nbs/app/91_cli.ipynb #a410c7d3
 def cmd_params(args) -> int:
     from oelm_nb.model.gpt import GPT, model_config
     from oelm_nb.model.freeze import param_report
@@ -72,7 +76,10 @@ def cmd_params(args) -> int:
         cfg, study, variant = model_config(args.preset, **{k.split('.', 1)[1]: v for k, v in sets.items()}), None, None
         model = GPT(cfg, init_seed=0)
     else:  # a study's variant: its model settings (`resolve_spec`), its model (`Study.build_model`)
-        st = get_study(args.study or study_of([args.variant], args.preset, '--variant'))
+        def model_of(name):  # what a run of the variant builds in study `name`: its model settings and builder
+            st = get_study(name)
+            return resolve_spec(st, args.variant, args.preset, overrides=sets).model, st.build_model
+        st = get_study(args.study or study_of([args.variant], args.preset, '--variant', model_of))
         variant = args.variant or st.planned(args.preset)[0]
         spec = resolve_spec(st, variant, args.preset, overrides=sets)
         cfg, study = spec.model, st.name
@@ -351,30 +358,6 @@ def cmd_doctor(args) -> int:
     from oelm_nb.app.doctor import doctor_main
     return doctor_main(args.quick, args.device, args.json, args.check)
 
-# %% ../../nbs/app/91_cli.ipynb #993527e0
-RETIRED_FLAGS = {  # one meaning per flag across every `oelm run STUDY`: old spellings are refused, naming the new one
-    '--parallel': "--parallel meant two things and is gone: write --concurrent to run GPU sets at once, "
-                  "or, for `oelm run cvfp`, --phase1 parallel for Phase 1's parallel version",
-    '--sequential': "--sequential is now --phase1 sequential (`oelm run cvfp`: Phase 1's sequential version)"}
-
-# %% ../../nbs/app/91_cli.ipynb #7dc2dcd0
-class _Retired(argparse.Action):
-    "A flag that no longer exists: refused with a message that names its replacement."
-    def __init__(self, option_strings, dest, **kw):
-        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS)
-
-    def __call__(self, parser, namespace, values, option_string=None): parser.error(RETIRED_FLAGS[option_string])
-
-# %% ../../nbs/app/91_cli.ipynb #9f153d12
-def retire_field_flags(p: argparse.ArgumentParser, cls, section: str, skip=()):
-    "Refuse the old `--field-name` flags of dataclass `cls`, each naming the `--set SECTION.field=VALUE` that replaces it."
-    for f in fields(cls):
-        flag = '--' + f.name.replace('_', '-')
-        if f.name in skip or flag in {o for a in p._actions for o in a.option_strings}: continue
-        RETIRED_FLAGS.setdefault(flag, f"{flag} VALUE is now --set {section}.{f.name}=VALUE (one syntax for every "
-                                       "setting of every command)")
-        p.add_argument(flag, action=_Retired, help=argparse.SUPPRESS)
-
 # %% ../../nbs/app/91_cli.ipynb #d9758ff9
 def _positive(text: str) -> int:
     try: n = int(text)
@@ -547,9 +530,6 @@ def add_study_parser(sub, study, presets):
                    help='any other sbatch option, e.g. --slurm-option account=lab (repeatable)')
     if study.options:  # one field, one flag: its type, default and help (the field's docstring)
         r.add_class_arguments(study.options, None, as_group=True)
-    taken = {f for a in r._actions for f in a.option_strings}
-    for flag in RETIRED_FLAGS:
-        if flag not in taken: r.add_argument(flag, action=_Retired)
     return r
 
 # %% ../../nbs/app/91_cli.ipynb #c69dc081
@@ -568,7 +548,7 @@ def _add_model_commands(sub):
     q.add_argument('--json', action='store_true', help='machine-readable output')
     q.add_argument('--set', action='append', metavar='model.FIELD=VALUE',
                    help='a ModelConfig field, e.g. --set model.vocab_size=10000 (repeatable)')
-    retire_field_flags(q, ModelConfig, 'model'); q.set_defaults(fn=cmd_params)
+    q.set_defaults(fn=cmd_params)
 
     d = sub.add_parser('data', help='prepare data sets').add_subparsers(dest='data_command', required=True)
     dp = d.add_parser('prepare', help='write train.bin, val.bin, tokenizer.json and meta.json')
@@ -578,7 +558,7 @@ def _add_model_commands(sub):
     dp.add_argument('--verbose', action='store_true', help='print meta.json')
     dp.add_argument('--set', action='append', metavar='data.FIELD=VALUE',
                     help='a DataConfig field, e.g. --set data.vocab_size=10000 (repeatable)')
-    retire_field_flags(dp, DataConfig, 'data', skip=('source',)); dp.set_defaults(fn=cmd_data_prepare)
+    dp.set_defaults(fn=cmd_data_prepare)
 
     t = sub.add_parser('train', help='train one run from a config.json (the entry point torchrun launches)')
     t.add_argument('--config', required=True)

@@ -34,13 +34,13 @@ from ..studies.mercator.hf import nf4_unavailable, teacher_load_kwargs
 from ..studies.qk_freeze.study import QK_FREEZE
 
 # %% auto #0
-__all__ = ['NO_CUDA', 'REPORT', 'OPTIONAL', 'CPU_INDEX', 'CUDA_INDEX', 'SDPA_OPS', 'RESUME_TOL', 'SMALL_CORPUS', 'DDP_STEPS',
+__all__ = ['NO_CUDA', 'REPORT', 'OPTIONAL', 'CPU_INDEX', 'CUDA_INDEX', 'SDPA_OPS', 'RESUME_TOL', 'SMALL_DATA', 'DDP_STEPS',
            'DDP_BATCH', 'BATCH_SETTINGS', 'CHECKS', 'QUICK', 'Check', 'Skip', 'Problem', 'Machine', 'run_check',
            'same_release', 'torch_build', 'check_packages', 'devices', 'torch_install_command', 'cuda_build_bytes',
            'build_mismatch', 'check_torch', 'check_disk', 'check_kernel', 'sdpa_kernel_used', 'sdpa_kernels_available',
            'check_sdpa', 'fixed_batch_fit', 'check_train_steps', 'check_resume', 'check_compile', 'medium512_plan',
            'check_medium512', 'small_corpus', 'ddp_plan', 'check_ddp', 'check_cvfp_phase2', 'check_nf4_teacher',
-           'batch_command', 'check_papermill_batch', 'Report', 'doctor', 'check_line', 'doctor_main']
+           'papermill_batch_command', 'check_papermill_batch', 'Report', 'doctor', 'check_line', 'doctor_main']
 
 # %% ../../nbs/app/90_doctor.ipynb #2374e278
 @dataclass
@@ -469,12 +469,15 @@ def check_medium512(m: Machine) -> tuple[str, dict]:
         f"{d} {r['step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%} of "
         f"{r['peak_tflops']:.3g} TFLOP/s ({r['peak_source']})" for d, r in rows.items()), figures
 
+# %% ../../nbs/app/90_doctor.ipynb #935bf226
+from ..lab.study import SMALL_CORPUS  # the study batches' small corpus: prepared in seconds
+
 # %% ../../nbs/app/90_doctor.ipynb #05385f30
-SMALL_CORPUS = DataConfig(vocab_size=300, n_train_stories=300, n_val_stories=40) # prepared in seconds
+SMALL_DATA = DataConfig(**{k.removeprefix('data.'): v for k, v in SMALL_CORPUS.items() if k.startswith('data.')})
 
 def small_corpus(m: Machine) -> Path:
     "The story corpus of the DDP and papermill checks, prepared once in the scratch directory."
-    return prepare_data(SMALL_CORPUS, m.work / 'data', progress=False)  # a prepared directory is reused
+    return prepare_data(SMALL_DATA, m.work / 'data', progress=False)  # a prepared directory is reused
 
 # %% ../../nbs/app/90_doctor.ipynb #d8308679
 DDP_STEPS, DDP_BATCH = 10, 4 # steps, and sequences per process per step
@@ -487,7 +490,7 @@ def ddp_plan(device: torch.device) -> tuple[int, str, str]:
 # %% ../../nbs/app/90_doctor.ipynb #cd6159df
 def _ddp_spec(data_dir: Path, out: Path, batch_size: int, device: str):
     return resolve_spec(QK_FREEZE, 'oelm-freeze', 'tiny', seed=0, steps=DDP_STEPS, out_dir=str(out), data=str(data_dir),
-                        overrides={'model.vocab_size': SMALL_CORPUS.vocab_size, 'model.block_size': 32,
+                        overrides={'model.vocab_size': SMALL_DATA.vocab_size, 'model.block_size': 32,
                                    'model.n_layer': 2, 'model.n_head': 2, 'model.n_embd': 32, 'model.dropout': 0.0,
                                    'train.batch_size': batch_size, 'train.eval_every': 5, 'train.eval_batches': 2,
                                    'train.log_every': 1, 'train.lr': 1e-2, 'train.min_lr': 1e-3,
@@ -570,10 +573,10 @@ def check_nf4_teacher(m: Machine) -> tuple[str, dict]:
     return f"{n4} layers in 4 bits, {figures['footprint_bytes'] / 2**20:.2f} MiB, logits finite", figures
 
 # %% ../../nbs/app/90_doctor.ipynb #62c8fb7e
-BATCH_SETTINGS = {'model.vocab_size': SMALL_CORPUS.vocab_size, 'model.block_size': 64, 'train.batch_size': 4,
+BATCH_SETTINGS = {'model.vocab_size': SMALL_DATA.vocab_size, 'model.block_size': 64, 'train.batch_size': 4,
                   'train.eval_batches': 2} # small steps: the runs, the timing after them and the report take seconds
 
-def batch_command(out: Path, data: Path, device: torch.device) -> list[str]:
+def papermill_batch_command(out: Path, data: Path, device: torch.device) -> list[str]:
     "`oelm run qk-freeze` of the papermill check: gpt and oelm-freeze, seed 0, 3 steps on `data`, ending in a report."
     where = ['--gpus', str(device.index or 0)] if device.type == 'cuda' else ['--jobs', '2']
     sets = [a for k, v in BATCH_SETTINGS.items() for a in ('--set', f'{k}={v}')]
@@ -584,7 +587,7 @@ def batch_command(out: Path, data: Path, device: torch.device) -> list[str]:
 def check_papermill_batch(m: Machine) -> tuple[str, dict]:
     "A two-run `oelm run qk-freeze` batch in papermill ending in report.html."
     out = m.work / 'batch'
-    cmd = batch_command(out, small_corpus(m), m.device)
+    cmd = papermill_batch_command(out, small_corpus(m), m.device)
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=m.work)
     runs = {p.parent.name: (json.loads(p.read_text()).get('status')) for p in sorted(out.glob('*/summary.json'))}
     page = out / 'report.html'

@@ -13,7 +13,7 @@ import psutil
 from fastcore.basics import patch
 from filelock import FileLock, Timeout
 
-from .core import ConfigError
+from .core import ConfigError, DataConfig, ModelConfig, TrainConfig
 
 # %% auto #0
 __all__ = ['LOCK_FILE', 'HOLDER_FILE', 'WORKERS_FILE', 'TOKEN_ENV', 'VOLATILE_FIELDS', 'RECORD_SECTIONS', 'ABSENT_WHEN_DEFAULT',
@@ -290,10 +290,11 @@ def flatten(d: dict, prefix: str = '') -> dict:
     return out
 
 # %% ../../nbs/base/01_rundir.ipynb #a4b45df2
-# fields added later: at their default they leave older runs' fingerprints as they were
-ABSENT_WHEN_DEFAULT = {'train.init_from': None, 'model.tie_embeddings': True, 'model.attn_dropout': None,
-                       'model.embd_dropout': None, 'train.micro_batch': 'auto', 'train.fused_adamw': True,
-                       'data.n_names': 3000}
+# left out of the identity at their default: a configuration without the field and one at its default are one run
+ABSENT_WHEN_DEFAULT = {'train.init_from': TrainConfig.init_from, 'model.tie_embeddings': ModelConfig.tie_embeddings,
+                       'model.attn_dropout': ModelConfig.attn_dropout, 'model.embd_dropout': ModelConfig.embd_dropout,
+                       'train.micro_batch': TrainConfig.micro_batch, 'train.fused_adamw': TrainConfig.fused_adamw,
+                       'data.n_names': DataConfig.n_names}
 
 # %% ../../nbs/base/01_rundir.ipynb #c88ea0ec
 def identity_fields(config: dict) -> dict:

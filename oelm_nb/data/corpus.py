@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from ..base.core import DataConfig, DataError
 from ..base.rundir import ABSENT_WHEN_DEFAULT, read_json
 from .tokenizer import (
-    EOT, GPT2_FILES, BPETokenizer, TiktokenTokenizer, _reachable, gpt2_tokenizer, load_tokenizer)
+    EOT, GPT2_FILES, BPETokenizer, TiktokenTokenizer, reachable, gpt2_tokenizer, load_tokenizer)
 from .stories import NAMES, WORDS, Story, generate_stories, make_names, synthetic_splits
 
 _all_ = ['NAMES', 'WORDS', 'Story', 'generate_stories', 'make_names', 'synthetic_splits',  # the story corpus,
@@ -141,7 +141,7 @@ def load_tinystories(name: str = TINYSTORIES, # dataset on the HF Hub
         raise DataError("source='tinystories' needs HF datasets: `pip install datasets` (or `pip install "
                         "oelm_nb[hf]`); or give local .txt/.jsonl files as DataConfig.source") from None
     env_off = any(_env_true(k) for k in ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'))
-    offline = env_off or not _reachable('huggingface.co', 443, timeout)
+    offline = env_off or not reachable('huggingface.co', 443, timeout)
     try:
         with _hf_offline(offline): ds = datasets.load_dataset(name)
         return ds['train']['text'], ds['validation']['text']

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ..base.core import DataError
 
 # %% auto #0
-__all__ = ['EOT', 'GPT2_FILES', 'BPETokenizer', 'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer']
+__all__ = ['EOT', 'GPT2_FILES', 'BPETokenizer', 'reachable', 'TiktokenTokenizer', 'gpt2_tokenizer', 'load_tokenizer']
 
 # %% ../../nbs/data/11_tokenizer.ipynb #c2c02220
 EOT = '<|endoftext|>'
@@ -59,7 +59,7 @@ GPT2_FILES = ('https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/v
               'https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json')
 
 # %% ../../nbs/data/11_tokenizer.ipynb #ee92d2ae
-def _reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
+def reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
     "Whether a TCP connection to `host:port` (or to the HTTPS proxy, when one is set) opens within `timeout`."
     proxy = os.environ.get('HTTPS_PROXY') or os.environ.get('https_proxy')
     if proxy:
@@ -117,7 +117,7 @@ def gpt2_tokenizer(timeout: float = 3.0, # seconds for the connectivity probe wh
     except ImportError:
         raise DataError("tokenizer='gpt2' needs tiktoken: `pip install tiktoken` (or `pip install oelm_nb[hf]`), "
                         "or use DataConfig(tokenizer='bpe')") from None
-    if not _tiktoken_cached(GPT2_FILES) and not _reachable(urlparse(GPT2_FILES[0]).hostname, 443, timeout):
+    if not _tiktoken_cached(GPT2_FILES) and not reachable(urlparse(GPT2_FILES[0]).hostname, 443, timeout):
         raise DataError(_GPT2_HELP.format(why='cannot be reached from here and is not in the tiktoken cache'))
     try: return TiktokenTokenizer(tiktoken.get_encoding('gpt2'))
     except Exception as e:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from ..base.core import ConfigError
 from ..model.gpt import GPT
-from ..model.pca import TanhGELUMLP, lora_modules, merge_lora, _no_scale_layers
+from ..model.pca import TanhGELUMLP, lora_modules, merge_lora, has_scale_layers
 from .sample import load_run_model, run_codec
 from ..train.checkpoint import read_checkpoint_meta
 from ..model.weights import activation, load_init_weights, init_dropouts
@@ -38,7 +38,7 @@ def check_exportable(model: GPT, target: str):
     "Refuse what `target` ('hf' or 'nanogpt') cannot express, with the reason."
     cfg = model.cfg
     if target == 'nanogpt':
-        if not _no_scale_layers(model):
+        if has_scale_layers(model):
             raise ConfigError(
                 f"export to nanogpt: this model's token table is factorized (n_embd_wte={cfg.wte_dim},"
                 f" n_embd={cfg.n_embd}); nanoGPT has one full table tied to its head. Export --to hf, which"
@@ -71,7 +71,7 @@ def hf_config(model: GPT):
     untied head)."""
     from transformers import GPT2Config
     c = model.cfg
-    tied = c.tie_embeddings and _no_scale_layers(model)  # a factorized table materializes into an untied head
+    tied = c.tie_embeddings and not has_scale_layers(model)  # a factorized table materializes into an untied head
     return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                       n_head=c.n_head, n_inner=c.ff_dim, activation_function=activation(model), resid_pdrop=c.dropout,
                       embd_pdrop=c.embd_p, attn_pdrop=c.attn_p, layer_norm_epsilon=1e-5, tie_word_embeddings=tied,
@@ -84,7 +84,7 @@ def full_embedding(model: GPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     materialized (see above)."""
     tok, head = model.transformer.tok, model.lm_head.weight.detach().float()
     E = tok.wte.weight.detach().float()
-    if _no_scale_layers(model): return E, head, torch.zeros(model.cfg.n_embd)
+    if not has_scale_layers(model): return E, head, torch.zeros(model.cfg.n_embd)
     (Wu, bu), (Wd, bd) = linear_parts(tok.scale_up), linear_parts(tok.scale_down)
     W_h, Wd, bd = head.double(), Wd.double(), bd.double()
     delta = torch.linalg.pinv(Wd) @ bd  # least-norm solution of S_d delta = b_d

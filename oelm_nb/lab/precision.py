@@ -14,7 +14,7 @@ from scipy import stats
 
 from ..base.core import ConfigError
 from ..base.rundir import read_json, write_json
-from ..report.tables import load_runs, compare, read_precision, _seed_list
+from ..report.tables import load_runs, compare, read_precision, is_seed_list
 from ..report.evidence import stein_size, MIN_PILOT
 
 # %% auto #0
@@ -197,7 +197,7 @@ def _count(n: int, word: str) -> str: return f"{n} {word}{'' if n == 1 else 's'}
 def fixed_design_text(batch_dir) -> str:
     "The design of a batch without precision.json: the seeds fixed before the runs (from batch.json)."
     b = read_json(Path(batch_dir) / 'batch.json')
-    seeds = b.get('seeds') if isinstance(b, dict) and _seed_list(b.get('seeds')) else None
+    seeds = b.get('seeds') if isinstance(b, dict) and is_seed_list(b.get('seeds')) else None
     which = '' if not seeds else (f' (seed {seeds[0]}' if len(seeds) == 1
                                   else f' ({len(seeds)} seeds: {_seeds_text(seeds)}')
     study = b.get('study') if isinstance(b, dict) and isinstance(b.get('study'), str) else 'STUDY'
@@ -231,7 +231,7 @@ def precision_text(batch_dir) -> str:
                 "the pilot's t and s0 over the square root of the seeds). ")
     if r['missing_seeds']: out += f"No difference from seeds {_seeds_text(r['missing_seeds'])} (a run failed). "
     b = read_json(Path(batch_dir) / 'batch.json')
-    ran = b['seeds'] if isinstance(b, dict) and _seed_list(b.get('seeds')) else []
+    ran = b['seeds'] if isinstance(b, dict) and is_seed_list(b.get('seeds')) else []
     extra = sorted(set(ran) - set(r['seeds']) - set(r['pilot_seeds']))
     if extra: out += f"The batch also holds seeds {_seeds_text(extra)}, outside the design: not in this interval. "
     return out + "N was fixed from the pilot's spread alone, never from a difference, so the interval stays valid."

@@ -64,11 +64,6 @@ class RunSpec(ConfigBase):
     @classmethod
     def from_dict(cls, d: dict, study: 'Study | None' = None) -> 'RunSpec':
         "The RunSpec of dict `d`; its settings typed by `study` (default: the registered study `d['study']` names)."
-        if 'extra' in d:
-            raise ConfigError(
-                "RunSpec.extra is now RunSpec.settings, a typed class per study; rename the key (and extra.X overrides"
-                " to settings.X)"
-            )
         unknown = sorted(set(d) - set(cls.field_names()))
         if unknown: raise ConfigError(f"RunSpec has no field(s) {unknown}; valid fields: {cls.field_names()}")
         missing = [k for k in ('model', 'train', 'data', 'out_dir', 'study') if k not in d]
@@ -115,7 +110,6 @@ def apply_overrides(spec: dict, overrides: dict) -> dict:
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in spec.items()}
     for key, val in (overrides or {}).items():
         section, _, name = key.partition('.')
-        if section == 'extra': raise ConfigError(f"override {key!r}: extra.* is now settings.*; write settings.{name}")
         if not name:
             if section not in out:
                 raise ConfigError(

@@ -12,8 +12,8 @@ from ..base.core import ModelConfig, ConfigError
 from .orthogonal import OrthogonalLinear
 
 # %% auto #0
-__all__ = ['COMPONENTS', 'attention_layers', 'freeze_qk_', 'unfreeze_qk_', 'frozen_qk_layers', 'UnfreezeSchedule', 'component_of',
-           'named_tensors', 'ParamReport', 'param_report']
+__all__ = ['COMPONENTS', 'attention_layers', 'freeze_qk_', 'unfreeze_qk_', 'frozen_qk_layers', 'qk_group', 'UnfreezeSchedule',
+           'component_of', 'named_tensors', 'ParamReport', 'param_report']
 
 # %% ../../nbs/model/22_freeze.ipynb #aa471774
 def attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -59,6 +59,12 @@ def frozen_qk_layers(model: nn.Module) -> list[int]:
     "Indices of the attention layers whose Q and K are both frozen."
     return [i for i, a in enumerate(attention_layers(model)) if all(getattr(l, 'frozen', False) for l in _qk(a))]
 
+# %% ../../nbs/model/22_freeze.ipynb #8b472be2
+def qk_group(model: nn.Module, layer: int, weight_decay: float = 0.0) -> dict:
+    "The optimizer group of `layer`'s trainable Q/K weights: a group of its own, `unfrozen_qk_LAYER`, with weight decay."
+    return {'params': [l.weight for l in _qk(attention_layers(model)[layer]) if isinstance(l.weight, nn.Parameter)],
+            'weight_decay': weight_decay, 'name': f'unfrozen_qk_{layer}'}
+
 # %% ../../nbs/model/22_freeze.ipynb #58e15a61
 @dataclass
 class UnfreezeSchedule:
@@ -84,10 +90,7 @@ class UnfreezeSchedule:
         released = []
         for layer in self.due(step):
             params = unfreeze_qk_(model, [layer])
-            if optimizer is not None and params:
-                optimizer.add_param_group(
-                    {'params': params, 'weight_decay': weight_decay, 'name': f'unfrozen_qk_{layer}'}
-                )
+            if optimizer is not None and params: optimizer.add_param_group(qk_group(model, layer, weight_decay))
             self.done.append(layer); released.append(layer)
         return released
 

@@ -17,10 +17,10 @@ from .gpt import GPT, MLP, model_config
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'ADAPTER_FILE', 'ADAPTER_META', 'FACTORIZED_INITS', 'EmbeddingPCA', 'embedding_pca',
-           'attach_scale_layers_', 'pca_factorize', 'reconstruction_curve', 'reconstruction_metrics', 'save_pca_mats',
-           'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'gpt2_dropouts', 'from_hf_gpt2', 'LoRALinear',
-           'LoRAEmbedding', 'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora', 'unmerge_lora', 'lora_state',
-           'save_lora_adapters', 'load_lora_adapters', 'init_factorized_']
+           'has_scale_layers', 'attach_scale_layers_', 'pca_factorize', 'reconstruction_curve',
+           'reconstruction_metrics', 'save_pca_mats', 'load_pca_mats', 'TanhGELUMLP', 'use_tanh_gelu_', 'gpt2_dropouts',
+           'from_hf_gpt2', 'LoRALinear', 'LoRAEmbedding', 'LoRATiedHead', 'apply_lora', 'lora_modules', 'merge_lora',
+           'unmerge_lora', 'lora_state', 'save_lora_adapters', 'load_lora_adapters', 'init_factorized_']
 
 # %% ../../nbs/model/24_pca.ipynb #17be3e1f
 @dataclass
@@ -51,7 +51,9 @@ def embedding_pca(E: torch.Tensor, # token table [V, d]
     return EmbeddingPCA(mu, Vh.T.contiguous(), S)
 
 # %% ../../nbs/model/24_pca.ipynb #1d99adf0
-def _no_scale_layers(m: GPT) -> bool: return not hasattr(m.transformer.tok, 'scale_up')
+def has_scale_layers(m: GPT) -> bool:
+    "Whether `m`'s token table is factorized (it has the `scale_up`/`scale_down` layers)."
+    return hasattr(m.transformer.tok, 'scale_up')
 
 # %% ../../nbs/model/24_pca.ipynb #1bcff1d9
 def attach_scale_layers_(model: GPT) -> GPT:
@@ -81,7 +83,7 @@ def pca_factorize(model: GPT, # a trained, unfactorized model of this package
     pca = pca or embedding_pca(E)
     new = GPT(cfg.replace(n_embd_wte=k), init_seed=0).to(E.device, E.dtype)
     tok = new.transformer.tok
-    if _no_scale_layers(new): attach_scale_layers_(new)  # k == n_embd: the model is not factorized by config
+    if not has_scale_layers(new): attach_scale_layers_(new)  # k == n_embd: the model is not factorized by config
     sd = {n: t for n, t in model.state_dict().items() if not n.startswith('transformer.tok.') and n != 'lm_head.weight'}
     missing, unexpected = new.load_state_dict(sd, strict=False)
     assert not unexpected and all(n.startswith('transformer.tok.') or n == 'lm_head.weight' for n in missing), (
@@ -157,7 +159,7 @@ def save_pca_mats(model: GPT, # a factorized model (e.g. from `pca_factorize`)
     "Write `wte_pca_k{k}.npy` and `scale_mats_pca_k{k}.npz` to `out_dir`; return both paths."
     if names not in ('ours', 'document'): raise ConfigError(f"save_pca_mats: names={names!r}; use 'ours' or 'document'")
     tok = model.transformer.tok
-    if _no_scale_layers(model):
+    if not has_scale_layers(model):
         raise ConfigError('save_pca_mats: model has no scale_up/scale_down; factorize it with pca_factorize first')
     out_dir = Path(out_dir); out_dir.mkdir(parents=True, exist_ok=True)
     k = tok.wte.weight.shape[1]
@@ -524,7 +526,7 @@ def init_factorized_(model: GPT, # a factorized model (n_embd_wte = k < n_embd)
     "Re-draw `scale_up` / `scale_down` of a factorized model in place (biases 0, `wte` unchanged); return it."
     if scheme not in FACTORIZED_INITS:
         raise ConfigError(f'init_factorized_: scheme={scheme!r}; choose from {FACTORIZED_INITS}')
-    if _no_scale_layers(model):
+    if not has_scale_layers(model):
         raise ConfigError('init_factorized_: the model has no scale_up/scale_down (n_embd_wte is not below n_embd)')
     if scheme == 'gpt': return model
     tok = model.transformer.tok

@@ -25,8 +25,8 @@ __all__ = ['PROJECT_ENV', 'PEOPLE_FORMATS', 'METRIC_LABELS', 'COLUMN_LABELS', 'S
            'PROVENANCE_KEYS', 'PER_RUN_FIELDS', 'project_root', 'find_batch_dir', 'load_runs', 'load_curves',
            'variant_table', 'compare', 'fmt', 'mean_of', 'mean_sd', 'people_number', 'people_table', 'axis_label',
            'column_label', 'variant_colors', 'log_ticks', 'plot_curves', 'formation_comparison', 'formed_count',
-           'seeds_needed', 'spread_interval', 'seeds_range', 'batch_command', 'seeds_command', 'read_precision',
-           'precision_answer', 'precision_answers', 'safe_markdown', 'safe_table', 'provenance_table',
+           'seeds_needed', 'spread_interval', 'seeds_range', 'batch_command', 'seeds_command', 'is_seed_list',
+           'read_precision', 'precision_answer', 'precision_answers', 'safe_markdown', 'safe_table', 'provenance_table',
            'hyperparameter_table', 'run_links', 'completed', 't_interval', 'interval_text', 'Comparison', 'paired',
            'threshold_verdict', 'difference_verdict', 'formation', 'formation_level', 'formation_note', 'convergence',
            'convergence_note', 'convergence_caveat', 'budget_text']
@@ -410,7 +410,7 @@ def _typed(v, typ) -> bool:
     if typ is float: return type(v) in (int, float) and math.isfinite(v)
     return type(v) is typ
 
-def _seed_list(v) -> bool: return isinstance(v, list) and all(type(s) is int and 0 <= s for s in v)
+def is_seed_list(v) -> bool: return isinstance(v, list) and all(type(s) is int and 0 <= s for s in v)
 
 def read_precision(batch_dir) -> tuple[dict | None, str]:
     "(precision.json's record, '') after checking every field, (None, '') without the file, (None, why) when it is bad."
@@ -419,7 +419,7 @@ def read_precision(batch_dir) -> tuple[dict | None, str]:
     r = read_json(p)
     if not isinstance(r, dict) or r.get('design') != 'stein': return None, 'is not a JSON record of a Stein design'
     if bad := [k for k, typ in _FIELDS.items() if not _typed(r.get(k), typ)]: return None, f'has a bad {bad[0]!r}'
-    if not all(_seed_list(r.get(k)) for k in ('pilot_seeds', 'seeds', 'missing_seeds')): return None, 'has bad seeds'
+    if not all(is_seed_list(r.get(k)) for k in ('pilot_seeds', 'seeds', 'missing_seeds')): return None, 'has bad seeds'
     if r['n0'] < 2 or not 0 < r['confidence'] < 1: return None, 'has a pilot of fewer than 2 seeds or a bad confidence'
     if any(r.get(k) is not None and not _typed(r[k], float) for k in ('mean', 'low', 'high')):
         return None, 'has a bad interval'

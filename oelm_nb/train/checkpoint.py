@@ -14,15 +14,16 @@ from safetensors.torch import save_file, load_file, save_model
 from ..base.rundir import write_atomic, fsync_dir, pid_alive, RecoveryWarning
 
 # %% auto #0
-__all__ = ['CheckpointError', 'save_checkpoint', 'list_checkpoints', 'read_checkpoint_meta', 'check_trainer_meta', 'load_weights',
-           'prune_checkpoints', 'clean_leftovers', 'read_checkpoint', 'set_aside']
+__all__ = ['CheckpointError', 'optimizer_to_flat', 'optimizer_from_flat', 'restore_rng_state', 'point_link', 'save_checkpoint',
+           'list_checkpoints', 'read_checkpoint_meta', 'check_trainer_meta', 'load_weights', 'prune_checkpoints',
+           'clean_leftovers', 'read_checkpoint', 'set_aside']
 
 # %% ../../nbs/train/40_checkpoint.ipynb #887c8d36
 class CheckpointError(RuntimeError):
     "A checkpoint is missing, unreadable or could not be written: the message names the file, the problem and the fix."
 
 # %% ../../nbs/train/40_checkpoint.ipynb #ad8125bf
-def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for idx, st in sd['state'].items():
@@ -32,7 +33,7 @@ def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     return tensors, {'param_groups': sd['param_groups'], 'scalars': scalars}
 
 # %% ../../nbs/train/40_checkpoint.ipynb #53077258
-def _optimizer_from_flat(tensors: dict, meta: dict) -> dict:
+def optimizer_from_flat(tensors: dict, meta: dict) -> dict:
     state: dict = {}
     for key, v in tensors.items():
         idx, k = key.split('.', 1); state.setdefault(int(idx), {})[k] = v
@@ -49,7 +50,7 @@ def _rng_state(per_rank: list | None = None) -> dict:
     return st
 
 # %% ../../nbs/train/40_checkpoint.ipynb #c119e08d
-def _set_rng_state(st: dict, rank: int = 0):
+def restore_rng_state(st: dict, rank: int = 0):
     torch.set_rng_state(st.get(f'torch_cpu_rank{rank}', st['torch_cpu']))
     cuda = [st[k] for k in sorted((k for k in st if k.startswith('cuda_')), key=lambda k: int(k[5:]))]
     if cuda and torch.cuda.is_available(): torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
@@ -60,7 +61,7 @@ _TMP_DIR = re.compile(r'\.tmp-(?:old-)?(?P<name>step_\d+)-(?P<pid>\d+)')
 _TMP_FILE = re.compile(r'\.(?P<name>.+)\.tmp(?P<pid>\d+)')                # a file or link being replaced
 
 # %% ../../nbs/train/40_checkpoint.ipynb #42c18169
-def _point(link: Path, target: str):
+def point_link(link: Path, target: str):
     "Atomically make `link` a symlink to `target` (a sibling directory name)."
     tmp = link.with_name(f'.{link.name}.tmp{os.getpid()}')
     if tmp.is_symlink() or tmp.exists(): tmp.unlink()
@@ -85,7 +86,7 @@ def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], o
         tmp.mkdir()
         for key, mod in modules.items(): save_model(mod, str(tmp / f'{key}.safetensors'))
         if opt is not None:
-            tensors, ometa = _optimizer_to_flat(opt)
+            tensors, ometa = optimizer_to_flat(opt)
             save_file(tensors, str(tmp / 'optimizer.safetensors')); meta = {**meta, 'optimizer': ometa}
         save_file(_rng_state(rank_rng), str(tmp / 'rng.safetensors'))
         write_atomic(tmp / 'meta.json', json.dumps({**meta, 'step': step}, indent=1, default=str))
@@ -174,9 +175,8 @@ def check_trainer_meta(meta: dict, # a checkpoint's meta.json, as read by `read_
         rules.append(('optimizer', _optimizer_meta_ok(meta['optimizer']),
                       "an object {'param_groups': [{'params': [integers], ...}], "
                       "'scalars': {'<index>.<name>': value}}"))
-    if 'divergence' in meta:
-        rules.append(('divergence', _divergence_meta_ok(meta['divergence']),
-                      "an object {'recent_losses': [finite numbers], 'ref_rms': a finite number >= 0 or null}"))
+    rules.append(('divergence', _divergence_meta_ok(meta.get('divergence')),
+                  "an object {'recent_losses': [finite numbers], 'ref_rms': a finite number >= 0 or null}"))
     for key, ok, want in rules:
         if not ok: raise CheckpointError(
             f"{path}: field {key!r} must be {want}, got {str(meta.get(key, '<missing>'))[:80]}; "
@@ -304,12 +304,12 @@ def _free_name(path: Path) -> Path:
 def _repair_links(root: Path, resumed: str, best_step: int | None):
     """After resuming from `resumed`: `latest` points at it; a `best`/`final` link whose target is gone moves to the
     best step on disk, or goes."""
-    _point(root / 'latest', resumed)
+    point_link(root / 'latest', resumed)
     for tag in ('best', 'final'):
         link = root / tag
         if not link.is_symlink() or (root / os.readlink(link) / 'meta.json').exists(): continue
         target = f'step_{best_step:07d}' if tag == 'best' and best_step is not None else None
-        if target and (root / target / 'meta.json').exists(): _point(link, target)
+        if target and (root / target / 'meta.json').exists(): point_link(link, target)
         else: link.unlink()
 
 # %% ../../nbs/train/40_checkpoint.ipynb #4be86b4e

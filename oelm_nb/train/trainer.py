@@ -26,11 +26,11 @@ from ..model.gpt import GPT
 from ..data.corpus import TokenData, batch as make_batch
 from ..base.rundir import config_diff, describe_diff, fingerprint, record_config, recorded_config, RunMismatch
 from .checkpoint import (CheckpointError, save_checkpoint, list_checkpoints, read_checkpoint, set_aside,
-                                      prune_checkpoints, clean_leftovers, _point, _optimizer_from_flat, _set_rng_state)
+                                      prune_checkpoints, clean_leftovers, point_link, optimizer_from_flat, restore_rng_state)
 from ..base.metrics import MetricsLog
 from .checkpoint import load_weights  # re-exported: the PCA, CVFP and Mercator studies import it from here
 from ..base.metrics import read_metrics     # re-exported: studies and nbs/experiments import it from here
-from ..model.freeze import attention_layers
+from ..model.freeze import attention_layers, qk_group
 from ..model.device import is_oom
 
 # %% auto #0
@@ -141,7 +141,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
                     extra: dict[str, tuple[nn.Module, float]] | None = None, # name -> (module, lr multiplier)
                    ) -> torch.optim.AdamW:
     "AdamW with decay on >=2-D tensors only; frozen tensors are never included."
-    late = {id(p) for layer in (schedule.done if schedule else []) for p in _qk_params(model, layer)}
+    late = {id(p) for layer in (schedule.done if schedule else []) for p in qk_group(model, layer)['params']}
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in late]
     groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay, 'name': 'decay'},
               {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0, 'name': 'no_decay'}]
@@ -163,10 +163,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
                 'lr_scale': scale,
             }
         )
-    for layer in (schedule.done if schedule else []):
-        groups.append(
-            {'params': _qk_params(model, layer), 'weight_decay': cfg.weight_decay, 'name': f'unfrozen_qk_{layer}'}
-        )
+    groups += [qk_group(model, layer, cfg.weight_decay) for layer in (schedule.done if schedule else [])]
     return torch.optim.AdamW(
         groups,
         lr=cfg.lr,
@@ -174,11 +171,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
         eps=cfg.eps,
         **({'fused': True} if use_fused_adamw([p for g in groups for p in g['params']], cfg) else {}),
     )
-
-# %% ../../nbs/train/42_trainer.ipynb #975ef0e8
-def _qk_params(model, layer):
-    a = attention_layers(model)[layer]
-    return [p for p in (a.q_proj.weight, a.k_proj.weight) if isinstance(p, nn.Parameter)]
 
 # %% ../../nbs/train/42_trainer.ipynb #0811d218
 def set_lr(opt: torch.optim.Optimizer, lr: float):
@@ -435,10 +427,9 @@ def _commit_checkpoint(self: Trainer, state: dict):
         mod.load_state_dict(state['weights'][key], strict=False)  # names and shapes were checked when read
     self.step, self.tokens, self.best = meta['step'], meta['tokens'], meta['best']
     self._resumed_opt, self._resumed_rng, self._resumed_from = state['opt'], state['rng'], state['path']
-    div = meta.get('divergence', {})
-    self._recent_losses = [float(x) for x in div.get('recent_losses', [])][-LOSS_WINDOW:]
-    # None (a checkpoint from before the rule): `_start_fit` takes it from these weights
-    self._ref_rms = div.get('ref_rms')
+    div = meta['divergence']  # required by `check_trainer_meta`
+    self._recent_losses = [float(x) for x in div['recent_losses']][-LOSS_WINDOW:]
+    self._ref_rms = div['ref_rms']  # None (saved before `fit`): `_start_fit` takes it from these weights
 
 # %% ../../nbs/train/42_trainer.ipynb #f5948d26
 @patch
@@ -470,10 +461,8 @@ def config(self: Trainer) -> dict:
 
 # %% ../../nbs/train/42_trainer.ipynb #8a09466e
 def checkpoint_fingerprint(meta: dict) -> str | None:
-    "The fingerprint of the configuration a checkpoint was trained with (older checkpoints carry the configuration)."
-    if 'config_fingerprint' in meta: return meta['config_fingerprint']
-    if 'train_config' in meta: return fingerprint({**(meta.get('run_config') or {}), 'train': meta['train_config']})
-    return None
+    "The fingerprint of the configuration a checkpoint was trained with (None when it records none)."
+    return meta.get('config_fingerprint')
 
 # %% ../../nbs/train/42_trainer.ipynb #ae4d9a4b
 @patch
@@ -515,9 +504,9 @@ def save(self: Trainer, tag: str | None = None, # 'best' or 'final': that link a
     if self._saved_step != self.step or not path.exists():  # a step is written once, even if it is also 'best'
         path = save_checkpoint(self.ckpt_root, self.step, self._checkpoint_modules(), self.opt, self._meta(), rank_rng)
         self._saved_step = self.step
-    _point(self.ckpt_root / 'latest', path.name)
-    if tag: _point(self.ckpt_root / tag, path.name)
-    if tag == 'final' and self.best['step'] == self.step: _point(self.ckpt_root / 'best', path.name)
+    point_link(self.ckpt_root / 'latest', path.name)
+    if tag: point_link(self.ckpt_root / tag, path.name)
+    if tag == 'final' and self.best['step'] == self.step: point_link(self.ckpt_root / 'best', path.name)
     prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
     return path
 
@@ -622,13 +611,13 @@ def _start_fit(self: Trainer, resume: bool) -> MetricsLog:
     if resumed:
         if self._resumed_opt is not None:
             try:
-                self.opt.load_state_dict(_optimizer_from_flat(*self._resumed_opt))
+                self.opt.load_state_dict(optimizer_from_flat(*self._resumed_opt))
             except (ValueError, KeyError, RuntimeError) as e:
                 raise CheckpointError(
                     f"{self._resumed_from}/optimizer.safetensors does not fit this run's optimizer ({e}); "
                     "was the checkpoint written with another configuration?"
                 ) from None
-        _set_rng_state(self._resumed_rng, self.dist.rank)
+        restore_rng_state(self._resumed_rng, self.dist.rank)
     # rule (c)'s reference: the start of training
     if self._ref_rms is None: self._ref_rms = param_rms(self._trained_params())
     self._wrap()
@@ -654,11 +643,6 @@ def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoin
        ) -> dict:
     """Train to `max_steps` (resuming from the latest checkpoint if any); returns the summary. The caller owns out_dir:
     a study's run holds its lock (`experiment.run_spec`)."""
-    return self._fit(resume, until)
-
-# %% ../../nbs/train/42_trainer.ipynb #11091dd5
-@patch
-def _fit(self: Trainer, resume: bool, until: int | None) -> dict:
     cfg = self.cfg
     log = self._start_fit(resume)
     bar = tqdm(

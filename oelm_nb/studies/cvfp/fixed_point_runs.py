@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from ...data.corpus import load_split
 from .fixed_point import AGREEMENT_FIXED, GUIDELINES_AGREEMENT, compare_contexts, shift
 from .method import (CVFPConfig, CVFPModel, DIVERSITY_LOSSES, context_scan, effective_rank,
-    train_phase1, train_phase2, val_effective_rank, _parallel_pass, _phase1_step, _sequential_pass, _settled)
+    train_phase1, train_phase2, val_effective_rank, parallel_pass, phase1_step, sequential_pass, settle_previous)
 from .study import first_stories, select_val_tokens
 
 # %% auto #0
@@ -102,12 +102,12 @@ def phase1_curves(m: CVFPModel, # a fresh model: Phase 1 trains its ContextBlock
     e, carry, previous = m.embed(ids), m.zero_context(), None
     for it in range(iterations):
         rec = {'iteration': it}
-        if previous is None: ctx = _sequential_pass(block, e, carry, grad=False)[-1]
+        if previous is None: ctx = sequential_pass(block, e, carry, grad=False)[-1]
         else:
-            x, rec['settle_sweeps'] = _settled(block, e, carry, previous, cfg) if cfg.parallel else (previous, 0)
-            outs = (_parallel_pass(block, e, carry, x, grad=True) if cfg.parallel
-                    else _sequential_pass(block, e, carry, grad=True))
-            ctx, terms = _phase1_step(opt, cfg, outs[-1], previous, div_fn)
+            x, rec['settle_sweeps'] = settle_previous(block, e, carry, previous, cfg) if cfg.parallel else (previous, 0)
+            outs = (parallel_pass(block, e, carry, x, grad=True) if cfg.parallel
+                    else sequential_pass(block, e, carry, grad=True))
+            ctx, terms = phase1_step(opt, cfg, outs[-1], previous, div_fn)
             change = ((ctx - previous) ** 2).mean(-1)
             rec.update(cvfp=terms['cvfp'], diversity=terms['diversity'],
                        converged_1e3=(change < 1e-3).float().mean().item(),
@@ -210,7 +210,7 @@ def study_run(m: CVFPModel, # a fresh model
     block, e = m.context_block, m.embed(ids)
     ag = lambda par, start: compare_contexts(par[:-1], context_scan(block, e[:-1], start)[-1])
     with torch.no_grad():  # Phase 2's cache before: one parallel sweep of the final weights
-        old_cache = _parallel_pass(block, e, r.final_start, r.iterate, grad=False)
+        old_cache = parallel_pass(block, e, r.final_start, r.iterate, grad=False)
     kept = r.history[r.best_iteration] if r.best_iteration is not None else r.history[-1]
     row = {'iterations': r.iterations, 'kept_iteration': r.best_iteration, 'phase1_s': r.seconds,
            'agreement': ag(r.iterate, r.iterate_start).as_dict(),

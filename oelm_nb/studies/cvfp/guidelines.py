@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from ...report.tables import fmt, mean_of, mean_sd
-from .report import Run, _done, _na, cvfp_runs, small_num
+from .report import Run, completed_with, any_none, cvfp_runs, small_num
 
 # %% auto #0
 __all__ = ['GUIDELINES_EMBEDDING', 'GUIDELINES_PHASE1', 'GUIDELINES_TABLE', 'embedding_table', 'embedding_sentence',
@@ -35,7 +35,7 @@ def embedding_table(runs) -> pd.DataFrame:
         fs, ts = f.summary, t.summary
         ch = (
             None
-            if _na(fs.get('final_val_ppl'), ts.get('final_val_ppl'))
+            if any_none(fs.get('final_val_ppl'), ts.get('final_val_ppl'))
             else 100 * (fs['final_val_ppl'] - ts['final_val_ppl']) / ts['final_val_ppl']
         )
         rows.append(
@@ -59,7 +59,7 @@ def embedding_sentence(runs) -> str:
     """Whether freezing the embedding gives the lower final validation PPL, in how many pairs and by how much, beside
     the New-LLM guidelines."""
     ps = [(f.summary['final_val_ppl'], t.summary['final_val_ppl']) for f, t in _pairs(runs)
-          if not _na(f.summary.get('final_val_ppl'), t.summary.get('final_val_ppl'))]
+          if not any_none(f.summary.get('final_val_ppl'), t.summary.get('final_val_ppl'))]
     g = '; '.join(
         f"{n:,} samples: frozen {v['frozen']:.2f} vs trained {v['trained']:.2f}"
         f" ({100 * (v['frozen'] - v['trained']) / v['trained']:+.1f}%)"
@@ -90,7 +90,7 @@ GUIDELINES_TABLE = {'MCDL': {'val PPL': 289.1, 'val acc %': 20.3, 'alpha': -0.42
 # %% ../../../nbs/studies/cvfp/76_guidelines.ipynb #d802d750
 def layers_sentence(runs) -> str:
     "Which CVFP and speed runs break the New-LLM guidelines' num_layers = 1 rule, or that none does."
-    rs = cvfp_runs(runs, None) + _done(runs, 'speedup')
+    rs = cvfp_runs(runs, None) + completed_with(runs, 'speedup')
     if not rs: return 'No completed CVFP run.'
     # a summary without the field predates the rule's check
     bad = [r for r in rs if r.summary.get('num_layers', 1) != 1]
@@ -269,6 +269,6 @@ def er_table(runs) -> pd.DataFrame:
             k = f'{part}_er_percent'
             for alg in ('MCDL', 'ODCM'): row[f'{part} ER % {alg}'] = cell(d.get(alg), k)
             o, m = mean(d.get('ODCM'), k), mean(d.get('MCDL'), k)
-            row[f'{part} ER ODCM - MCDL'] = 'n/a' if _na(o, m) else f'{o - m:+.1f}'
+            row[f'{part} ER ODCM - MCDL'] = 'n/a' if any_none(o, m) else f'{o - m:+.1f}'
         rows.append(row)
     return pd.DataFrame(rows).set_index('stories') if rows else pd.DataFrame()

@@ -21,8 +21,9 @@ from .fixed_point import settle, one_thread
 __all__ = ['DIVERSITY_LOSSES', 'CVFP_PRESETS', 'cvfp_loss', 'mcdl_loss', 'odcm_loss', 'odcm_cov_loss', 'combined_loss',
            'EffectiveRank', 'effective_rank', 'CVFPConfig', 'cvfp_config', 'ContextLayer', 'TokenLayer', 'ContextBlock',
            'TokenBlock', 'CVFPModel', 'context_scan', 'build_context_cache', 'logits_from_cache', 'Phase1Result',
-           'val_effective_rank', 'train_phase1', 'markov_tokens', 'BatchSizing', 'per_token_bytes', 'phase2_batch_size',
-           'Phase2Result', 'freeze_context_block', 'evaluate_cached', 'train_phase2']
+           'sequential_pass', 'parallel_pass', 'settle_previous', 'val_effective_rank', 'phase1_step', 'train_phase1',
+           'markov_tokens', 'BatchSizing', 'per_token_bytes', 'phase2_batch_size', 'Phase2Result',
+           'freeze_context_block', 'evaluate_cached', 'train_phase2']
 
 # %% ../../../nbs/studies/cvfp/71_method.ipynb #470cd943
 def cvfp_loss(context: torch.Tensor, # (N, C) contexts of this iteration
@@ -338,7 +339,7 @@ class Phase1Result:
         )
 
 # %% ../../../nbs/studies/cvfp/71_method.ipynb #4b23d402
-def _sequential_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, grad: bool) -> list[torch.Tensor]:
+def sequential_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, grad: bool) -> list[torch.Tensor]:
     "Tokens one by one from `start`, detaching the context between tokens; L x (N, C)."
     ctx, outs = start, [[] for _ in block.layers]
     with torch.set_grad_enabled(grad), one_thread():
@@ -349,13 +350,13 @@ def _sequential_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, 
     return [torch.cat(o) for o in outs]
 
 # %% ../../../nbs/studies/cvfp/71_method.ipynb #2539e4bd
-def _parallel_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, previous: torch.Tensor,
+def parallel_pass(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, previous: torch.Tensor,
                    grad: bool) -> list[torch.Tensor]:
     "All tokens at once; token i reads previous[i-1], token 0 reads `start`."
     shifted = torch.cat([start, previous[:-1]])  # (N, C)
     with torch.set_grad_enabled(grad): return block(shifted, e)
 
-def _settled(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, previous: torch.Tensor,
+def settle_previous(block: ContextBlock, e: torch.Tensor, start: torch.Tensor, previous: torch.Tensor,
              cfg: CVFPConfig) -> tuple[torch.Tensor, int]:
     "`previous` settled onto the fixed point of the block's current weights (`fixed_point.settle`); sweeps run."
     return settle(lambda c, t: block(c, t)[-1], e, start, previous, cfg.phase1_settle_sweeps, cfg.phase1_settle_tol)
@@ -367,7 +368,7 @@ def val_effective_rank(model: CVFPModel, ids: torch.Tensor) -> EffectiveRank:  #
     return effective_rank(build_context_cache(model, ids)[-1])
 
 # %% ../../../nbs/studies/cvfp/71_method.ipynb #5ee8eac1
-def _phase1_step(opt: torch.optim.Optimizer, cfg: CVFPConfig,
+def phase1_step(opt: torch.optim.Optimizer, cfg: CVFPConfig,
                  ctx: torch.Tensor, # (N, C) this iteration's final-layer contexts
                  previous: torch.Tensor, # (N, C) the previous iteration's
                  div_fn: Callable) -> tuple[torch.Tensor, dict]:
@@ -427,12 +428,12 @@ def train_phase1(model: CVFPModel,
     for it in range(max_iterations or cfg.phase1_max_iterations):
         t0, learn, rec = time.perf_counter(), previous is not None, {'iteration': it}
         if parallel and learn:  # one learning sweep from the fixed point of the current weights
-            x, rec['settle_sweeps'] = _settled(block, e, carry, previous, cfg)
-            outs = _parallel_pass(block, e, carry, x, grad=True)
-        else: outs = _sequential_pass(block, e, carry, grad=learn)
+            x, rec['settle_sweeps'] = settle_previous(block, e, carry, previous, cfg)
+            outs = parallel_pass(block, e, carry, x, grad=True)
+        else: outs = sequential_pass(block, e, carry, grad=learn)
         ctx = outs[-1]
         if learn:
-            ctx, terms = _phase1_step(opt, cfg, ctx, previous, div_fn)
+            ctx, terms = phase1_step(opt, cfg, ctx, previous, div_fn)
             rec.update(terms); converged = terms['converged']
         if track_rank: rec['effective_rank'] = effective_rank(ctx).percent
         rec['seconds'] = time.perf_counter() - t0
@@ -453,7 +454,7 @@ def train_phase1(model: CVFPModel,
         _, state, previous, carry, converged, start = best
         block.load_state_dict(state)
     block.eval()
-    final_outs = _sequential_pass(block, e, carry, grad=False)  # the final weights' fixed point: Phase 2 reads it
+    final_outs = sequential_pass(block, e, carry, grad=False)  # the final weights' fixed point: Phase 2 reads it
     return Phase1Result([o.detach() for o in final_outs], history, len(history), converged, n, carry, parallel, seconds,
                         stop, None if best is None else best[0], previous, start)
 

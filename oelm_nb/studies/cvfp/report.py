@@ -22,12 +22,13 @@ from ...report.page import budget_text, seeds_text
 
 # %% auto #0
 __all__ = ['SPEEDUP_TARGET', 'OLD_PATIENCE', 'CHECKS', 'TIMINGS', 'CVFP_BUDGET', 'SPEED_BUDGET', 'COUNT', 'ONE_SEED',
-           'SHARED_CPU', 'CVFP_FAMILY', 'Run', 'table_runs', 'batch_runs', 'is_cvfp_summary', 'cvfp_runs', 'er_text',
-           'rate_text', 'small_num', 'runs_table', 'runs_sentence', 'embed_table', 'speed_table', 'speed_sentences',
-           'phase1_table', 'phase1_sentence', 'replay_early_stopping', 'iteration_table', 'iteration_sentence',
-           'check_verdict', 'crit_value', 'checks_table', 'check_details', 'checks_counts', 'checks_summary',
-           'agreement_sentence', 'coverage_table', 'coverage_sentence', 'phase1_curves', 'phase2_curves',
-           'phase2_table', 'timing_table', 'er_frame', 'er_comparison', 'speed_comparison', 'cvfp_answers']
+           'SHARED_CPU', 'CVFP_FAMILY', 'Run', 'table_runs', 'batch_runs', 'completed_with', 'is_cvfp_summary',
+           'cvfp_runs', 'any_none', 'er_text', 'rate_text', 'small_num', 'runs_table', 'runs_sentence', 'embed_table',
+           'speed_table', 'speed_sentences', 'phase1_table', 'phase1_sentence', 'replay_early_stopping',
+           'iteration_table', 'iteration_sentence', 'check_verdict', 'crit_value', 'checks_table', 'check_details',
+           'checks_counts', 'checks_summary', 'agreement_sentence', 'coverage_table', 'coverage_sentence',
+           'phase1_curves', 'phase2_curves', 'phase2_table', 'timing_table', 'er_frame', 'er_comparison',
+           'speed_comparison', 'cvfp_answers']
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b74e1bc8
 class Run(NamedTuple):
@@ -57,7 +58,7 @@ def _runs(runs) -> list[Run]:
     return runs if isinstance(runs, list) else table_runs(runs) if isinstance(runs, pd.DataFrame) else batch_runs(runs)
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #d4998783
-def _done(runs, key: str) -> list[Run]:
+def completed_with(runs, key: str) -> list[Run]:
     return [r for r in _runs(runs) if r.status == 'completed' and r.summary.get(key) is not None]
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b41f8532
@@ -83,17 +84,17 @@ def cvfp_runs(runs, trained_embedding: bool | None = False,
     )
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #624b3532
-def _na(*xs) -> bool: return any(x is None for x in xs)
+def any_none(*xs) -> bool: return any(x is None for x in xs)
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b673cac8
 def er_text(v, d, p) -> str:
     "Effective rank as value/dim (percent)."
-    return 'n/a' if _na(v, d, p) else f'{v:.2f}/{d} ({p:.1f}%)'
+    return 'n/a' if any_none(v, d, p) else f'{v:.2f}/{d} ({p:.1f}%)'
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b312f249
 def rate_text(p, k, n) -> str:
     "A convergence rate with its token counts."
-    return 'n/a' if _na(p, k, n) else f'{p:.1f}% ({k:,}/{n:,} tokens)'
+    return 'n/a' if any_none(p, k, n) else f'{p:.1f}% ({k:,}/{n:,} tokens)'
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #4e042411
 def small_num(x) -> str:
@@ -139,7 +140,7 @@ def embed_table(runs) -> pd.DataFrame:
             'GPT steps': s.get('steps'),
             'GPT best val PPL': f"{s['best_val_ppl']:.2f}" if s.get('best_val_ppl') else 'n/a',
         }
-        for r in _done(runs, 'embedding_source')
+        for r in completed_with(runs, 'embedding_source')
         for s in [r.summary]
     ]
     return pd.DataFrame(rows).set_index('seed') if rows else pd.DataFrame()
@@ -151,7 +152,7 @@ SPEEDUP_TARGET = 10 # the issue's speed-up of parallel over sequential Phase 1 o
 def speed_table(runs) -> pd.DataFrame:
     "Sequential and parallel Phase 1 of each speed run: tokens, iterations, seconds, effective ranks, convergence."
     rows = []
-    for r in _done(runs, 'speedup'):
+    for r in completed_with(runs, 'speedup'):
         s = r.summary; g = lambda k: s.get(k)
         for v in ('sequential', 'parallel'):
             rows.append(
@@ -175,7 +176,7 @@ def speed_sentences(runs) -> list[str]:
     """Per seed: how much faster parallel Phase 1 is, whether that meets SPEEDUP_TARGET, the effective ranks of both,
     and how close parallel and sequential contexts are."""
     out = []
-    for r in _done(runs, 'speedup'):
+    for r in completed_with(runs, 'speedup'):
         s = r.summary; e = lambda v, w: er_text(s.get(f'{v}_{w}_er'), s.get('er_dim'), s.get(f'{v}_{w}_er_percent'))
         out.append(
             f"**Seed {r.seed}: parallel Phase 1 is {s['speedup']:.1f}x faster** than sequential on"
@@ -586,7 +587,7 @@ def er_comparison(runs) -> Comparison | None:
 def speed_comparison(runs) -> Comparison | None:
     "Q2's paired comparison: sequential vs parallel Phase 1 seconds of each seed's speed run (relative: log scale)."
     sp = pd.DataFrame([{'seed': r.seed, 'sequential': r.summary.get('sequential_s'), 'parallel': r.summary.get('parallel_s')}
-                       for r in _done(runs, 'speedup')], columns=['seed', 'sequential', 'parallel']).set_index('seed')
+                       for r in completed_with(runs, 'speedup')], columns=['seed', 'sequential', 'parallel']).set_index('seed')
     return paired(sp.sequential.astype(float), sp.parallel.astype(float), 'Phase 1 seconds', 'sequential', 'parallel')
 
 # %% ../../../nbs/studies/cvfp/74_report.ipynb #b9176805
@@ -605,7 +606,7 @@ def cvfp_answers(runs) -> list[Answer]:
     """Q1-Q4 of the report through the evidence kit, from a runs table (`report.load_runs`) or a batch directory: ODCM
     vs MCDL effective rank, the parallel speed-up, the three checks and the fixed point."""
     table = runs if isinstance(runs, pd.DataFrame) else load_runs(runs)
-    rs = table_runs(table); cv = cvfp_runs(rs); sp = _done(rs, 'speedup')
+    rs = table_runs(table); cv = cvfp_runs(rs); sp = completed_with(rs, 'speedup')
     cmd = batch_command(_batch_dir(table) if isinstance(runs, pd.DataFrame) else runs, study='cvfp')
     names = list(dict.fromkeys(r.variant for r in cv))
     budget, seeds = budget_text(table, names, CVFP_BUDGET), seeds_text(table, names)

@@ -27,7 +27,7 @@ from .checks import phase1_evaluation, phase1_agreement
 __all__ = ['CVFP_KINDS', 'VAL_SELECTIONS', 'EMBEDDING_KEYS', 'DIVERSITY_DESCRIPTIONS', 'PHASE1_VERSIONS', 'CVFP', 'CVFPSettings',
            'first_stories', 'unseen_mask', 'select_val_tokens', 'load_embedding', 'embed_run', 'cvfp_run', 'speed_run',
            'run_cvfp', 'CVFPOptions', 'sample_schedule', 'sample_sizes', 'common_settings', 'cvfp_variants',
-           'cvfp_model', 'load_cvfp_model', 'plot_run', 'cvfp_main']
+           'cvfp_model', 'load_cvfp_model', 'cvfp_plot', 'cvfp_main']
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #ae03a7e7
 CVFP_KINDS = ('embed', 'phase1-speed', 'cvfp')
@@ -391,7 +391,7 @@ DIVERSITY_DESCRIPTIONS = {
         ' them). O(n d + d^2).'
     ),
     'ODCM-cov': (
-        'ODCM without its variance term (this package\'s ODCM before issue 15, for comparison): sum of squared'
+        'ODCM without its variance term (for comparison): sum of squared'
         ' off-diagonal cov entries / d; nothing keeps the contexts from shrinking. O(n d + d^2).'
     ),
 }
@@ -525,7 +525,7 @@ def load_cvfp_model(spec: RunSpec, find_checkpoint):
     )
 
 # %% ../../../nbs/studies/cvfp/73_study.ipynb #94c00619
-def plot_run(spec: RunSpec, summary: dict):
+def cvfp_plot(spec: RunSpec, summary: dict):
     "A CVFP-study run's curves, by its kind: the embedding GPT's, Phase 1's timing, or Phase 1 and Phase 2 of a CVFP run."
     import matplotlib.pyplot as plt
     from oelm_nb.base.metrics import read_metrics
@@ -573,7 +573,7 @@ CVFP = Study(
     title='CVFP',
     answers='oelm_nb.studies.cvfp.report:cvfp_answers',  # the report chapter's, imported on first use
     build_model=cvfp_model,
-    plot=plot_run,
+    plot=cvfp_plot,
     load_model=load_cvfp_model,
     name='cvfp',
     description=(

@@ -71,7 +71,7 @@ def record_text(rec: dict, field: str | None = None) -> str:
     for keys in (('text',), ('question', 'answer'), ('prompt', 'completion'), ('prompt', 'response'),
                  ('instruction', 'output')):
         if all(k in rec for k in keys): return '\n'.join(str(rec[k]) for k in keys)
-    raise ConfigError(f"cannot tell which field holds the text among {sorted(rec)}; set --set extra.text_field=NAME")
+    raise ConfigError(f"cannot tell which field holds the text among {sorted(rec)}; set --set settings.text_field=NAME")
 
 # %% ../../../nbs/studies/mercator/82_hf.ipynb #0f0d6bbc
 def _file_records(p: Path) -> list[dict]:

@@ -19,8 +19,8 @@ from ...model.gpt import GPT
 __all__ = ['LOSSES', 'MERCATOR_PRESETS', 'STAGES', 'STAGE_BOUNDS', 'PASS_LINES', 'PASS_LABELS', 'COLLAPSE_GAP', 'safe_norm',
            'cosine', 'mercator_loss', 'center', 'mse_loss', 'logit_kd_loss', 'MercatorConfig', 'mercator_config',
            'ElasticBottleneck', 'KVProjector', 'stage_index', 'cosine_stage', 'centered_cosine', 'pass_label',
-           'collapsed', 'gpt_kv', 'cache_layers', 'hf_kv', 'extract_kv', 'flatten_heads', 'kv_width', 'layer_map',
-           'ModelLoadError', 'load_causal_lm', 'distill_hook', 'kv_projector']
+           'collapsed', 'unwrap_model', 'gpt_kv', 'cache_layers', 'hf_kv', 'extract_kv', 'flatten_heads', 'kv_width',
+           'layer_map', 'ModelLoadError', 'load_causal_lm', 'freeze_teacher', 'distill_hook', 'kv_projector']
 
 # %% ../../../nbs/studies/mercator/80_method.ipynb #503f8a3c
 def safe_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -234,7 +234,7 @@ def collapsed(raw: float, centered: float, gap: float = COLLAPSE_GAP) -> bool:
     return bool(raw - centered > gap)
 
 # %% ../../../nbs/studies/mercator/80_method.ipynb #14507f47
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     "The module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."
     while True:
         inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
@@ -247,7 +247,7 @@ def gpt_kv(model: nn.Module, # a GPT of this package (possibly wrapped)
           ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     "Logits (B, T, V) and per layer (k, v), each (B, n_head, T, head_dim), from hooks on k_proj/v_proj."
     caught, hooks = {}, []
-    blocks = _unwrap(model).transformer.h
+    blocks = unwrap_model(model).transformer.h
     for i, block in enumerate(blocks):
         a = block.attn
         for kind in ('k', 'v'):
@@ -278,7 +278,7 @@ def hf_kv(model: nn.Module, # a transformers causal LM
 # %% ../../../nbs/studies/mercator/80_method.ipynb #9119189a
 def extract_kv(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor | None = None):
     "`gpt_kv` for a GPT of this package, `hf_kv` for anything else."
-    return gpt_kv(model, idx) if isinstance(_unwrap(model), GPT) else hf_kv(model, idx, attention_mask)
+    return gpt_kv(model, idx) if isinstance(unwrap_model(model), GPT) else hf_kv(model, idx, attention_mask)
 
 # %% ../../../nbs/studies/mercator/80_method.ipynb #41bb7805
 def flatten_heads(kv: torch.Tensor) -> torch.Tensor:
@@ -289,7 +289,7 @@ def flatten_heads(kv: torch.Tensor) -> torch.Tensor:
 # %% ../../../nbs/studies/mercator/80_method.ipynb #2dcaf299
 def kv_width(model: nn.Module) -> tuple[int, int]:
     "(number of layers, per-token KV width n_kv_heads * head_dim) of a GPT of this package or a HF causal LM."
-    m = _unwrap(model)
+    m = unwrap_model(model)
     if isinstance(m, GPT): return m.cfg.n_layer, m.cfg.n_embd
     c = m.config
     head_dim = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
@@ -340,7 +340,7 @@ def load_causal_lm(name_or_path: str | Path, # a local directory with config.jso
         raise ModelLoadError(f"could not load {str(p) if p.exists() else repr(str(name_or_path))}: {e}") from e
 
 # %% ../../../nbs/studies/mercator/80_method.ipynb #dbfa0b4a
-def _freeze_teacher(teacher: nn.Module) -> nn.Module:
+def freeze_teacher(teacher: nn.Module) -> nn.Module:
     teacher.eval()
     for p in teacher.parameters(): p.requires_grad_(False)
     return teacher
@@ -383,7 +383,7 @@ def distill_hook(teacher: nn.Module, # frozen teacher (GPT of this package or HF
     """A `Trainer` loss hook: student cross-entropy + weight x Mercator (or MSE) loss on mapped layers' K and V (+
     kd_weight x logit KD)."""
     cfg = cfg or MercatorConfig()
-    _freeze_teacher(teacher)
+    freeze_teacher(teacher)
     lmap, loss_fn = list(layer_map), cfg.loss_fn
 
     def hook(model: nn.Module, batch: tuple, step: int | None = None) -> tuple[torch.Tensor, dict]:

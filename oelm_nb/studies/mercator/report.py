@@ -172,7 +172,7 @@ def start_text(runs: pd.DataFrame) -> str:
                 "every student starts from it and fine-tunes")
     if 'student_hf' in [s for s in protocol_values(runs, 'start') if isinstance(s, str)]:
         return 'every student starts from the HF student checkpoint and fine-tunes'
-    return ('no pre-training run: the students start from their initial weights (an older batch, or start=scratch) '
+    return ('no pre-training run: the students start from their initial weights (start=scratch, or no `pretrain` run in the batch) '
             'and train')
 
 # %% ../../../nbs/studies/mercator/84_report.ipynb #9d6d01d6

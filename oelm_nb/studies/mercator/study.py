@@ -21,7 +21,7 @@ from ...base.rundir import read_json, run_name
 from ...model.gpt import GPT, model_config
 from .method import (MercatorConfig, KVProjector, kv_projector, distill_hook, kv_width, layer_map, load_causal_lm,
                              cosine, centered_cosine, cosine_stage, stage_index, pass_label, collapsed, extract_kv,
-                             flatten_heads, _freeze_teacher, _unwrap)
+                             flatten_heads, freeze_teacher, unwrap_model)
 from .gsm8k import gsm8k_accuracy
 from .hf import (resolve_checkpoint, resolve_dataset, load_records, load_texts, DocBatches,
                                  check_teacher_dtype, teacher_load_kwargs)
@@ -34,8 +34,8 @@ from ...data.corpus import synthetic_splits
 # %% auto #0
 __all__ = ['ROLES', 'TEACHER_DTYPES', 'STARTS', 'HF_SETTINGS', 'MERCATOR_TRAIN', 'PROJECTOR_RATIO', 'STUDENTS', 'MERCATOR',
            'MercatorSettings', 'teacher_model', 'distill_eval', 'lm_eval_batches', 'teacher_checkpoint', 'task_records',
-           'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants', 'plot_run',
-           'MercatorOptions']
+           'mercator_run', 'fine_tune_steps', 'fine_tune_schedule', 'mercator_common', 'mercator_variants',
+           'mercator_plot', 'MercatorOptions']
 
 # %% ../../../nbs/studies/mercator/83_study.ipynb #01cbcafb
 ROLES = ('teacher', 'pretrain', 'student')
@@ -178,7 +178,7 @@ def lm_eval_batches(model: nn.Module, batches: list[tuple]) -> dict:
     try:
         for x, y, *_ in batches:
             x, y = x.to(dev), y.to(dev)
-            m = _unwrap(model)
+            m = unwrap_model(model)
             # y = -1 exactly at padding
             logits = m(x)[0] if isinstance(m, GPT) else m(input_ids=x, attention_mask=(y != -1).long()).logits
             loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1,
@@ -387,7 +387,7 @@ def _hf_run(spec: RunSpec, ds: MercatorSettings, progress=None) -> dict:
     score = lambda m: gsm8k_accuracy(m, tok, tasks, ds.max_new_tokens) if tasks else {'task': None, 'task_acc': None}
     # HF mode: the teacher is given; check both load, and score the teacher on the validation sample and the task
     if ds.role == 'teacher':
-        ev = lm_eval_batches(_freeze_teacher(teacher), vb)
+        ev = lm_eval_batches(freeze_teacher(teacher), vb)
         return {'status': 'completed', 'role': 'teacher', **info, 'val_loss': ev['val_loss'],
                 'best_val_ppl': ev['val_ppl'],
                 'best_val_loss': ev['val_loss'], 'final_val_ppl': ev['val_ppl'], **score(teacher)}
@@ -511,7 +511,7 @@ def mercator_variants(preset: str, steps: int, options: dict) -> dict[str, Varia
     return {**out, **{name: student(name) for name in STUDENTS}}
 
 # %% ../../../nbs/studies/mercator/83_study.ipynb #3ea2c17c
-def plot_run(spec: RunSpec, summary: dict):
+def mercator_plot(spec: RunSpec, summary: dict):
     "A Mercator run's losses and, for a student, its KV cosines over the guide's stages (and their final stages, printed)."
     import matplotlib.pyplot as plt
     from oelm_nb.base.metrics import read_metrics
@@ -560,7 +560,7 @@ class MercatorOptions:
 MERCATOR = Study(
     title='Mercator',
     answers='oelm_nb.studies.mercator.report:mercator_answers',  # the report chapter's, imported on first use
-    plot=plot_run,
+    plot=mercator_plot,
     name='mercator',
     description='Mercator KV-cache distillation (the Mercator guide): '
                 'a pre-trained student fine-tuned with Mercator, MSE, logit KD or nothing',

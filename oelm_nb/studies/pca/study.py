@@ -37,7 +37,7 @@ __all__ = ['PCA_METHODS', 'REFERENCE_METHODS', 'PCA_KS', 'PCA_LORA', 'PCA_LORA_T
            'best_checkpoint', 'load_baseline', 'pca_run', 'with_method_k', 'method_means', 'ppl_table',
            'recovery_table', 'recovery_display', 'recovery_verdict', 'lora_vs_references', 'best_method_per_k',
            'params_table', 'lora_table', 'plot_vs_k', 'plot_explained_variance', 'plot_tradeoff', 'pca_model',
-           'load_pca_model', 'pca_answers', 'plot_run', 'PCAOptions', 'pca_main']
+           'load_pca_model', 'pca_answers', 'pca_plot', 'PCAOptions', 'pca_main']
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #8f134722
 PCA_METHODS = ('baseline', 'baseline-cont', 'lowrank', 'pca', 'pca-lora')
@@ -54,7 +54,7 @@ class PCASettings(ConfigBase):
     lora_alpha: float = 64.0 # LoRA alpha: the update is scaled by alpha / r
     lora_dropout: float = 0.1 # dropout on the adapters' input
     lora_targets: tuple = LORA_TARGETS # last name parts of the adapted modules
-    # init of scale_up / scale_down for lowrank (init_factorized_; 'gpt' = N(0, init_std), the old one)
+    # init of scale_up / scale_down for lowrank (init_factorized_; 'gpt' = N(0, init_std))
     lowrank_init: str = 'orthogonal'
 
     def __post_init__(self):
@@ -632,7 +632,7 @@ def pca_answers(runs: pd.DataFrame) -> list[Answer]:
                                             'common seed')], runs)  # a --precision batch: the sized comparison too
 
 # %% ../../../nbs/studies/pca/65_study.ipynb #5b439dd6
-def plot_run(spec: RunSpec, summary: dict):
+def pca_plot(spec: RunSpec, summary: dict):
     "A PCA-study run's learning curves and the baseline table's explained variance and reconstruction at this run's k."
     import matplotlib.pyplot as plt
     from oelm_nb.base.metrics import read_metrics
@@ -674,7 +674,7 @@ def pca_main(preset: str, steps: int, options: dict) -> tuple[str, str, str]:
 PCA = Study(
     title='PCA embeddings',
     build_model=pca_model,
-    plot=plot_run,
+    plot=pca_plot,
     name='pca', settings=PCASettings, variants=pca_variants, run=pca_run, load_model=load_pca_model,
     description='PCA embedding compression: low-rank from scratch vs PCA of a trained table vs PCA + LoRA, '
                 'against the baseline and the baseline continued (the PCA document)',

@@ -37,7 +37,7 @@ __all__ = ['H1_TEXT', 'H3_TEXT', 'R_SIDES', 'QK_FAMILY', 'LADDER', 'CONTROLS', '
            'delay_text', 'formation_answer', 'seeds_to_decide', 'trunks', 'ladder_answers', 'ladder_family',
            'convergence_caveat_line', 'qk_answers', 'hypotheses', 'timed_models', 'timing_rounds', 'interleaved_timing',
            'control_table', 'gap_text', 'results_table', 'pairwise_table', 'pairwise_sentence', 'tokens_per_run',
-           'scale_note', 'plot_run']
+           'scale_note', 'qk_plot']
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #fc9d084a
 def progressive_unfreeze_steps(n_layer: int, steps: int) -> tuple[int, ...]:
@@ -556,7 +556,7 @@ def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') ->
     )
 
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #b2957c54
-def plot_run(spec, # the run's `RunSpec`
+def qk_plot(spec, # the run's `RunSpec`
              summary: dict):
     "A run's train and validation loss, and its recall accuracy with the chance level where it measured one."
     import matplotlib.pyplot as plt
@@ -576,7 +576,7 @@ def plot_run(spec, # the run's `RunSpec`
 # %% ../../../nbs/studies/qk_freeze/61_study.ipynb #d54873c0
 QK_FREEZE = Study(
     title='Q/K freeze',
-    plot=plot_run,
+    plot=qk_plot,
     name='qk-freeze',
     description='Orthogonal and frozen attention Q/K (the Q/K freeze log), with controls for initial scale: '
                 'does freezing Q/K cost accuracy?',

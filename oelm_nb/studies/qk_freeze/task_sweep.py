@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 import pandas as pd
+from ...base.core import DataConfig
 from ...base.rundir import recorded_config
 from ...report.tables import load_runs, completed
 from ...report.convergence import formation
@@ -52,7 +53,7 @@ def _recipe(config: dict | None) -> dict:
     "The knobs a candidate varies, as a run recorded them (fields absent from older configs at their defaults)."
     c = config or {}
     d, t, m = c.get('data') or {}, c.get('train') or {}, c.get('model') or {}
-    return {'n_names': d.get('n_names', 3000), 'vocab_size': d.get('vocab_size'), 'steps': t.get('max_steps'),
+    return {'n_names': d.get('n_names', DataConfig.n_names), 'vocab_size': d.get('vocab_size'), 'steps': t.get('max_steps'),
             'lr': t.get('lr'), 'batch_size': t.get('batch_size'), 'eval_every': t.get('eval_every'),
             'model': '/'.join(str(m.get(k)) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')),
             'tokens per run': (t.get('max_steps') or 0) * (t.get('batch_size') or 0) * (t.get('grad_accum') or 1)
@@ -140,7 +141,7 @@ def seeds_note(runs: pd.DataFrame) -> str:
                     "chose its task and confirm nothing of it: `--seeds 8 9 10 11` trains fresh ones.")
 
 # %% ../../../nbs/studies/qk_freeze/62_task_sweep.ipynb #5f7e0ff1
-FIRST_CORPUS = 'names3000-steps1800'  # the candidate that repeats the main job's task and schedule before this sweep
+FIRST_CORPUS = 'names3000-steps1800'  # the default corpus (3,000 names) at 1,800 steps
 
 def verdict_changes(these: list, those: list) -> list[tuple[str, str, str]]:
     "(qid, this verdict, that verdict) for every answer both lists hold whose verdict differs."
