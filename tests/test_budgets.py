@@ -65,7 +65,8 @@ def test_a_branch_stopped_in_its_cooldown_resumes_to_the_same_numbers(ladder, tm
     assert rec['failed'] == ['depth-1@8-s0']
     assert read_json(branch / 'summary.json')['status'] != 'completed'
     lines = []
-    from oelm_nb.lab.runner import run_study, execute_inline
+    from oelm_nb.lab.runner import run_study
+    from oelm_nb.lab.execute import execute_inline
     run_study('toy', out_dir=out, seeds=[0], overrides={**SMALL_CORPUS, **LADDER}, execute=execute_inline, report=False,
               log=lines.append)
     assert any('depth-1@8-s0: resumed from step 7' in l for l in lines), lines
@@ -98,11 +99,12 @@ def qk_ladder(root, ratio: dict, seeds=(0, 1, 2, 3), tokens_per_step: int = 2048
 
 
 def test_answers_json_has_every_budget_and_whether_each_gap_closes(tmp_path):
-    from oelm_nb.lab.runner import write_answers
+    from oelm_nb.lab.render import write_answers
     from oelm_nb.lab.study import get_study
     import json
     out = qk_ladder(tmp_path / 'b', {400: 1.5, 600: 1.3, 800: 1.2})
-    recs = {a['qid']: a for a in json.loads(write_answers(out, get_study('qk-freeze')).read_text())['answers']}
+    assert write_answers(out, get_study('qk-freeze'))
+    recs = {a['qid']: a for a in json.loads((out / 'answers.json').read_text())['answers']}
     for qid in ('H2@400', 'H2@600', 'H4@400', 'H4@600'):
         assert type(recs[qid]['steps']) is int and recs[qid]['tokens'] == recs[qid]['steps'] * 2048
     assert (recs['H4']['steps'], recs['H4']['tokens']) == (800, 800 * 2048) and 'H4@800' not in recs
