@@ -156,14 +156,14 @@ def test_oelm_status_lists_the_branches(ladder, capsys):
 
 def test_the_budgets_flag_sets_the_ladder_and_the_steps():
     import argparse
-    from oelm_nb.app.cli import study_plan
+    from oelm_nb.app.cli import run_flags
     from oelm_nb.lab.study import get_study
     from oelm_nb.base.core import ConfigError
     ns = argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[800, 400, 600], steps=None, variants=None)
-    _, overrides, _ = study_plan(get_study('toy'), ns)
+    _, overrides, _ = run_flags(get_study('toy'), ns)
     assert overrides == {'train.budgets': [400, 600, 800]} and ns.steps == 800  # the schedule stays the preset's
     with pytest.raises(ConfigError, match='--steps 700 with --budgets 400 600 800'):
-        study_plan(get_study('toy'), argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[400, 600, 800],
+        run_flags(get_study('toy'), argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[400, 600, 800],
                                                         steps=700, variants=None))
 
 

@@ -15,7 +15,7 @@ jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)  # 
 
 # %% auto #0
 __all__ = ['RETIRED_FLAGS', 'parse_sets', 'study_of', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report',
+           'convergence_text', 'run_flags', 'cluster_config', 'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report',
            'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'retire_field_flags', 'study_variants_text',
            'add_seed_options', 'option_shapes', 'with_lists', 'flag_error', 'StudyParser', 'add_study_parser',
            'build_parser', 'main']
@@ -141,8 +141,8 @@ def convergence_text(batch_dir, runs) -> str:
     return '\n\n'.join(textwrap.fill(n.replace('**', ''), 120) for n in notes)
 
 # %% ../../nbs/app/91_cli.ipynb #f1139743
-def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
-    "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
+def run_flags(study, args) -> tuple[list[str] | None, dict, dict]:
+    "The flags of `oelm run <study>` as (variants, overrides, options): --variants picks among the variants the study's flags plan."
     # a field left at None was not given: the study's own default applies (and the batch records only what was given)
     given = {f.name: getattr(args, f.name, None) for f in (fields(study.options) if study.options else ())}
     options = {k: v for k, v in given.items() if v is not None}
@@ -217,7 +217,7 @@ def cmd_run(args) -> int:
     from oelm_nb.lab.study import get_study
     from oelm_nb.lab.cluster import ClusterBackend, detach, follow
     study = get_study(args.study)
-    variants, overrides, options = study_plan(study, args)
+    variants, overrides, options = run_flags(study, args)
     from oelm_nb.report.evidence import MIN_PILOT
     # --precision without --seeds: a pilot of MIN_PILOT seeds (a 2-seed pilot's t of 12.7 asks for hundreds of seeds)
     default = list(range(MIN_PILOT)) if args.precision is not None else list(study.default_seeds)

@@ -15,7 +15,7 @@ from ..base.rundir import (run_name, parse_run_name, branch_name, split_branch, 
 from ..data.corpus import read_meta, DataError, data_changes
 from ..train.memory import check_step_memory, available_memory, GiB
 from .study import Variant, get_study
-from .spec import resolve_spec, train_settings, planned_steps, split_scope, check_set_key
+from .spec import RunSpec, resolve_spec, train_settings, planned_steps, split_scope, check_set_key
 
 # %% auto #0
 __all__ = ['NAMED_DATA', 'Batch', 'check_batch_flags', 'with_upstream', 'override_notes', 'plan_batch', 'data_source',
