@@ -70,7 +70,8 @@ def chapter_number(nb: Path) -> float:
     """A chapter's place in reading order: the number its file name starts with, a letter after it a step after that
     number (nbs/lab/54_run.ipynb -> 54, nbs/lab/56a_execute.ipynb -> 56.01)."""
     m = re.match(r'(\d+)([a-z]?)', nb.name)
-    return int(m.group(1)) + (ord(m.group(2)) - ord('a') + 1) / 100 if m and m.group(2) else int(m.group(1)) if m else -1
+    if not m: return -1
+    return int(m.group(1)) + (ord(m.group(2)) - ord('a') + 1) / 100 if m.group(2) else int(m.group(1))
 
 # the docs' sections (the nav of the site, made by `nav`): one per package folder of nbs/, in reading order; a registered
 # study's folder is headed by its title (`study_sections`), an unregistered one 'Study: <folder>'
