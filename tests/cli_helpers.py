@@ -31,15 +31,15 @@ def oelm_main(*args: str) -> subprocess.CompletedProcess:
 
 
 def oelm_inline(*args: str) -> subprocess.CompletedProcess:
-    """`oelm ARGS` in this process, as `oelm_main`, with every run of a batch trained in-process (`runner.execute_inline`
+    """`oelm ARGS` in this process, as `oelm_main`, with every run of a batch trained in-process (`execute.execute_inline`
     in place of one papermill execution each; the report, unless --no-report, is still rendered by papermill). For tests
     whose subject is what `oelm run` decides, writes and prints; the notebook and the process boundary have their own
     tests (test_runner's batch, test_rundir, test_cluster). One run at a time: runs in threads of one process would share
     torch's global random state."""
     from unittest import mock
-    from oelm_nb.lab import runner
+    from oelm_nb.lab import runner, execute
     assert '--jobs' not in args and '--gpus' not in args, 'an in-process batch trains one run at a time on the CPU'
-    with mock.patch.object(runner, 'execute_run', runner.execute_inline):
+    with mock.patch.object(runner, 'execute_run', execute.execute_inline):
         return oelm_main(*args)
 
 

@@ -33,8 +33,8 @@ torch.set_num_threads(int(os.environ.get('OELM_TEST_THREADS', '1')))
 for _v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'): os.environ.setdefault(_v, os.environ.get('OELM_TEST_THREADS', '1'))
 
 # What `oelm` does in its own process: nbformat's schema validation leaves out a module that takes about 3 s to import
-# and that it does not use (runner.SKIPPED_IMPORTS); each xdist worker and every child forked from it renders reports.
-from oelm_nb.lab.runner import skip_slow_imports  # noqa: E402
+# and that it does not use (execute.SKIPPED_IMPORTS); each xdist worker and every child forked from it renders reports.
+from oelm_nb.lab.execute import skip_slow_imports  # noqa: E402
 skip_slow_imports()
 
 
@@ -64,10 +64,10 @@ def _reports_in_process():
     """Reports rendered in a test process (`oelm_main('report', ...)`, `render_report`, in-process batches) execute their
     notebook in a fork of that process instead of a papermill kernel (`shared_runs.execute_report_inline`): same notebook,
     same page, seconds less each. `oelm` started as a process renders through papermill, as a user's does."""
-    from oelm_nb.lab import runner
+    from oelm_nb.lab import render
     from shared_runs import execute_report_inline
     with pytest.MonkeyPatch.context() as mp:  # session-wide: the batches of module and session fixtures too
-        mp.setattr(runner, 'execute_report', execute_report_inline)
+        mp.setattr(render, 'execute_report', execute_report_inline)
         yield
 
 

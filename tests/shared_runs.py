@@ -1,6 +1,6 @@
 """Batches the suites share: each trained once per pytest session, in this process, and only read by the tests.
 
-A papermill execution costs seconds of kernel start-up before its first step; `oelm_nb.lab.runner.execute_inline` runs a
+A papermill execution costs seconds of kernel start-up before its first step; `oelm_nb.lab.execute.execute_inline` runs a
 batch's runs in-process with the same run directories, summaries and report. The process boundaries (papermill, the
 `oelm` console script, kill and resume, detach, the lock's holder, torchrun, SLURM's local executor) are the subject of a
 small named set of tests: test_runner (the papermill batch of the shared experiment notebook, kill and resume, torchrun),
@@ -38,14 +38,15 @@ def shared_batch(tmp_path_factory, name: str, study: str, **run_study_kwargs) ->
 
 
 def _train(study: str, out: Path, kwargs: dict) -> dict:
-    from oelm_nb.lab.runner import run_study, execute_inline
+    from oelm_nb.lab.runner import run_study
+    from oelm_nb.lab.execute import execute_inline
     lines, t0 = [], time.time()
     kwargs = {'seeds': [0], 'report': False, **kwargs}
     kwargs['overrides'] = {**SMALL_CORPUS, **kwargs.get('overrides', {})}
     from unittest import mock
-    from oelm_nb.lab import runner
+    from oelm_nb.lab import render
     try:
-        with mock.patch.object(runner, 'execute_report', execute_report_inline):  # session fixtures come before conftest's
+        with mock.patch.object(render, 'execute_report', execute_report_inline):  # session fixtures come before conftest's
             res = run_study(study, out_dir=out, execute=execute_inline, log=lines.append, **kwargs)
         return {'log': lines, 'failed': list(res.failed), 'error': None, 'seconds': time.time() - t0}
     except Exception as e:
@@ -90,7 +91,7 @@ def pca_batch(tmp_path_factory) -> tuple[Path, dict]:
 
 # ---------------------------------------------------------------------------------------------- reports, in-process
 def execute_report_inline(nb_in: Path, nb_out: Path, run_dir: Path) -> str | None:
-    """`oelm_nb.lab.runner.execute_report` without a kernel (`execute_inline_notebook` with the parameter `run_dir`). The
+    """`oelm_nb.lab.render.execute_report` without a kernel (`execute_inline_notebook` with the parameter `run_dir`). The
     conftest puts this in place for every in-process render; `oelm` started as a process (test_runner's batch, test_lab)
     still renders through papermill."""
     return execute_inline_notebook(nb_in, nb_out, run_dir, {'run_dir': str(run_dir)})
@@ -106,8 +107,8 @@ def execute_inline_notebook(nb_in: Path, nb_out: Path, cwd: Path, params: dict) 
     child = mp.get_context('fork').Process(target=_notebook_child, args=(str(nb_in), str(nb_out), str(cwd), params))
     child.start(); child.join()
     if child.exitcode == 0: return None
-    from oelm_nb.lab.runner import _error_from_notebook
-    return _error_from_notebook(Path(nb_out)) or f'the notebook process ended with exit code {child.exitcode}'
+    from oelm_nb.lab.execute import notebook_error
+    return notebook_error(Path(nb_out)) or f'the notebook process ended with exit code {child.exitcode}'
 
 
 def _notebook_child(nb_in: str, nb_out: str, cwd: str, params: dict):

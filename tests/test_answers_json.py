@@ -26,12 +26,12 @@ def qk_batch(root):
 
 
 def test_oelm_report_rewrites_answers_json_with_numbers(tmp_path, monkeypatch):
-    from oelm_nb.lab import runner
+    from oelm_nb.lab import render
     root = qk_batch(tmp_path / 'b')
     (root / 'answers.json').write_text(json.dumps({'study': 'qk-freeze', 'answers': [{'qid': 'H2', 'estimate': '+9%'}]}))
-    monkeypatch.setattr(runner, 'execute_report', lambda nb_in, nb_out, run_dir: None)  # the notebook's step: not the subject
-    monkeypatch.setattr(runner, 'report_html', lambda nb: '<html><head></head><body></body></html>')
-    runner.render_report(root, log=lambda *a: None)
+    monkeypatch.setattr(render, 'execute_report', lambda nb_in, nb_out, batch_dir: None)  # the notebook's step: not the subject
+    monkeypatch.setattr(render, 'report_html', lambda nb: '<html><head></head><body></body></html>')
+    render.render_report(root, log=lambda *a: None)
     stored = json.loads((root / 'answers.json').read_text())
     got = {a['qid']: a for a in stored['answers']}
     assert stored['study'] == 'qk-freeze' and list(got) == ['H1', 'H2', 'H3', 'H4', 'R1', 'R2', 'H2-trend', 'H4-trend']  # the stale one is gone

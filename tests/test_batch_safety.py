@@ -84,7 +84,8 @@ def test_restart_with_other_settings_must_name_every_run_of_the_batch(tmp_path):
 # ====================================================================== 2. a full disk: the run resumes
 @pytest.mark.slow
 def test_a_run_a_full_disk_stopped_resumes_with_the_numbers_of_an_uninterrupted_run(tmp_path):
-    from oelm_nb.lab.runner import run_study, execute_inline
+    from oelm_nb.lab.runner import run_study
+    from oelm_nb.lab.execute import execute_inline
     from oelm_nb.train import checkpoint as C
     kw = dict(variants=['gpt'], seeds=[0], steps=12, report=False, execute=execute_inline,
               overrides={**SMALL_CORPUS, 'train.ckpt_every': 4, 'train.eval_every': 4, 'train.dtype': 'float32'})

@@ -65,7 +65,8 @@ def test_a_branch_stopped_in_its_cooldown_resumes_to_the_same_numbers(ladder, tm
     assert rec['failed'] == ['depth-1@8-s0']
     assert read_json(branch / 'summary.json')['status'] != 'completed'
     lines = []
-    from oelm_nb.lab.runner import run_study, execute_inline
+    from oelm_nb.lab.runner import run_study
+    from oelm_nb.lab.execute import execute_inline
     run_study('toy', out_dir=out, seeds=[0], overrides={**SMALL_CORPUS, **LADDER}, execute=execute_inline, report=False,
               log=lines.append)
     assert any('depth-1@8-s0: resumed from step 7' in l for l in lines), lines
@@ -98,11 +99,12 @@ def qk_ladder(root, ratio: dict, seeds=(0, 1, 2, 3), tokens_per_step: int = 2048
 
 
 def test_answers_json_has_every_budget_and_whether_each_gap_closes(tmp_path):
-    from oelm_nb.lab.runner import write_answers
+    from oelm_nb.lab.render import write_answers
     from oelm_nb.lab.study import get_study
     import json
     out = qk_ladder(tmp_path / 'b', {400: 1.5, 600: 1.3, 800: 1.2})
-    recs = {a['qid']: a for a in json.loads(write_answers(out, get_study('qk-freeze')).read_text())['answers']}
+    assert write_answers(out, get_study('qk-freeze'))
+    recs = {a['qid']: a for a in json.loads((out / 'answers.json').read_text())['answers']}
     for qid in ('H2@400', 'H2@600', 'H4@400', 'H4@600'):
         assert type(recs[qid]['steps']) is int and recs[qid]['tokens'] == recs[qid]['steps'] * 2048
     assert (recs['H4']['steps'], recs['H4']['tokens']) == (800, 800 * 2048) and 'H4@800' not in recs
@@ -154,14 +156,14 @@ def test_oelm_status_lists_the_branches(ladder, capsys):
 
 def test_the_budgets_flag_sets_the_ladder_and_the_steps():
     import argparse
-    from oelm_nb.app.cli import study_plan
+    from oelm_nb.app.cli import run_flags
     from oelm_nb.lab.study import get_study
     from oelm_nb.base.core import ConfigError
     ns = argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[800, 400, 600], steps=None, variants=None)
-    _, overrides, _ = study_plan(get_study('toy'), ns)
+    _, overrides, _ = run_flags(get_study('toy'), ns)
     assert overrides == {'train.budgets': [400, 600, 800]} and ns.steps == 800  # the schedule stays the preset's
     with pytest.raises(ConfigError, match='--steps 700 with --budgets 400 600 800'):
-        study_plan(get_study('toy'), argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[400, 600, 800],
+        run_flags(get_study('toy'), argparse.Namespace(set=None, loggers=None, init_from=None, budgets=[400, 600, 800],
                                                         steps=700, variants=None))
 
 

@@ -230,29 +230,29 @@ def test_params_counts_every_studys_variant(study):
 
 
 def test_loggers_flag_sets_the_train_loggers_and_rejects_unknown_names(tmp_path):
-    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.app.cli import build_parser, run_flags
     from oelm_nb.lab.study import get_study
     args = build_parser().parse_args(['run', 'qk-freeze', '--loggers', 'tensorboard,wandb'])
-    assert study_plan(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
+    assert run_flags(get_study('qk-freeze'), args)[1]['train.loggers'] == ['tensorboard', 'wandb']
     r = oelm_main('run', 'qk-freeze', '--loggers', 'tensorbord', '--out', str(tmp_path / 'b'))
     assert r.returncode == 2 and "unknown ['tensorbord']" in r.stderr and not (tmp_path / 'b').exists()
 
 
 # ---------------------------------------------------------------- a study's flags: one per field of its options dataclass
 def test_study_flags_come_from_the_options_dataclass(capsys):
-    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.app.cli import build_parser, run_flags
     from oelm_nb.lab.study import get_study
     parse = lambda *argv: build_parser(['run', *argv]).parse_args(['run', *argv])
     pca, cvfp = get_study('pca'), get_study('cvfp')
     # a list takes its values one after another (as argparse's nargs='+') or as one list: the same plan either way
     spaced, listed = parse('pca', '--ks', '8', '16', '--seeds', '0'), parse('pca', '--ks', '[8, 16]', '--seeds', '0')
-    assert study_plan(pca, spaced)[2] == study_plan(pca, listed)[2] == {'ks': [8, 16]}
+    assert run_flags(pca, spaced)[2] == run_flags(pca, listed)[2] == {'ks': [8, 16]}
     assert spaced.seeds == [0]  # the values stop at the next flag
-    assert study_plan(pca, parse('pca'))[2] == {}  # a field left at None was not given: the study's default applies
+    assert run_flags(pca, parse('pca'))[2] == {}  # a field left at None was not given: the study's default applies
     # dashes in the flag, a bool as a switch, a Literal's values checked
     a = parse('cvfp', '--init-samples', '5', '--train-embedding', '--phase1', 'sequential')
-    assert study_plan(cvfp, a)[2] == {'init_samples': 5, 'train_embedding': True, 'phase1': 'sequential'}
-    assert study_plan(cvfp, parse('cvfp', '--train-embedding', 'false'))[2] == {'train_embedding': False}
+    assert run_flags(cvfp, a)[2] == {'init_samples': 5, 'train_embedding': True, 'phase1': 'sequential'}
+    assert run_flags(cvfp, parse('cvfp', '--train-embedding', 'false'))[2] == {'train_embedding': False}
     for bad, said in ((['--phase1', 'sideways'], '--phase1 sideways: expected one of parallel, sequential'),
                       (['--init-samples', 'many'], '--init-samples many: expected int'),
                       (['--ks', '8'], 'unrecognized arguments: --ks')):  # a flag of another study

@@ -331,7 +331,7 @@ def test_seeds_needed_is_a_power_calculation():
 
 
 def test_seeds_command_is_a_valid_oelm_run_of_the_same_batch(tmp_path):
-    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.app.cli import build_parser, run_flags
     from oelm_nb.lab.study import get_study
     root = fake_batch(tmp_path / 'my batch', 'qk-freeze', {'gpt': lambda s: False, 'oelm-freeze': lambda s: False})
     b = json.loads((root / 'batch.json').read_text())
@@ -343,7 +343,7 @@ def test_seeds_command_is_a_valid_oelm_run_of_the_same_batch(tmp_path):
     args = build_parser().parse_args(argv[1:])
     assert (args.seeds, args.out, args.variants, args.preset, args.steps) == ([0, 1, 2, 3, 4], str(root),
                                                                             'oelm-freeze,gpt', 'tiny', 3000)
-    variants, overrides, _ = study_plan(get_study('qk-freeze'), args)
+    variants, overrides, _ = run_flags(get_study('qk-freeze'), args)
     assert variants == ['oelm-freeze', 'gpt'] and overrides == b['overrides']
 
 

@@ -231,28 +231,28 @@ def parse(*argv):
 
 
 def test_flags_reach_the_plan_and_the_runs():
-    from oelm_nb.app.cli import study_plan
+    from oelm_nb.app.cli import run_flags
     from oelm_nb.lab.spec import resolve_spec
     from oelm_nb.lab.study import get_study
     st = get_study('cvfp')
     a = parse('--phase1', 'sequential', '--concurrent', '--jobs', '2', '--algorithms', 'ODCM', '--samples', '8', '3', '--dist-reg-weight', '0.5')
     assert a.phase1 == 'sequential' and a.concurrent is True  # Phase 1's version and the runner's concurrency: two flags
-    variants, over, opts = study_plan(st, a)
+    variants, over, opts = run_flags(st, a)
     assert variants is None and over == {} and st.planned('tiny', 400, opts) == ['embed', 'phase1-speed', 'ODCM-n8', 'ODCM-n3']
     spec = resolve_spec('cvfp', 'ODCM-n3', 'tiny', 0, None, '/tmp/x/ODCM-n3-s0', 'synthetic', None, over, options=opts)
     cfg = spec.settings.config(spec.train.seed)
     assert (cfg.parallel, cfg.dist_reg_weight, cfg.diversity, spec.settings.samples) == (False, 0.5, 'ODCM', 3)
     b = parse('--phase1', 'parallel')
     assert b.phase1 == 'parallel' and b.concurrent is False
-    assert st.variant('embed', options=study_plan(st, b)[2]).overrides['settings.parallel'] is True
-    assert 'settings.parallel' not in st.variant('embed', options=study_plan(st, parse())[2]).overrides  # no --phase1: parallel
+    assert st.variant('embed', options=run_flags(st, b)[2]).overrides['settings.parallel'] is True
+    assert 'settings.parallel' not in st.variant('embed', options=run_flags(st, parse())[2]).overrides  # no --phase1: parallel
     # defaults: both algorithms over init * 2^i, i < window + windows - 1
-    v = st.planned('tiny', 400, study_plan(st, parse())[2])
+    v = st.planned('tiny', 400, run_flags(st, parse())[2])
     assert sorted(v[2:]) == sorted(f'{alg}-n{n}' for alg in ('MCDL', 'ODCM') for n in (20, 40, 80, 160, 320))
-    opts = study_plan(st, parse('--init-samples', '5', '--multiplier', '3', '--window-size', '2', '--num-windows', '1', '--algorithms', 'MCDL'))[2]
+    opts = run_flags(st, parse('--init-samples', '5', '--multiplier', '3', '--window-size', '2', '--num-windows', '1', '--algorithms', 'MCDL'))[2]
     assert st.planned('tiny', 400, opts)[2:] == ['MCDL-n15', 'MCDL-n5']
     assert st.default_seeds == (0, 1)  # two seeds by default: the report shows the spread of alpha over seeds
-    te = study_plan(st, parse('--train-embedding', '--samples', '3', '--algorithms', 'ODCM'))[2]
+    te = run_flags(st, parse('--train-embedding', '--samples', '3', '--algorithms', 'ODCM'))[2]
     assert te['train_embedding'] is True and st.planned('tiny', 400, te)[2:] == ['ODCM-n3', 'ODCM-n3-train-emb']
     spec = resolve_spec('cvfp', 'ODCM-n3-train-emb', 'tiny', 0, None, '/tmp/x/ODCM-n3-train-emb-s0', 'synthetic', None, {}, options=te)
     assert spec.settings.config(0).phase2_train_embedding is True and spec.settings.samples == 3

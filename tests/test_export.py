@@ -257,7 +257,7 @@ def test_pca_study_runs_export_merged_and_factorized(tmp_path_factory, tmp_path)
 def test_dropouts_are_read_from_the_source_and_written_on_export(tmp_path):
     "GPT-2's three dropouts: --init-from carries them into the run's model (--set wins), the model applies each, export writes them back."
     transformers = pytest.importorskip('transformers')
-    from oelm_nb.app.cli import build_parser, study_plan
+    from oelm_nb.app.cli import build_parser, run_flags
     from oelm_nb.lab.study import get_study
     from oelm_nb.lab.export import hf_config
     from oelm_nb.model.weights import init_dropouts
@@ -268,7 +268,7 @@ def test_dropouts_are_read_from_the_source_and_written_on_export(tmp_path):
                                   resid_pdrop=0.1, attn_pdrop=0.0, embd_pdrop=0.25)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(src)
     assert init_dropouts(src) == {'model.dropout': 0.1, 'model.attn_dropout': 0.0, 'model.embd_dropout': 0.25}
-    plan = lambda *a: study_plan(get_study('qk-freeze'), build_parser().parse_args(['run', 'qk-freeze', '--init-from', str(src), *a]))[1]
+    plan = lambda *a: run_flags(get_study('qk-freeze'), build_parser().parse_args(['run', 'qk-freeze', '--init-from', str(src), *a]))[1]
     assert plan()['model.embd_dropout'] == 0.25 and plan('--set', 'model.embd_dropout=0.5')['model.embd_dropout'] == 0.5
     m = GPT(model_config('tiny', vocab_size=120, block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.1, attn_dropout=0.0, embd_dropout=0.25), init_seed=0)
     assert m.transformer.drop.p == 0.25 and m.transformer.h[0].attn.dropout == 0.0 and m.transformer.h[0].attn.resid_drop.p == 0.1

@@ -64,10 +64,11 @@ def test_h3s_sign_test_is_one_sided_in_the_direction_of_its_claim(tmp_path):  # 
 
 def test_every_answer_carries_the_claims_p_side_and_test_and_no_unbacked_claim(tmp_path):
     from test_budgets import qk_ladder
-    from oelm_nb.lab.runner import write_answers
+    from oelm_nb.lab.render import write_answers
     from oelm_nb.lab.study import get_study
     out = qk_ladder(tmp_path / 'b', {400: 1.5, 600: 1.3, 800: 1.2})
-    recs = json.loads(write_answers(out, get_study('qk-freeze')).read_text())['answers']
+    assert write_answers(out, get_study('qk-freeze'))
+    recs = json.loads((out / 'answers.json').read_text())['answers']
     for a in recs:
         if is_claim(a['verdict']): assert a['p_holm'] is not None and a['p_holm'] <= FAMILY_ALPHA, a
         if a['p'] is not None: assert a['side'] in ('less', 'greater', 'two-sided') and a['test'], a

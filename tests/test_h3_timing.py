@@ -1,10 +1,10 @@
 """H3 times the models the runs trained: a fresh qk-freeze batch whose model takes the data's vocabulary (no
 `model.vocab_size` override, as `make run`'s `--set data.vocab_size=512`) writes timing.json with the runs' trainable
-counts. Trained in this process (`runner.execute_inline`, 4 steps on the 300-story corpus), 10 timing rounds."""
+counts. Trained in this process (`execute.execute_inline`, 4 steps on the 300-story corpus), 10 timing rounds."""
 from __future__ import annotations
 import functools, json
 
-from oelm_nb.lab import runner
+from oelm_nb.lab import runner, execute
 from oelm_nb.lab.study import SMALL_CORPUS, studies
 from oelm_nb.studies.qk_freeze.study import interleaved_timing, h3_answer, load_timing
 
@@ -14,7 +14,7 @@ def test_timing_json_has_the_runs_trainable_counts(tmp_path, monkeypatch):
     corpus = {k: v for k, v in SMALL_CORPUS.items() if k != 'model.vocab_size'}  # the model takes the data's vocabulary
     lines = []
     res = runner.run_study('qk-freeze', variants=['oelm', 'oelm-freeze'], seeds=[0], steps=4, overrides=corpus,
-                           out_dir=tmp_path / 'b', execute=runner.execute_inline, report=False, log=lines.append)
+                           out_dir=tmp_path / 'b', execute=execute.execute_inline, report=False, log=lines.append)
     assert not res.failed, lines
     runs = {v: json.loads((tmp_path / 'b' / f'{v}-s0' / 'summary.json').read_text())['params']['trainable']
             for v in ('oelm', 'oelm-freeze')}

@@ -1,7 +1,7 @@
 """`oelm run STUDY --precision PCT`: Stein's two-stage procedure (oelm_nb.lab.precision), from outside.
 
 The second stage's size is checked against the formula written out here with scipy's t quantile; the end-to-end test
-trains a small qk-freeze batch in this process (`runner.execute_inline`, 4 steps on the 300-story corpus) twice: once
+trains a small qk-freeze batch in this process (`execute.execute_inline`, 4 steps on the 300-story corpus) twice: once
 with a half-width no pilot can reach (the cap is hit), once with a half-width computed from that pilot's own spread so
 that the design needs exactly one more seed.
 """
@@ -170,12 +170,12 @@ def test_precision_text(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 def test_precision_end_to_end_with_the_cap(tmp_path, monkeypatch):
-    from oelm_nb.lab import runner
+    from oelm_nb.lab import render, execute
     rendered = []
-    monkeypatch.setattr(runner, 'render_report', lambda out, study, log=print: rendered.append(out) or out / 'report.html')
+    monkeypatch.setattr(render, 'render_report', lambda out, study, log=print: rendered.append(out) or out / 'report.html')
     monkeypatch.setattr(studies()['qk-freeze'], 'after_batch', None)  # the Q/K study's timing is not under test here
     out, lines = tmp_path / 'batch', []
-    kw = dict(variants=['gpt', 'oelm-freeze'], steps=4, overrides=SMALL_CORPUS, execute=runner.execute_inline,
+    kw = dict(variants=['gpt', 'oelm-freeze'], steps=4, overrides=SMALL_CORPUS, execute=execute.execute_inline,
               out_dir=out, log=lines.append)
 
     # a half-width no 2-seed pilot reaches: the design is capped at 3 seeds

@@ -118,7 +118,7 @@ def qk_report(tmp_path_factory):
 def test_qk_freeze_report_shows_run_strings_as_text(qk_report):
     assert_escaped(qk_report, QK.values())
     # and behind the escaping, the page forbids every script (a Content-Security-Policy in its head)
-    from oelm_nb.lab.runner import NO_SCRIPTS
+    from oelm_nb.lab.render import NO_SCRIPTS
     head = qk_report.read_text(encoding='utf-8').split('</head>')[0]
     assert NO_SCRIPTS in head and "script-src 'none'" in NO_SCRIPTS
 

@@ -123,7 +123,7 @@ def answers_first(html_file: Path, expected: dict, intervals: bool = True) -> Se
 
 
 def render(root: Path) -> Path:
-    from oelm_nb.lab.runner import render_report
+    from oelm_nb.lab.render import render_report
     return render_report(root, log=lambda *a: None)
 
 

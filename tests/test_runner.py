@@ -306,7 +306,8 @@ def test_failed_run_is_retried_from_scratch(batch, tmp_path):
     (bad / 'meta.json').write_text('{"step": 99, "tokens": ')
     (d / 'gpt-s0' / 'summary.json').write_text(json.dumps(
         {'status': 'failed', 'variant': 'gpt', 'seed': 0, 'error': f'CheckpointError: {bad}/meta.json is corrupt'}))
-    from oelm_nb.lab.runner import run_study, execute_inline  # the runner's decision is under test: the run itself goes in-process
+    from oelm_nb.lab.runner import run_study  # the runner's decision is under test: the run itself goes in-process
+    from oelm_nb.lab.execute import execute_inline
     lines = []
     res = run_study('qk-freeze', variants=list(VARIANTS), seeds=list(SEEDS), steps=4, out_dir=d, overrides=OVERRIDES, report=False,
                     execute=execute_inline, log=lines.append)
@@ -421,6 +422,7 @@ def test_gpu_set_of_two_is_one_job_on_both_devices(tmp_path, monkeypatch):
 def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_path, monkeypatch):
     "The runner adds missing upstream variants, starts dependents only after them, and records blocked runs as failed."
     from oelm_nb.lab import runner
+    from oelm_nb.base.rundir import write_json
     from oelm_nb.lab.study import Study, Variant, NoSettings
     from oelm_nb.lab.study import STUDIES
     variants = lambda preset, steps, opts: {'base': Variant({'model.variant': 'gpt'}), 'child-1': Variant({'model.variant': 'oelm'}, ('base',))}
@@ -430,7 +432,7 @@ def test_upstream_runs_go_first_and_a_failed_upstream_blocks_its_dependents(tmp_
     def fake_execute(job, *a, **k):
         started.append(job.name); job.run_dir.mkdir(parents=True, exist_ok=True)
         ok = not (job.variant == 'base' and job.seed == 1)
-        runner.write_json(job.run_dir / 'summary.json', {'status': 'completed' if ok else 'failed'})
+        write_json(job.run_dir / 'summary.json', {'status': 'completed' if ok else 'failed'})
         return 'completed' if ok else 'failed'
     monkeypatch.setattr(runner, 'execute_run', fake_execute)
     res = runner.run_study('chain-test', seeds=[0, 1], out_dir=tmp_path, jobs=2, overrides=OVERRIDES, report=False, log=lambda s: None)
@@ -446,7 +448,7 @@ def test_every_study_has_its_own_run_command(capsys):
     "`oelm run --help` lists the studies; each has its notebooks and its own flags (in-process; the console script's help: test_cli)."
     from oelm_nb.app.cli import main
     from oelm_nb.lab.study import studies as _studies; studies = _studies()
-    from oelm_nb.lab.runner import notebook_path
+    from oelm_nb.lab.execute import notebook_path
     def help_of(*args) -> tuple[int, str]:
         try: rc = main([*args, '--help'])
         except SystemExit as e: rc = e.code

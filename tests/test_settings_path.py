@@ -9,7 +9,7 @@ import pytest
 from oelm_nb.base.core import ConfigError
 from oelm_nb.base.rundir import fingerprint
 from oelm_nb.lab.spec import resolve_spec, LAYERS, RunSpec
-from oelm_nb.lab.runner import Batch, plan_batch, override_notes
+from oelm_nb.lab.batch import Batch, plan_batch, override_notes
 
 
 def test_each_value_records_the_layer_that_set_it_and_a_later_layer_wins():

@@ -97,15 +97,15 @@ def test_a_copied_batch_reruns_in_the_copy_and_leaves_every_file_of_the_original
 
 # ====================================================================== 3. a failure names the notebook's exception
 def test_the_error_of_an_executed_notebook_names_type_message_and_cell(tmp_path):
-    from oelm_nb.lab.runner import _error_from_notebook
+    from oelm_nb.lab.execute import notebook_error
     nb = {'cells': [{'cell_type': 'code', 'source': ['# parameters\n', 'config = ""'], 'outputs': []},
                     {'cell_type': 'code', 'source': ['#| hide\n', 'spec, summary = run_in_notebook(config)\n'],
                      'outputs': [{'output_type': 'error', 'ename': 'ConfigError', 'evalue': 'bad n_head\nfix it'}]}]}
     (tmp_path / 'train_lm.ipynb').write_text(json.dumps(nb))
-    assert _error_from_notebook(tmp_path / 'train_lm.ipynb') == 'ConfigError (cell 2 of train_lm.ipynb): bad n_head\nfix it'
+    assert notebook_error(tmp_path / 'train_lm.ipynb') == 'ConfigError (cell 2 of train_lm.ipynb): bad n_head\nfix it'
     for junk in ('[1, 2]', '{"cells": {"a": 1}}', '{"cells": [1, {"outputs": "x"}]}', 'not json'):
         (tmp_path / 'j.ipynb').write_text(junk)
-        assert _error_from_notebook(tmp_path / 'j.ipynb') is None, junk
+        assert notebook_error(tmp_path / 'j.ipynb') is None, junk
 
 
 @pytest.mark.parametrize('rc, stderr, nb_error, want', [
@@ -122,7 +122,7 @@ def test_the_error_of_an_executed_notebook_names_type_message_and_cell(tmp_path)
     (0, 'Executing notebook with kernel: python3\n', None, dict(resumable=False)),
 ])
 def test_a_child_that_died_resumes_and_a_run_that_raised_does_not(tmp_path, rc, stderr, nb_error, want):
-    from oelm_nb.lab.runner import child_failure
+    from oelm_nb.lab.execute import child_failure
     ck = tmp_path / 'checkpoints' / 'step_0000013'; ck.mkdir(parents=True); (ck / 'meta.json').write_text('{}')
     f = child_failure(rc, stderr, nb_error, tmp_path)
     assert {k: f.get(k) for k in want} == want, f
@@ -135,7 +135,7 @@ def test_a_child_that_died_resumes_and_a_run_that_raised_does_not(tmp_path, rc, 
 def test_a_planted_error_shows_on_the_console_in_summary_json_and_in_oelm_status(tmp_path, monkeypatch):
     "The papermill child is replaced by one that leaves what papermill leaves when a cell raises: the runner's reading."
     from unittest import mock
-    from oelm_nb.lab import runner
+    from oelm_nb.lab import runner, execute
     from oelm_nb.lab.status import run_row
     def child(cmd, env):
         nb_out = Path([a for a in cmd if a.endswith('.ipynb')][1])
@@ -144,7 +144,7 @@ def test_a_planted_error_shows_on_the_console_in_summary_json_and_in_oelm_status
         return subprocess.CompletedProcess(cmd, 1, '', 'Executing notebook with kernel: python3\n'
                                                        'papermill.exceptions.PapermillExecutionError: \n')
     lines = []
-    with mock.patch.object(runner, '_run_child', child):
+    with mock.patch.object(execute, '_run_child', child):
         res = runner.run_study('qk-freeze', variants=['gpt'], seeds=[0], steps=2, out_dir=tmp_path / 'b', report=False,
                                overrides=SMALL_CORPUS,
                                log=lines.append)
@@ -225,8 +225,8 @@ def test_a_full_disk_while_writing_a_checkpoint_names_the_fix(tmp_path, monkeypa
     with pytest.raises(ck.CheckpointError, match=r'step 3 failed: .*No space left on device.*Fix: free disk space in'):
         ck.save_checkpoint(tmp_path / 'checkpoints', 3, {'model': torch.nn.Linear(2, 2)}, None, {})
     assert not [p for p in (tmp_path / 'checkpoints').iterdir()]  # nothing half-written left
-    from oelm_nb.lab.runner import resumable
-    assert resumable('CheckpointError: writing the checkpoint of step 3 failed: ... No space left on device ...')
+    from oelm_nb.lab.execute import resumable_error
+    assert resumable_error('CheckpointError: writing the checkpoint of step 3 failed: ... No space left on device ...')
 
 
 def test_sample_and_export_read_a_copied_batch_where_it_is(tmp_path_factory, tmp_path):

@@ -66,10 +66,12 @@ def discover(nbs: Path | None = None) -> list[DocNb]:
             for p in nbglob(nbs, as_path=True)]
     return sorted(docs, key=lambda d: (not d.library, d.src.stem != 'index', chapter_number(d.src), d.src))
 
-def chapter_number(nb: Path) -> int:
-    "A chapter's place in reading order: the number its file name starts with (nbs/lab/52_runner.ipynb -> 52)."
-    m = re.match(r'(\d+)', nb.name)
-    return int(m.group(1)) if m else -1
+def chapter_number(nb: Path) -> float:
+    """A chapter's place in reading order: the number its file name starts with, a letter after it a step after that
+    number (nbs/lab/54_run.ipynb -> 54, nbs/lab/56a_execute.ipynb -> 56.01)."""
+    m = re.match(r'(\d+)([a-z]?)', nb.name)
+    if not m: return -1
+    return int(m.group(1)) + (ord(m.group(2)) - ord('a') + 1) / 100 if m.group(2) else int(m.group(1))
 
 # the docs' sections (the nav of the site, made by `nav`): one per package folder of nbs/, in reading order; a registered
 # study's folder is headed by its title (`study_sections`), an unregistered one 'Study: <folder>'
@@ -427,7 +429,7 @@ def run_mkdocs(docs_dir: Path, site_dir: Path, nav: list) -> None:
     """`mkdocs build` on the pages in docs_dir with mkdocs.yml and `nav` (written beside docs_dir as a mkdocs.yml that
     inherits the project's); strict: a warning fails it, a page in docs_dir that `nav` lacks too."""
     import yaml
-    from oelm_nb.lab.runner import module_args  # `python -m mkdocs` without the imports nbformat does not need
+    from oelm_nb.lab.execute import module_args  # `python -m mkdocs` without the imports nbformat does not need
     conf = docs_dir.parent / 'mkdocs.yml'
     conf.write_text(yaml.safe_dump({'INHERIT': str(ROOT / 'mkdocs.yml'), 'nav': nav}, sort_keys=False, allow_unicode=True))
     flag, code = module_args('mkdocs')

@@ -4,7 +4,7 @@
 The report pages of the site would otherwise show code without a single output. At docs time this
 script runs one small batch per study (the tiny preset, a 300-story corpus with a 300-token
 vocabulary, seeds 0 and 1 (`SEEDS`), a few dozen steps) in one process per study, each run called in-process
-(`oelm_nb.lab.runner.execute_inline`, no notebook per run), and renders the study's report on it with
+(`oelm_nb.lab.execute.execute_inline`, no notebook per run), and renders the study's report on it with
 papermill, as `oelm run` does. The numbers on those pages show what the report computes; runs this
 short answer nothing, and each page says so.
 
@@ -48,7 +48,8 @@ def describe(study: str) -> str:
 
 def run_example(study: str, out: Path, log=print):
     "Run the example batch of `study` into `out` (runs in this process) and render its report; returns the BatchResult."
-    from oelm_nb.lab.runner import run_study, execute_inline
+    from oelm_nb.lab.runner import run_study
+    from oelm_nb.lab.execute import execute_inline
     from oelm_nb.lab.study import SMALL_CORPUS
     ex = examples()[study]
     res = run_study(study, seeds=list(SEEDS), steps=ex['steps'], out_dir=out, options=ex.get('options'),
@@ -113,6 +114,6 @@ def report_page(study: str, report_nb: Path, ex_dir: Path, use_cache: bool = Tru
 if __name__ == '__main__':
     if len(sys.argv) != 3 or sys.argv[1] not in examples():
         sys.exit(f"usage: python tools/example_batches.py STUDY OUT_DIR, STUDY one of {', '.join(examples())}")
-    from oelm_nb.lab.runner import skip_slow_imports
+    from oelm_nb.lab.execute import skip_slow_imports
     skip_slow_imports()  # the report page is written here (nbconvert), as `oelm run` writes it
     print(main(sys.argv[1], Path(sys.argv[2])))

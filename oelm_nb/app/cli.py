@@ -14,20 +14,18 @@ from ..base.rundir import split_branch
 jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)  # a field's docstring is its flag's help
 
 # %% auto #0
-__all__ = ['SET_SECTIONS', 'parse_sets', 'study_of', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary',
-           'stored_answers', 'convergence_text', 'study_plan', 'cluster_config', 'precision_flags', 'cmd_run',
-           'cmd_status', 'cmd_report', 'cmd_sample', 'cmd_export', 'cmd_bench', 'cmd_doctor', 'study_variants_text',
-           'add_seed_options', 'option_shapes', 'with_lists', 'flag_error', 'StudyParser', 'add_study_parser',
-           'build_parser', 'main']
+__all__ = ['parse_sets', 'study_of', 'cmd_params', 'cmd_data_prepare', 'cmd_train', 'print_batch_summary', 'convergence_text',
+           'run_flags', 'cluster_config', 'precision_flags', 'cmd_run', 'cmd_status', 'cmd_report', 'cmd_sample',
+           'cmd_export', 'cmd_bench', 'cmd_doctor', 'study_variants_text', 'add_seed_options', 'option_shapes',
+           'with_lists', 'flag_error', 'StudyParser', 'add_study_parser', 'build_parser', 'main']
 
 # %% ../../nbs/app/91_cli.ipynb #ec5943c2
-SET_SECTIONS = ('model', 'train', 'data', 'settings')
-
-def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict | None = None) -> dict:
-    """`--set KEY=VALUE` pairs as {KEY: value}: the value parsed as JSON when it parses, else kept as text; KEY is
-    SECTION.FIELD with SECTION in `sections`, after a 'VARIANT-PATTERN:' scope when `scoped`; a key in `places` is
-    refused naming the flag that sets it."""
-    out = {}
+def parse_sets(pairs, sections=None, scoped: bool = False, places: dict | None = None) -> dict:
+    """`--set KEY=VALUE` pairs as {KEY: value}: the value parsed as JSON when it parses, else kept as text; KEY as
+    `spec.check_set_key` allows it (SECTION.FIELD with SECTION in `sections`, default every section; a key in `places`
+    refused naming the flag that sets it), after a 'VARIANT-PATTERN:' scope when `scoped`."""
+    from oelm_nb.lab.spec import SECTIONS, check_set_key
+    sections, out = sections or SECTIONS, {}
     for kv in pairs or []:
         k, sep, v = kv.partition('=')
         eg = f'{sections[0]}.FIELD=VALUE'
@@ -36,11 +34,7 @@ def parse_sets(pairs, sections=SET_SECTIONS, scoped: bool = False, places: dict 
         scope, _, key = k.rpartition(':') if scoped else ('', '', k)
         if ':' in key: raise ConfigError(f"--set {kv!r}: a scope ('PATTERN:') is for `oelm run` only")
         section, dot, name = key.partition('.')
-        if key in (places or {}): raise ConfigError(f"--set {key}=...: {key} is not set with --set; use {places[key]}")
-        if key in sections: raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
-        if not dot or section not in sections or not name:
-            raise ConfigError(f"--set {kv!r}: the key is SECTION.FIELD with SECTION one of {', '.join(sections)} "
-                              f"(e.g. --set {sections[0]}.{name if dot else key}={v})")
+        check_set_key(key, sections, places or {}, given=kv)
         try: out[k] = json.loads(v)
         except json.JSONDecodeError: out[k] = v
     return out
@@ -125,35 +119,22 @@ def cmd_train(args) -> int:
 # %% ../../nbs/app/91_cli.ipynb #4698fdfd
 def print_batch_summary(batch_dir):
     """Per-variant results of a batch and the study's answers (`Study.answers`, through the evidence kit), as plain
-    text; the answers are also written to the batch's answers.json."""
+    text; the answers computed once (`render.batch_answers`: the report's, or written to the batch's answers.json)."""
     import pandas as pd
     from oelm_nb.report.tables import load_runs, variant_table, people_table
-    from oelm_nb.report.evidence import answers_text, answers_json
-    from oelm_nb.base.rundir import read_json, write_json
-    from oelm_nb.lab.study import get_study, study_answers
-    from oelm_nb.lab.runner import batch_study
+    from oelm_nb.report.evidence import answers_text
+    from oelm_nb.base.rundir import read_json
+    from oelm_nb.lab.study import get_study
+    from oelm_nb.lab.records import batch_study
+    from oelm_nb.lab.render import batch_answers
     study = get_study(batch_study(read_json(Path(batch_dir) / 'batch.json'), Path(batch_dir) / 'batch.json'))
     runs = load_runs(batch_dir)
     if runs.empty: return
     with pd.option_context('display.width', 160, 'display.max_colwidth', 120):
         print('\n' + people_table(variant_table(runs)).to_string() + '\n')
-    answers = stored_answers(batch_dir, runs)  # the report just wrote them from these runs: not computed twice
-    if answers is None:
-        answers = fn(runs) if (fn := study_answers(study)) else []
-        if answers: write_json(Path(batch_dir) / 'answers.json', {'study': study.name, 'answers': answers_json(answers)})
-    if answers: print(answers_text(answers) + '\n')
+    if answers := batch_answers(batch_dir, study, runs): print(answers_text(answers) + '\n')
     trunks = runs[[split_branch(v) is None for v in runs.variant]]  # a ladder's branches: measured, not forecast
     if (conv := convergence_text(batch_dir, trunks)): print(conv + '\n')
-
-def stored_answers(batch_dir, runs) -> list | None:
-    "The answers in the batch's answers.json when it is newer than every run's summary.json (else None: stale or absent)."
-    from oelm_nb.report.evidence import Answer
-    path = Path(batch_dir) / 'answers.json'
-    summaries = [Path(d) / 'summary.json' for d in runs.run_dir] if 'run_dir' in runs else []
-    try:
-        if any(s.exists() and s.stat().st_mtime > path.stat().st_mtime for s in summaries): return None
-        return [Answer.from_dict(a) for a in json.loads(path.read_text())['answers']]
-    except (OSError, ValueError, KeyError, TypeError): return None
 
 # %% ../../nbs/app/91_cli.ipynb #7903bfc6
 def convergence_text(batch_dir, runs) -> str:
@@ -166,12 +147,12 @@ def convergence_text(batch_dir, runs) -> str:
     return '\n\n'.join(textwrap.fill(n.replace('**', ''), 120) for n in notes)
 
 # %% ../../nbs/app/91_cli.ipynb #f1139743
-def study_plan(study, args) -> tuple[list[str] | None, dict, dict]:
-    "(variants, overrides, options) of `oelm run <study>`: --variants picks among the variants the study's flags plan."
+def run_flags(study, args) -> tuple[list[str] | None, dict, dict]:
+    "The flags of `oelm run <study>` as (variants, overrides, options): --variants picks among the variants the study's flags plan."
     # a field left at None was not given: the study's own default applies (and the batch records only what was given)
     given = {f.name: getattr(args, f.name, None) for f in (fields(study.options) if study.options else ())}
     options = {k: v for k, v in given.items() if v is not None}
-    from oelm_nb.lab.runner import PLACE_KEYS
+    from oelm_nb.lab.spec import PLACE_KEYS
     overrides = parse_sets(args.set, scoped=True, places=PLACE_KEYS)
     if getattr(args, 'loggers', None):
         from oelm_nb.base.core import LOGGERS
@@ -235,12 +216,14 @@ def precision_flags(args, study, seeds, variants, options) -> float | None:
 
 # %% ../../nbs/app/91_cli.ipynb #d7021947
 def cmd_run(args) -> int:
-    from oelm_nb.lab.runner import run_study, open_batch, skip_slow_imports
+    from oelm_nb.lab.runner import run_study
+    from oelm_nb.lab.batch import open_batch
+    from oelm_nb.lab.execute import skip_slow_imports
     skip_slow_imports()  # this process writes the report page with nbconvert (runner: the papermill child)
     from oelm_nb.lab.study import get_study
     from oelm_nb.lab.cluster import ClusterBackend, detach, follow
     study = get_study(args.study)
-    variants, overrides, options = study_plan(study, args)
+    variants, overrides, options = run_flags(study, args)
     from oelm_nb.report.evidence import MIN_PILOT
     # --precision without --seeds: a pilot of MIN_PILOT seeds (a 2-seed pilot's t of 12.7 asks for hundreds of seeds)
     default = list(range(MIN_PILOT)) if args.precision is not None else list(study.default_seeds)
@@ -292,7 +275,8 @@ def cmd_status(args) -> int:
 
 # %% ../../nbs/app/91_cli.ipynb #18d2b636
 def cmd_report(args) -> int:
-    from oelm_nb.lab.runner import render_report, skip_slow_imports
+    from oelm_nb.lab.render import render_report
+    from oelm_nb.lab.execute import skip_slow_imports
     skip_slow_imports()  # as cmd_run
     if not (Path(args.dir) / 'batch.json').exists():
         raise ConfigError(f"{args.dir} is not a batch directory (no batch.json); pass the --out of `oelm run`")

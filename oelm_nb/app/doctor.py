@@ -38,7 +38,7 @@ __all__ = ['NO_CUDA', 'REPORT', 'OPTIONAL', 'CPU_INDEX', 'CUDA_INDEX', 'SDPA_OPS
            'DDP_BATCH', 'BATCH_SETTINGS', 'CHECKS', 'QUICK', 'Check', 'Skip', 'Problem', 'Machine', 'run_check',
            'same_release', 'torch_build', 'check_packages', 'devices', 'torch_install_command', 'cuda_build_bytes',
            'build_mismatch', 'check_torch', 'check_disk', 'check_kernel', 'sdpa_kernel_used', 'sdpa_kernels_available',
-           'check_sdpa', 'fixed_batch_fit', 'check_train_steps', 'check_resume', 'check_compile', 'medium512_plan',
+           'check_sdpa', 'fixed_batch_fit', 'check_train_steps', 'check_resume', 'check_compile', 'medium512_setup',
            'check_medium512', 'small_corpus', 'ddp_plan', 'check_ddp', 'check_cvfp_phase2', 'check_nf4_teacher',
            'papermill_batch_command', 'check_papermill_batch', 'Report', 'doctor', 'check_line', 'doctor_main']
 
@@ -437,20 +437,20 @@ def check_compile(m: Machine) -> tuple[str, dict]:
             f"({figures['speedup']:.2f}x), {m.default_dtype}"), figures
 
 # %% ../../nbs/app/90_doctor.ipynb #1f9fe8c6
-def medium512_plan(device: torch.device) -> dict:
+def medium512_setup(device: torch.device) -> dict:
     "Batch, sequence length, warm-up and timed steps of the medium512 measurement on `device`."
     if device.type == 'cuda': return dict(batch_size=8, block_size=512, warmup=3, steps=10)
     return dict(batch_size=1, block_size=128, warmup=1, steps=3)
 
 # %% ../../nbs/app/90_doctor.ipynb #45199fe6
-def _time_medium512(m: Machine, dtype: str, plan: dict) -> dict:
+def _time_medium512(m: Machine, dtype: str, setup: dict) -> dict:
     "One dtype: FLOPs per step, median step time of the timed steps, tokens/s, achieved and peak FLOP/s, MFU."
-    cfg, amp = bench_config(QK_FREEZE, 'medium512', 'gpt', plan['block_size'], None), autocast_dtype(m.device, dtype)
+    cfg, amp = bench_config(QK_FREEZE, 'medium512', 'gpt', setup['block_size'], None), autocast_dtype(m.device, dtype)
     model = build_variant('gpt', cfg, m.device); opt = build_optimizer(model, TrainConfig(lr=1e-4))
-    B, n = plan['batch_size'], plan['warmup'] + plan['steps']
+    B, n = setup['batch_size'], setup['warmup'] + setup['steps']
     flops = train_step_flops(model, B)
     times = [timed_step(model, opt, *step_inputs(model, B, m.device, seed=i), m.device, amp) for i in range(n)]
-    step = statistics.median(times[plan['warmup']:])
+    step = statistics.median(times[setup['warmup']:])
     peak, source = peak_flops(m.device, amp)
     return {'step_s': step, 'tokens_per_s': B * cfg.block_size / step, 'flops_per_step': flops,
             'achieved_tflops': flops / step / 1e12, 'peak_tflops': peak / 1e12, 'peak_source': source,
@@ -459,12 +459,12 @@ def _time_medium512(m: Machine, dtype: str, plan: dict) -> dict:
 # %% ../../nbs/app/90_doctor.ipynb #6bb10f76
 def check_medium512(m: Machine) -> tuple[str, dict]:
     "medium512 (gpt) step time, tokens/s and MFU against the device's peak, per precision."
-    plan = medium512_plan(m.device)
-    rows = {d: _time_medium512(m, d, plan) for d in m.dtypes}
+    setup = medium512_setup(m.device)
+    rows = {d: _time_medium512(m, d, setup) for d in m.dtypes}
     if m.cuda: torch.cuda.empty_cache()
-    figures = {**plan, 'rows': rows}
+    figures = {**setup, 'rows': rows}
     if len(rows) > 1: figures['bf16_speedup'] = rows['float32']['step_s'] / rows[m.default_dtype]['step_s']
-    tok = f"{plan['batch_size']} x {plan['block_size']} tokens"
+    tok = f"{setup['batch_size']} x {setup['block_size']} tokens"
     return f'{tok}: ' + '; '.join(
         f"{d} {r['step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%} of "
         f"{r['peak_tflops']:.3g} TFLOP/s ({r['peak_source']})" for d, r in rows.items()), figures

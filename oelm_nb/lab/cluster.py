@@ -13,7 +13,8 @@ from .spec import run_identity
 from .provenance import COMMAND_ENV
 from ..base.rundir import write_json, read_json
 from ..base.rundir import run_lock, RunLocked, read_holder, is_alive, describe_holder
-from .runner import Batch, Job, execute_run, run_status
+from .batch import Batch
+from .execute import Job, execute_run, run_status
 from .status import batch_status, format_status
 from fastcore.basics import patch
 

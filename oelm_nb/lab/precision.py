@@ -117,7 +117,7 @@ def paired_differences(batch_dir, metric: str, a: str, b: str, seeds) -> dict[in
 def check_precision(study: str, seeds, half_width: float, max_seeds: int = MAX_SEEDS, preset: str = 'tiny',
                     steps: int | None = None, options: dict | None = None, variants=None) -> tuple[str, str, str]:
     "Refuse a --precision batch that cannot run, before anything runs; returns the comparison it sizes (metric, a, b)."
-    from oelm_nb.lab.runner import Batch, with_upstream  # here, not at the top: see above
+    from oelm_nb.lab.batch import Batch, with_upstream  # here, not at the top: see above
     from oelm_nb.lab.study import get_study
     seeds = list(seeds)
     if len(seeds) < 2:
@@ -127,7 +127,7 @@ def check_precision(study: str, seeds, half_width: float, max_seeds: int = MAX_S
     if not 0 < half_width < 1: parse_precision(half_width)  # the same message as the flag's
     st, batch = get_study(study), Batch(study, Path('.'), preset, steps=steps, options=dict(options or {}))
     metric, a, b = main_comparison(st, preset, batch.plan_steps, batch.options)
-    names = with_upstream(batch.plan(), list(variants or st.planned(preset, batch.plan_steps, batch.options)))
+    names = with_upstream(batch.variants(), list(variants or st.planned(preset, batch.plan_steps, batch.options)))
     if missing := [v for v in (a, b) if v not in names]:
         raise ConfigError(f"--precision sizes {metric} of {a} vs {b}, the study's main comparison; --variants leaves "
                           f"out {', '.join(missing)}")
@@ -162,7 +162,8 @@ def run_with_precision(study: str,
                        **kw): # `runner.run_study`'s other arguments: preset, steps, variants, overrides, execute, ...
     """Stein's two-stage batch: the pilot, N from its paired spread, the design's seeds (completed runs skipped),
     precision.json; then the report, once."""
-    from oelm_nb.lab.runner import run_study, render_report  # here, not at the top: see above
+    from oelm_nb.lab.runner import run_study  # here, not at the top: see above
+    from oelm_nb.lab.render import render_report
     from oelm_nb.lab.study import get_study
     st, out = get_study(study), Path(out_dir or f'runs/{study}')
     pilot = list(seeds if seeds is not None else range(MIN_PILOT))

@@ -22,7 +22,7 @@ from .study import Study, get_study
 from .spec import RunSpec, resolve_spec, branch_spec
 from .provenance import record_provenance, write_summary
 from .sample import sample_prompts, generate
-from ..train.checkpoint import list_checkpoints
+from ..train.checkpoint import list_checkpoints, checkpoint_step
 from ..base.metrics import read_metrics
 
 # %% auto #0
@@ -113,7 +113,7 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
     run_dir, train_d, val_d = prepare_run(spec, info)
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
     cks = list_checkpoints(run_dir / 'checkpoints')  # where a resumed run starts: its earlier stretches' time counts too
-    start = int(cks[-1].name.removeprefix('step_')) if cks else None
+    start = checkpoint_step(cks[-1]) if cks else None
     model = GPT(spec.model, init_seed=spec.train.seed)
     # pretrained weights instead of the random init (a resumed run then loads its checkpoint over them)
     if spec.train.init_from:
@@ -130,7 +130,7 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
     )
     summary = trainer.fit()
     if not info.is_main: return summary
-    after = int(branch.checkpoint.name.removeprefix('step_')) if branch else None
+    after = checkpoint_step(branch.checkpoint) if branch else None
     summary['wall_time_s'] += earlier_wall_time(read_metrics(run_dir), start, after)
     return write_summary(
         spec,

@@ -14,7 +14,7 @@ from .study import get_study
 from .spec import RunSpec
 from ..base.rundir import relocated_dirs
 from dataclasses import replace
-from ..train.checkpoint import list_checkpoints, load_weights, read_checkpoint_meta
+from ..train.checkpoint import list_checkpoints, load_weights, read_checkpoint_meta, checkpoint_step
 from ..data.corpus import data_codec, TokenData
 
 # %% auto #0
@@ -23,9 +23,6 @@ __all__ = ['CHECKPOINT_NAMES', 'SAMPLE_PROMPTS', 'find_checkpoint', 'load_run_mo
 
 # %% ../../nbs/lab/53_sample.ipynb #c13912ee
 CHECKPOINT_NAMES = ('best', 'final', 'latest')
-
-# %% ../../nbs/lab/53_sample.ipynb #643de5dc
-def _step(p: Path) -> int: return int(p.name[5:])
 
 # %% ../../nbs/lab/53_sample.ipynb #2f476d66
 def find_checkpoint(run_dir, # one run's directory, e.g. runs/qk-freeze/gpt-s0
@@ -39,9 +36,9 @@ def find_checkpoint(run_dir, # one run's directory, e.g. runs/qk-freeze/gpt-s0
             f"{run_dir} has no complete checkpoint under {root}: train the run first, or pass one run's "
             "directory (e.g. runs/qk-freeze/gpt-s0), not its batch's"
         )
-    have = f"steps {', '.join(str(_step(p)) for p in cks)}"
+    have = f"steps {', '.join(str(checkpoint_step(p)) for p in cks)}"
     if str(which).isdigit():
-        hit = [p for p in cks if _step(p) == int(which)]
+        hit = [p for p in cks if checkpoint_step(p) == int(which)]
         if not hit: raise ConfigError(f"{run_dir} has no checkpoint of step {which}; it has {have}")
         return hit[0]
     if which not in CHECKPOINT_NAMES:

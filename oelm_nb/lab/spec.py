@@ -16,8 +16,8 @@ from ..data.corpus import read_meta
 from .study import Study, NoSettings, get_study, study_names
 
 # %% auto #0
-__all__ = ['SECTIONS', 'LAYERS', 'run_identity', 'RunSpec', 'apply_overrides', 'split_scope', 'user_overrides', 'train_settings',
-           'planned_steps', 'branch_spec', 'resolve_spec']
+__all__ = ['SECTIONS', 'LAYERS', 'PLACE_KEYS', 'run_identity', 'RunSpec', 'apply_overrides', 'split_scope', 'user_overrides',
+           'check_set_key', 'train_settings', 'planned_steps', 'branch_spec', 'resolve_spec']
 
 # %% ../../nbs/lab/51_spec.ipynb #41a2e4ce
 def run_identity(study: str, variant: str, preset: str, seed: int) -> dict:
@@ -142,6 +142,33 @@ def user_overrides(variant: str, overrides: dict | None) -> dict:
         if scope is None: plain[k] = val
         elif fnmatch.fnmatchcase(variant, scope): scoped[k] = val
     return {**plain, **scoped}
+
+# %% ../../nbs/lab/51_spec.ipynb #6f4e2149
+PLACE_KEYS = {
+    'out_dir': '--out',
+    'data_dir': '--out (the data lives in <out>/data) or --data DIR',
+    'name': '--variants',
+    'study': 'the STUDY argument',
+    'preset': '--preset',
+    'train.seed': '--seeds',
+    'train.max_steps': '--steps',
+    'data.source': '--data',
+}
+
+def check_set_key(key: str, # a user's key, its scope ('PATTERN:') split off
+                  sections=SECTIONS, # the sections the command sets
+                  places: dict = PLACE_KEYS, # key -> the flag that sets it instead
+                  given: str | None = None, # KEY=VALUE as the user wrote it, for the message
+                 ) -> tuple[str, str]:
+    "(section, field) of a user's `--set` key; a `ConfigError` naming the fix for a key a user cannot set."
+    if key in places: raise ConfigError(f"--set {key}=...: {key} is not set with --set; use {places[key]}")
+    if key in sections: raise ConfigError(f"--set {key}=...: set one field at a time, e.g. --set {key}.FIELD=VALUE")
+    section, dot, name = key.partition('.')
+    if not dot or section not in sections or not name:
+        v = given.partition('=')[2] if given else '...'
+        raise ConfigError(f"--set {given or key + '=...'!r}: the key is SECTION.FIELD with SECTION one of "
+                          f"{', '.join(sections)} (e.g. --set {sections[0]}.{name if dot else key}={v})")
+    return section, name
 
 # %% ../../nbs/lab/51_spec.ipynb #8fb3dbcd
 def train_settings(study: Study, preset: str, seed: int, steps: int | None = None) -> dict:

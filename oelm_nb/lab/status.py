@@ -329,7 +329,7 @@ def _in_notebook() -> bool: return 'ipykernel' in sys.modules
 # %% ../../nbs/lab/55_status.ipynb #c2c04d2c
 class BatchProgress:
     "One live bar over a batch: steps done across its runs, runs done/failed, each running run's latest step and loss."
-    def __init__(self, jobs: list, # every job of the batch (`runner.Job`: name, run_dir), completed ones included
+    def __init__(self, jobs: list, # every job of the batch (`execute.Job`: name, run_dir), completed ones included
                  steps: dict[str, int], # job name -> its max_steps
                  statuses: dict[str, str], # job name -> status, updated by the scheduler
                  enabled: bool | None = None, # None: on a terminal or in a notebook

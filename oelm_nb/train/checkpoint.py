@@ -15,8 +15,8 @@ from ..base.rundir import write_atomic, fsync_dir, pid_alive, RecoveryWarning
 
 # %% auto #0
 __all__ = ['CheckpointError', 'optimizer_to_flat', 'optimizer_from_flat', 'restore_rng_state', 'point_link', 'save_checkpoint',
-           'list_checkpoints', 'read_checkpoint_meta', 'check_trainer_meta', 'load_weights', 'prune_checkpoints',
-           'clean_leftovers', 'read_checkpoint', 'set_aside']
+           'checkpoint_step', 'list_checkpoints', 'read_checkpoint_meta', 'check_trainer_meta', 'load_weights',
+           'prune_checkpoints', 'clean_leftovers', 'read_checkpoint', 'set_aside']
 
 # %% ../../nbs/train/40_checkpoint.ipynb #887c8d36
 class CheckpointError(RuntimeError):
@@ -71,7 +71,7 @@ def point_link(link: Path, target: str):
 def _latest_note(ckpt_root: Path) -> str:
     "Which complete checkpoint `ckpt_root` holds now, in words."
     cks = list_checkpoints(ckpt_root)
-    return (f"the latest complete checkpoint is still {cks[-1]} (step {int(cks[-1].name[5:])})" if cks
+    return (f"the latest complete checkpoint is still {cks[-1]} (step {checkpoint_step(cks[-1])})" if cks
             else f"no complete checkpoint exists in {ckpt_root} yet")
 
 # %% ../../nbs/train/40_checkpoint.ipynb #c78c5f96
@@ -115,6 +115,10 @@ def save_checkpoint(ckpt_root: Path, step: int, modules: dict[str, nn.Module], o
 # %% ../../nbs/train/40_checkpoint.ipynb #fb73d49e
 _STEP_DIR = re.compile(r'step_(\d+)')
 
+def checkpoint_step(ckpt: Path) -> int:
+    "The step of checkpoint directory `ckpt` (`step_N`, as `save_checkpoint` names it)."
+    return int(Path(ckpt).name.removeprefix('step_'))
+
 # %% ../../nbs/train/40_checkpoint.ipynb #d151acc2
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoint directories `step_N` (those with a meta.json), oldest first; temporary and set-aside
@@ -122,7 +126,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     if not ckpt_root.exists(): return []
     cks = [p for p in ckpt_root.iterdir()
            if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and (p / 'meta.json').exists()]
-    return sorted(cks, key=lambda p: int(p.name[5:]))
+    return sorted(cks, key=checkpoint_step)
 
 # %% ../../nbs/train/40_checkpoint.ipynb #a428173d
 def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)

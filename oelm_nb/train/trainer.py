@@ -32,6 +32,7 @@ from .checkpoint import load_weights  # re-exported: the PCA, CVFP and Mercator 
 from ..base.metrics import read_metrics     # re-exported: studies and nbs/experiments import it from here
 from ..model.freeze import attention_layers, qk_group
 from ..model.device import is_oom
+from .checkpoint import checkpoint_step
 
 # %% auto #0
 __all__ = ['LOSS_WINDOW', 'LOSS_FACTOR', 'LOSS_MARGIN', 'RMS_FACTOR', 'LossFn', 'DDP_LOSS_TOL', 'BRANCH_POINTS',
@@ -393,7 +394,7 @@ def _kept_checkpoint(self: Trainer, step: int) -> str:
     if not self.ckpt_root: return 'nothing: this run writes no checkpoints (no out_dir)'
     cks = list_checkpoints(self.ckpt_root)
     if not cks: return f'no checkpoint was written before step {step}'
-    return f'{cks[-1]} (step {int(cks[-1].name[5:])}), the newest complete checkpoint on disk; fit() resumes from it'
+    return f'{cks[-1]} (step {checkpoint_step(cks[-1])}), the newest complete checkpoint on disk; fit() resumes from it'
 
 # %% ../../nbs/train/42_trainer.ipynb #07289635
 @patch
