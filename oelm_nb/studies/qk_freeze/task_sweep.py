@@ -12,7 +12,8 @@ import pandas as pd
 from ...base.rundir import recorded_config
 from ...report.tables import load_runs, completed
 from ...report.convergence import formation
-from .study import qk_answers, load_timing
+from .answers import qk_answers
+from .timing import load_timing
 
 # %% auto #0
 __all__ = ['SWEEP_VARIANTS', 'SWEEP_CONTROLS', 'SWEEP_SEEDS', 'EARLY_SHARE', 'SWEEP_BASE', 'CANDIDATES', 'SWEEP_PAGE',
