@@ -20,7 +20,7 @@ from .study import get_study
 from .spec import resolve_spec
 from ..train.trainer import build_optimizer
 from ..model.freeze import param_report
-from ..train.memory import GiB, _gib, available_memory, step_memory, _memory_message
+from ..train.memory import GiB, gib_text, available_memory, step_memory, memory_message
 
 # %% auto #0
 __all__ = ['PEAK_DTYPES', 'SHORT_DTYPE', 'DATA_SHEETS', 'REFERENCE', 'MODEL_VARIANTS', 'EAGER', 'COMPILED', 'NUMERICS_DTYPES',
@@ -356,8 +356,8 @@ def bench(study: str | None, # the registered study whose variants are timed (No
         T = next(iter(cfgs.values())).block_size
         raise ConfigError(
             f'out of memory at batch_size={batch_size} x block_size={T} on {dev} ({type(e).__name__}: {first}): '
-            f'the bench estimated {_gib(estimate)} for its {len(entries)} models and one step, of the '
-            f'{_gib(avail)} available on {where} when it started (other processes may have taken memory since, '
+            f'the bench estimated {gib_text(estimate)} for its {len(entries)} models and one step, of the '
+            f'{gib_text(avail)} available on {where} when it started (other processes may have taken memory since, '
             'and the estimate can be 15% off). Lower --batch-size or --block-size, or time fewer models at once '
             '(--variants, --dtypes, --no-reference)') from None
 
@@ -387,7 +387,7 @@ def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tupl
     for v, c in cfgs.items():
         if need[v].total > avail:
             raise ConfigError(
-                f'variant {v!r}: ' + _memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX)
+                f'variant {v!r}: ' + memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX)
             )
     # every (entry, dtype, mode) keeps its weights and AdamW state; gradients and activations exist for one step
     total = (sum(need[v].weights + need[v].adam for v, *_ in entries) +
@@ -396,7 +396,7 @@ def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tupl
         raise ConfigError(
             f'the bench holds {len(entries)} models with their optimizers at once'
             f' ({", ".join("/".join(e) for e in entries)}), which with one step at batch_size={batch_size} need about'
-            f' {_gib(total)}, but only {_gib(avail)} is available on {where}. Time fewer at once (--variants, --dtypes,'
+            f' {gib_text(total)}, but only {gib_text(avail)} is available on {where}. Time fewer at once (--variants, --dtypes,'
             ' --no-reference) or lower --batch-size'
         )
     return avail, where, total

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 import numpy as np
 import pandas as pd
-from ...model.gpt import model_config, GPT
-from ...model.freeze import param_report
+from ...model.gpt import model_config
+from ...train.memory import param_counts
 from ...report.tables import (batch_command, compare, completed, Comparison, variant_table, difference_verdict,
                                    mean_sd, seeds_needed, seeds_range, seeds_command, formation_comparison,
                                    read_precision, STEIN_NORMAL)
@@ -376,7 +376,7 @@ def scale_note(runs: pd.DataFrame, preset: str, reference: str = 'medium512') ->
     ok = completed(runs)
     if not len(ok) or 'steps' not in ok: return 'No completed runs.'
     m, r = model_config(preset), model_config(reference)
-    n_ref = param_report(GPT(r.replace(variant='gpt'), init_seed=0)).total
+    n_ref = param_counts(r.replace(variant='gpt'))[0]
     steps, tokens = int(ok.steps.max()), (
         int(ok.tokens.max()) if 'tokens' in ok else tokens_per_run(preset, int(ok.steps.max()))
     )
