@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 from cli_helpers import oelm_main
-from oelm_nb.lab.bench import data_sheet_peak, peak_flops
+from oelm_nb.model.device import data_sheet_peak, peak_flops
 
 TFLOPS = 1e12
 

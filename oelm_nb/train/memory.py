@@ -15,7 +15,8 @@ from ..model.freeze import param_report
 
 # %% auto #0
 __all__ = ['GiB', 'MICRO_BATCH_MARGIN', 'gib_text', 'model_counts', 'param_counts', 'StepMemory', 'step_memory',
-           'available_memory', 'memory_message', 'check_step_memory', 'choose_micro_batch']
+           'available_memory', 'memory_message', 'check_step_memory', 'choose_micro_batch', 'reset_peak_rss',
+           'peak_rss_bytes']
 
 # %% ../../nbs/train/41_memory.ipynb #0dece4b8
 GiB = 2 ** 30
@@ -184,3 +185,23 @@ def choose_micro_batch(model_cfg: ModelConfig, # the model's shape
             memory_message(model_cfg, 1, T, device, seqs, budget, f'{where}, less a {margin:.0%} margin'))
     b = max(d for d in _divisors(seqs) if d <= fit)
     return b, seqs // b
+
+# %% ../../nbs/train/41_memory.ipynb #fd01ce50
+def reset_peak_rss() -> bool:
+    "Start the peak-RSS count afresh (Linux: /proc/self/clear_refs), so start-up spikes such as imports do not count."
+    try: Path('/proc/self/clear_refs').write_text('5'); return True
+    except OSError: return False
+
+# %% ../../nbs/train/41_memory.ipynb #a13794d6
+def peak_rss_bytes() -> int | None:
+    "Peak resident set size of this process so far (None where the OS does not report it)."
+    # Linux: VmHWM starts afresh at exec, unlike ru_maxrss, which a spawned child inherits
+    status = Path('/proc/self/status')
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith('VmHWM:'): return int(line.split()[1]) * 1024
+    try: import resource
+    except ImportError: return None
+    import sys
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB elsewhere
