@@ -324,7 +324,7 @@ def cmd_export(args) -> int:
 # %% ../../nbs/app/91_cli.ipynb #e5676d3a
 def cmd_bench(args) -> int:
     from oelm_nb.lab.bench import bench, bench_table
-    from oelm_nb.lab.numerics import numerics_check
+    from oelm_nb.lab.bench import numerics_check
     import pandas as pd
     overrides = parse_sets(args.set)
     variants = args.variants.split(',') if args.variants else None

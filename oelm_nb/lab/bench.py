@@ -17,6 +17,7 @@ from ..base.core import ConfigError, ModelConfig, DTYPES, TrainConfig
 from ..model.device import (set_seed, pick_device, autocast_dtype, autocast, is_oom, matmul_peak_flops, peak_flops,
                                   compile_missing)
 from ..model.gpt import GPT, model_config
+from ..model.reference import ReferenceGPT
 from .study import get_study
 from .spec import resolve_spec
 from ..train.trainer import build_optimizer
@@ -25,9 +26,10 @@ from ..model.freeze import param_report
 from ..train.memory import gib_text, available_memory, step_memory, memory_message, reset_peak_rss, peak_rss_bytes
 
 # %% auto #0
-__all__ = ['REFERENCE', 'MODEL_VARIANTS', 'EAGER', 'COMPILED', 'step_inputs', 'train_step_flops', 'optimizer_state_bytes',
-           'RefAttention', 'RefBlock', 'ReferenceGPT', 'BenchRow', 'bench_config', 'build_variant', 'timed_step',
-           'cpu_peak_memory', 'dtype_label', 'compile_failure', 'bench_table', 'bench']
+__all__ = ['REFERENCE', 'MODEL_VARIANTS', 'EAGER', 'COMPILED', 'NUMERICS_DTYPES', 'step_inputs', 'train_step_flops',
+           'optimizer_state_bytes', 'BenchRow', 'bench_config', 'build_variant', 'timed_step', 'cpu_peak_memory',
+           'dtype_label', 'compile_failure', 'bench_table', 'bench', 'numerics_table', 'plot_numerics',
+           'numerics_check']
 
 # %% ../../nbs/lab/57_bench.ipynb #6818645a
 def step_inputs(model: GPT, batch_size: int, device, seed: int = 0):
@@ -55,60 +57,6 @@ def optimizer_state_bytes(model: GPT, device=None) -> int:
     _, loss = model(x[:, :8], y[:, :8]); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return sum(v.numel() * v.element_size()
                for st in opt.state.values() for k, v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
-
-# %% ../../nbs/lab/57_bench.ipynb #d985c3bc
-class RefAttention(nn.Module):
-    "Causal self-attention with one fused QKV projection (nanoGPT's layout)."
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.attn_bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.attn_bias)
-
-    def forward(self, x):  # x: (B, T, C)
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-# %% ../../nbs/lab/57_bench.ipynb #a742e2aa
-class RefBlock(nn.Module):
-    "Pre-LayerNorm transformer block: attention, then a GELU MLP, each added to the residual stream."
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        hidden = cfg.d_ff or 4 * cfg.n_embd
-        self.ln_1, self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias), nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = RefAttention(cfg)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, hidden, bias=cfg.bias), nn.GELU(), nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
-        )
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-# %% ../../nbs/lab/57_bench.ipynb #bc778412
-class ReferenceGPT(nn.Module):
-    "A plain GPT structured as nanoGPT's model.py, at the shape of a `ModelConfig`; the bench's speed yardstick."
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.wte, self.wpe = nn.Embedding(cfg.vocab_size, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(RefBlock(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
-        for p in self.parameters():
-            if p.dim() == 2: nn.init.normal_(p, std=cfg.init_std)
-
-    def forward(self, idx, targets=None):  # idx: (B, T)
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.h: x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
-        loss = None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
 
 # %% ../../nbs/lab/57_bench.ipynb #5333ad5b
 @dataclass
@@ -368,3 +316,66 @@ def bench(study: str | None, # the registered study whose variants are timed (No
             f'{gib_text(avail)} available on {where} when it started (other processes may have taken memory since, '
             'and the estimate can be 15% off). Lower --batch-size or --block-size, or time fewer models at once '
             '(--variants, --dtypes, --no-reference)') from None
+
+# %% ../../nbs/lab/57_bench.ipynb #af0b2f7b
+import json
+from pathlib import Path
+import matplotlib
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from ..base.core import ConfigError
+from ..report.tables import completed, load_runs, load_curves
+from .runner import run_study
+
+# %% ../../nbs/lab/57_bench.ipynb #6fee80aa
+NUMERICS_DTYPES = ('float32', 'bfloat16')
+
+# %% ../../nbs/lab/57_bench.ipynb #aaf75216
+def numerics_table(out_dir) -> pd.DataFrame:
+    """Per variant: final val PPL of each seed in fp32 and bf16, the fp32 seed spread, the largest paired change, and
+    the verdict."""
+    runs = {d: load_runs(Path(out_dir) / d) for d in NUMERICS_DTYPES}
+    rows = []
+    for v in sorted(set(runs['float32'].variant) & set(runs['bfloat16'].variant)):
+        ppl = {d: completed(runs[d], [v]).set_index('seed')['final_val_ppl']
+               for d in NUMERICS_DTYPES}
+        seeds = sorted(set(ppl['float32'].index) & set(ppl['bfloat16'].index))
+        if not seeds: continue
+        f32, b16 = ppl['float32'][seeds], ppl['bfloat16'][seeds]
+        spread, change = float(f32.max() - f32.min()), float((b16 - f32).abs().max())
+        rows.append({'variant': v, 'seeds': len(seeds), **{f'fp32_ppl_s{s}': f32[s] for s in seeds},
+                     **{f'bf16_ppl_s{s}': b16[s] for s in seeds},
+                     'fp32_mean': float(f32.mean()), 'bf16_mean': float(b16.mean()), 'fp32_seed_spread': spread,
+                     'max_paired_change': change, 'within_seed_spread': bool(len(seeds) >= 2 and change <= spread)})
+    return pd.DataFrame(rows).set_index('variant') if rows else pd.DataFrame(columns=['within_seed_spread'])
+
+# %% ../../nbs/lab/57_bench.ipynb #0b115923
+def plot_numerics(out_dir, ax=None):
+    "Validation loss curves of every run, fp32 solid and bf16 dashed, one colour per variant."
+    ax = ax or plt.subplots(figsize=(7, 4))[1]
+    for d, style in zip(NUMERICS_DTYPES, ('-', '--')):
+        cur = load_curves(Path(out_dir) / d)
+        if 'val_loss' not in cur: continue
+        cur = cur.dropna(subset=['val_loss'])
+        for i, ((v, s), g) in enumerate(cur.groupby(['variant', 'seed'])):
+            c = f'C{sorted(cur.variant.unique()).index(v)}'
+            ax.plot(g.step, g.val_loss, style, color=c, alpha=0.8, label=f'{v} {d}' if s == cur.seed.min() else None)
+    ax.set(xlabel='step', ylabel='validation loss', title='fp32 (solid) vs bf16 autocast (dashed)')
+    ax.legend(fontsize=8)
+    return ax
+
+# %% ../../nbs/lab/57_bench.ipynb #49671c9f
+def numerics_check(out_dir, study: str, preset: str = 'tiny', seeds: list[int] = (0, 1),
+                   variants: list[str] | None = None, steps: int | None = None, log=print) -> pd.DataFrame:
+    "Train the study in fp32 and in bf16 with the same seeds (into out_dir/float32, out_dir/bfloat16), then compare."
+    matplotlib.use('Agg')
+    if len(seeds) < 2: raise ConfigError(f"seeds={list(seeds)}: the seed spread needs at least 2 seeds")
+    out = Path(out_dir)
+    for d in NUMERICS_DTYPES:
+        run_study(study, preset, 'synthetic', variants, list(seeds), steps, out / d, overrides={'train.dtype': d},
+                  report=False, log=log)
+    table = numerics_table(out)
+    (out / 'numerics.json').write_text(json.dumps(table.reset_index().to_dict(orient='records'), indent=1))
+    plot_numerics(out).figure.savefig(out / 'numerics.png', dpi=110, bbox_inches='tight')
+    return table
