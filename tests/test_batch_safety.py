@@ -32,7 +32,7 @@ def state(d: Path) -> dict:
 @pytest.mark.slow
 def test_every_suggested_command_keeps_the_batch_settings_and_other_settings_are_refused(tmp_path):
     from oelm_nb.report.tables import load_runs, batch_command
-    from oelm_nb.studies.qk_freeze.study import control_table
+    from oelm_nb.studies.qk_freeze.answers import control_table
     d = inline_batch(tmp_path / 'b', 'qk-freeze', variants=['gpt', 'oelm-freeze'], steps=4)  # the commands train 3 more runs
     before = state(d)
     recorded = read_json(d / 'batch.json')

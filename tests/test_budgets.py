@@ -118,7 +118,7 @@ def test_answers_json_has_every_budget_and_whether_each_gap_closes(tmp_path):
 
 def test_a_gap_that_widens_is_not_said_to_close(tmp_path):
     from oelm_nb.report.tables import load_runs
-    from oelm_nb.studies.qk_freeze.study import qk_answers
+    from oelm_nb.studies.qk_freeze.answers import qk_answers
     a = {x.qid: x for x in qk_answers(load_runs(qk_ladder(tmp_path / 'b', {400: 1.1, 600: 1.2, 800: 1.35})))}
     assert a['H4-trend'].verdict == 'rejected' and a['H4-trend'].value > 0
     line = next(c for c in a['H4-trend'].caveats if c.startswith('H4-trend:'))
@@ -127,7 +127,7 @@ def test_a_gap_that_widens_is_not_said_to_close(tmp_path):
 
 def test_a_batch_of_one_budget_says_the_trend_needs_a_ladder(tmp_path):
     from oelm_nb.report.tables import load_runs
-    from oelm_nb.studies.qk_freeze.study import qk_answers
+    from oelm_nb.studies.qk_freeze.answers import qk_answers
     from fake_runs import fake_batch
     out = fake_batch(tmp_path / 'b', 'qk-freeze', {v: (lambda s: {'status': 'completed', 'steps': 600, 'tokens': 1,
                                                                  'best_val_ppl': 3.0 + s}) for v in ('gpt', 'oelm', 'oelm-freeze')},

@@ -226,7 +226,7 @@ def test_the_exact_formation_test_reproduces_the_reference_p_values(rid, steps, 
 def test_formation_answers_claim_no_order_the_censoring_does_not_show(tmp_path):
     from oelm_nb.report.evidence import is_claim
     "R1/R2 on a written batch: counts within the budget, the exact test named, no 'earlier', the floor's caveat."
-    from oelm_nb.studies.qk_freeze.study import formation_answer
+    from oelm_nb.studies.qk_freeze.answers import formation_answer
     at = {0: 0.1, 1: 0.17, 2: 0.23, 3: None}  # gpt formed it at steps 300, 500, 700; never in seed 3
     root = write(tmp_path / 'b', {**{('gpt', s): {'val_loss': SETTLED, 'recall_acc': jump(j)} for s, j in at.items()},
                                   **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(None)} for s in at}})
@@ -241,7 +241,7 @@ def test_formation_answers_claim_no_order_the_censoring_does_not_show(tmp_path):
 
 
 def test_with_enough_seeds_censoring_after_every_event_says_more_often_not_earlier(tmp_path):
-    from oelm_nb.studies.qk_freeze.study import formation_answer
+    from oelm_nb.studies.qk_freeze.answers import formation_answer
     root = write(tmp_path / 'b', {**{('gpt', s): {'val_loss': SETTLED, 'recall_acc': jump(0.1 + 0.02 * s)}
                                      for s in range(6)},
                                   **{('oelm-freeze', s): {'val_loss': SETTLED, 'recall_acc': jump(None)} for s in range(6)}})
@@ -348,7 +348,7 @@ def test_seeds_command_is_a_valid_oelm_run_of_the_same_batch(tmp_path):
 
 
 def test_an_unresolved_answer_says_what_it_would_take(tmp_path):
-    from oelm_nb.studies.qk_freeze.study import qk_answers
+    from oelm_nb.studies.qk_freeze.answers import qk_answers
     ppl = {'gpt': [10.0, 10.1, 10.2, 10.3], 'oelm': [10.0, 10.1, 10.2, 10.3], 'oelm-freeze': [10.3, 10.9, 10.2, 10.8]}
     root = write(tmp_path / 'b', {(v, s): {'val_loss': np.log(p) + SETTLED - 1.2, 'recall_acc': jump(0.3 + 0.05 * s)}
                                   for v, ps in ppl.items() for s, p in enumerate(ps)})
@@ -370,7 +370,7 @@ def test_an_unresolved_answer_says_what_it_would_take(tmp_path):
 def test_under_a_stein_design_h4_uses_steins_interval(tmp_path):
     "A batch sized by --precision (precision.json on H4's comparison): H4's interval and verdict are Stein's."
     from oelm_nb.lab.precision import precision_record, stein_seeds, stein_interval
-    from oelm_nb.studies.qk_freeze.study import qk_answers
+    from oelm_nb.studies.qk_freeze.answers import qk_answers
     ppl = {'gpt': [10.0, 10.1, 10.2, 10.3, 10.4], 'oelm': [10.0, 10.1, 10.2, 10.3, 10.4],
            'oelm-freeze': [11.3, 11.4, 11.2, 11.6, 11.5]}
     root = write(tmp_path / 'b', {(v, s): {'val_loss': np.log(p) + SETTLED - 1.2, 'recall_acc': jump(0.3)}
@@ -398,7 +398,7 @@ def test_the_formation_delay_interval_covers_with_censored_runs_and_a_naive_one_
     """R1/R2's delay interval (`bounded_median_interval`: the sign test inverted over the bounds censoring leaves)
     covers the true median delay at least at its stated level on a skewed truth with most delays censored, at 4 seeds
     (make run's: the extremes, 87.5%) and 8 (the sweep's); taking a censored bound for the delay does not."""
-    from oelm_nb.studies.qk_freeze.study import bounded_median_interval
+    from oelm_nb.report.evidence import bounded_median_interval
     rng = np.random.default_rng(47)
     for n, budget, stated in ((4, 800, 0.875), (8, 400, 1 - 2 / 2 ** 8)):
         tb = rng.uniform(200, 400, (4000, n))  # the control's formation steps

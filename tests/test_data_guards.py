@@ -201,3 +201,28 @@ def test_param_counts_match_the_built_model(over):
     cfg = model_config('tiny', block_size=32, **over)
     rep = param_report(GPT(cfg, init_seed=0))
     assert param_counts(cfg) == (rep.total, rep.trainable)
+
+
+def shape_counts(cfg):
+    "(total, trainable) worked out from the configuration, Q/K freezing alone: what the model-built count replaced."
+    C, F, k, V = cfg.n_embd, cfg.ff_dim, cfg.wte_dim, cfg.vocab_size
+    lin = lambda i, o, bias: i * o + (o if bias else 0)
+    ln = C * (2 if cfg.bias else 1)
+    layer = 2 * ln + 4 * lin(C, C, cfg.attn_bias) + lin(C, F, cfg.bias) + lin(F, C, cfg.bias)
+    total = V * k + cfg.block_size * C + cfg.n_layer * layer + ln
+    if cfg.factorized: total += lin(k, C, cfg.bias) + lin(C, k, cfg.bias)
+    return total, total - 2 * C * C * len(cfg.frozen_layers)
+
+
+def test_counts_from_the_model_equal_the_configurations_for_every_studys_tiny_variants():
+    """`param_counts` builds the model (meta device) and counts it: for every variant of every study at `tiny`, the
+    same numbers as the configuration formula it replaced, which knew only Q/K freezing."""
+    from oelm_nb.lab.study import studies
+    from oelm_nb.lab.spec import resolve_spec
+    seen = 0
+    for name, st in studies().items():
+        for v in st.variants('tiny', 1000, {}):
+            cfg = resolve_spec(st, v, 'tiny').model
+            assert param_counts(cfg) == shape_counts(cfg), (name, v)
+            seen += 1
+    assert seen >= 8

@@ -49,7 +49,9 @@ def test_formation_claims_fall_after_holm_like_every_claim():  # mutant: no R1/R
 
 
 def test_h3s_sign_test_is_one_sided_in_the_direction_of_its_claim(tmp_path):  # mutant: H3 two-sided
-    from oelm_nb.studies.qk_freeze.study import h3_answer, load_timing, sign_test_p
+    from oelm_nb.studies.qk_freeze.answers import h3_answer
+    from oelm_nb.studies.qk_freeze.timing import load_timing
+    from oelm_nb.report.evidence import sign_test_p
     faster = [0.97] * 15 + [1.02] * 5  # 15 of 20 rounds faster: one-sided p = P(B <= 5) = 0.0207
     rows = [{'variant': 'oelm', 'step_time_median_s': 1.0, 'ratio_to_first_median': 1.0, 'ratio_to_first_q1': 1.0,
              'ratio_to_first_q3': 1.0, 'rounds': 20, 'ratios': [1.0] * 20},

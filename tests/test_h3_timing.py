@@ -6,7 +6,8 @@ import functools, json
 
 from oelm_nb.lab import runner, execute
 from oelm_nb.lab.study import SMALL_CORPUS, studies
-from oelm_nb.studies.qk_freeze.study import interleaved_timing, h3_answer, load_timing
+from oelm_nb.studies.qk_freeze.answers import h3_answer
+from oelm_nb.studies.qk_freeze.timing import interleaved_timing, load_timing
 
 
 def test_timing_json_has_the_runs_trainable_counts(tmp_path, monkeypatch):
@@ -33,7 +34,7 @@ def test_the_median_interval_covers_at_its_stated_level_and_quartiles_do_not():
     (log-normal, median 1) it covers at its stated level, at 6 rounds (a smoke batch's timing) and at 20 (make run's),
     within +-1.5 points over 10,000 simulated timings; at 6 rounds the quartiles the report also shows are no such interval."""
     import numpy as np
-    from oelm_nb.studies.qk_freeze.study import median_interval
+    from oelm_nb.report.evidence import median_interval
     rng = np.random.default_rng(45)
     for n, stated in ((6, 1 - 2 / 2 ** 6), (20, 0.9586)):  # 6: the extremes, 1 - 2 * 0.5^6; 20: order statistics 6 and 15
         x = rng.lognormal(0.0, 0.5, (10_000, n))

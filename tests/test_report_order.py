@@ -161,7 +161,7 @@ def qk_report(tmp_path_factory):
 
 def test_qk_freeze_report_answers_first(qk_report):
     from oelm_nb.report.tables import load_runs
-    from oelm_nb.studies.qk_freeze.study import qk_answers
+    from oelm_nb.studies.qk_freeze.answers import qk_answers
     root, html_file = qk_report
     answers = qk_answers(load_runs(root))
     verdicts = {a.qid: a.verdict for a in answers}

@@ -13,7 +13,7 @@ from oelm_nb.lab.spec import resolve_spec
 from oelm_nb.base.rundir import parse_run_name, run_name
 from oelm_nb.report.tables import compare, load_runs
 from oelm_nb.lab.study import studies, get_study, study_names
-from oelm_nb.studies.qk_freeze.study import hypotheses
+from oelm_nb.studies.qk_freeze.answers import hypotheses
 from oelm_nb.studies.pca.study import ppl_table, recovery_table, recovery_verdict, pca_answers
 from oelm_nb.report.evidence import Answer
 from fake_runs import failed, fake_batch

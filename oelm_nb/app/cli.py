@@ -61,14 +61,14 @@ def study_of(variants: list[str], preset: str, flag: str,
 
 # %% ../../nbs/app/91_cli.ipynb #a410c7d3
 def cmd_params(args) -> int:
-    from oelm_nb.model.gpt import GPT, model_config
+    from oelm_nb.model.gpt import model_config, shape_model
     from oelm_nb.model.freeze import param_report
     from oelm_nb.lab.study import get_study
     from oelm_nb.lab.spec import resolve_spec
     sets = parse_sets(args.set, ('model',))
     if args.study is None and args.variant is None:  # the preset's plain GPT
         cfg, study, variant = model_config(args.preset, **{k.split('.', 1)[1]: v for k, v in sets.items()}), None, None
-        model = GPT(cfg, init_seed=0)
+        model = shape_model(cfg)
     else:  # a study's variant: its model settings (`resolve_spec`), its model (`Study.build_model`)
         def model_of(name):  # what a run of the variant builds in study `name`: its model settings and builder
             st = get_study(name)
@@ -77,7 +77,7 @@ def cmd_params(args) -> int:
         variant = args.variant or st.planned(args.preset)[0]
         spec = resolve_spec(st, variant, args.preset, overrides=sets)
         cfg, study = spec.model, st.name
-        model = st.build_model(spec) if st.build_model else GPT(cfg, init_seed=0)
+        model = st.build_model(spec) if st.build_model else shape_model(cfg)
     rep = param_report(model)
     if args.json:
         print(json.dumps({'preset': args.preset, 'study': study, 'study_variant': variant, 'variant': cfg.variant,

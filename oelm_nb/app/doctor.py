@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..base.core import ConfigError, DataConfig, ModelConfig, TrainConfig
-from ..model.device import pick_device, autocast_dtype, precision_note, cpu_has_native_bf16
+from ..model.device import pick_device, autocast_dtype, precision_note, cpu_has_native_bf16, peak_flops, compile_missing
 from ..train.memory import GiB, param_counts
 from ..model.gpt import GPT, model_config
 from ..data.corpus import prepare_data
@@ -27,7 +27,7 @@ from ..train.checkpoint import load_weights
 from ..base.metrics import read_metrics
 from ..lab.spec import resolve_spec
 from ..lab.run import launch_run
-from ..lab.bench import peak_flops, train_step_flops, bench_config, build_variant, dtype_label, step_inputs, timed_step
+from ..lab.bench import train_step_flops, bench_config, build_variant, dtype_label, step_inputs, timed_step
 from ..studies.cvfp.method import CVFPConfig, CVFPModel, markov_tokens, phase2_batch_size, train_phase2
 from ..studies.mercator.method import load_causal_lm
 from ..studies.mercator.hf import nf4_unavailable, teacher_load_kwargs
@@ -407,22 +407,12 @@ def check_resume(m: Machine) -> tuple[str, dict]:
     how = 'bit for bit' if exact else f"to {diff:.0e} (this GPU's kernels are not bitwise deterministic)"
     return f'stopped at step 3 of 6, resumed on {m.device}: the same 6 losses and final weights, {how}', figures
 
-# %% ../../nbs/app/90_doctor.ipynb #583f21f6
-def _compiler_missing(device: torch.device) -> tuple[str, str] | None:
-    "(reason, fix) when torch.compile's default backend lacks its compiler on `device`, else None."
-    if device.type == 'cuda':
-        return None if find_spec('triton') else ('Triton is not installed: inductor compiles GPU kernels with it',
-                                                 'pip install triton (the CUDA wheels of torch bring it)')
-    cxx = os.environ.get('CXX') or ('clang++' if sys.platform == 'darwin' else 'g++')
-    return None if shutil.which(cxx) else (f'no C++ compiler ({cxx}): inductor compiles CPU kernels with it',
-                                           'install one (apt install g++), or set CXX to its path')
-
 # %% ../../nbs/app/90_doctor.ipynb #7c8b98bc
 _COMPILE_FIX = 'train without compiling (train.compile=false, the default) and ' + REPORT
 
 def check_compile(m: Machine) -> tuple[str, dict]:
     "torch.compile through the Trainer: compile time, compiled vs eager step time, the same first loss."
-    if why := _compiler_missing(m.device): raise Skip(*why)
+    if why := compile_missing(m.device): raise Skip(*why)
     eager, t_eager = fixed_batch_fit('gpt', m.device, m.default_dtype, steps=10)
     try: comp, t_comp = fixed_batch_fit('gpt', m.device, m.default_dtype, steps=10, compile=True)
     except Exception as e: raise Problem(f'{type(e).__name__}: {e}', _COMPILE_FIX) from None

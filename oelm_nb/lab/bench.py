@@ -4,7 +4,7 @@
 
 # %% ../../nbs/lab/57_bench.ipynb #8370fac8
 from __future__ import annotations
-import importlib.util, json, multiprocessing, os, re, shutil, time
+import multiprocessing, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import numpy as np
@@ -14,20 +14,21 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..base.core import ConfigError, ModelConfig, DTYPES, TrainConfig
-from ..model.device import set_seed, pick_device, autocast_dtype, autocast, is_oom
+from ..model.device import (set_seed, pick_device, autocast_dtype, autocast, is_oom, matmul_peak_flops, peak_flops,
+                                  compile_missing)
 from ..model.gpt import GPT, model_config
+from ..model.reference import ReferenceGPT
 from .study import get_study
 from .spec import resolve_spec
 from ..train.trainer import build_optimizer
+from ..report.evidence import quartiles
 from ..model.freeze import param_report
-from ..train.memory import GiB, _gib, available_memory, step_memory, _memory_message
+from ..train.memory import gib_text, available_memory, step_memory, memory_message, reset_peak_rss, peak_rss_bytes
 
 # %% auto #0
-__all__ = ['PEAK_DTYPES', 'SHORT_DTYPE', 'DATA_SHEETS', 'REFERENCE', 'MODEL_VARIANTS', 'EAGER', 'COMPILED', 'NUMERICS_DTYPES',
-           'step_inputs', 'train_step_flops', 'optimizer_state_bytes', 'RefAttention', 'RefBlock', 'ReferenceGPT',
-           'data_sheet_peak', 'matmul_peak_flops', 'peak_dtype', 'peak_flops', 'reset_peak_rss', 'peak_rss_bytes',
-           'BenchRow', 'bench_config', 'build_variant', 'timed_step', 'cpu_peak_memory', 'dtype_label',
-           'compile_unavailable', 'compile_failure', 'bench', 'bench_table', 'numerics_table', 'plot_numerics',
+__all__ = ['REFERENCE', 'MODEL_VARIANTS', 'EAGER', 'COMPILED', 'NUMERICS_DTYPES', 'step_inputs', 'train_step_flops',
+           'optimizer_state_bytes', 'BenchRow', 'bench_config', 'build_variant', 'timed_step', 'cpu_peak_memory',
+           'dtype_label', 'compile_failure', 'bench_table', 'bench', 'numerics_table', 'plot_numerics',
            'numerics_check']
 
 # %% ../../nbs/lab/57_bench.ipynb #6818645a
@@ -56,149 +57,6 @@ def optimizer_state_bytes(model: GPT, device=None) -> int:
     _, loss = model(x[:, :8], y[:, :8]); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return sum(v.numel() * v.element_size()
                for st in opt.state.values() for k, v in st.items() if k in ('exp_avg', 'exp_avg_sq'))
-
-# %% ../../nbs/lab/57_bench.ipynb #d985c3bc
-class RefAttention(nn.Module):
-    "Causal self-attention with one fused QKV projection (nanoGPT's layout)."
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.attn_bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.attn_bias)
-
-    def forward(self, x):  # x: (B, T, C)
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-# %% ../../nbs/lab/57_bench.ipynb #a742e2aa
-class RefBlock(nn.Module):
-    "Pre-LayerNorm transformer block: attention, then a GELU MLP, each added to the residual stream."
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        hidden = cfg.d_ff or 4 * cfg.n_embd
-        self.ln_1, self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias), nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = RefAttention(cfg)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, hidden, bias=cfg.bias), nn.GELU(), nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
-        )
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-# %% ../../nbs/lab/57_bench.ipynb #bc778412
-class ReferenceGPT(nn.Module):
-    "A plain GPT structured as nanoGPT's model.py, at the shape of a `ModelConfig`; the bench's speed yardstick."
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.wte, self.wpe = nn.Embedding(cfg.vocab_size, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(RefBlock(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
-        for p in self.parameters():
-            if p.dim() == 2: nn.init.normal_(p, std=cfg.init_std)
-
-    def forward(self, idx, targets=None):  # idx: (B, T)
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.h: x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
-        loss = None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
-
-# %% ../../nbs/lab/57_bench.ipynb #e8835694
-PEAK_DTYPES = ('bfloat16', 'float16', 'tf32', 'float32')
-SHORT_DTYPE = {'bfloat16': 'bf16', 'float16': 'fp16', 'tf32': 'tf32', 'float32': 'fp32'}
-_HOPPER_SXM, _HOPPER_NVL = (989.4, 989.4, 494.7, 66.9), (835.5, 835.5, 417.5, 60.0)
-_A100 = (312.0, 312.0, 156.0, 19.5)  # SXM and PCIe, 40 and 80 GB: one column of compute on the data sheet
-# Dense peaks in TFLOP/s per PEAK_DTYPES, from NVIDIA's data sheets ("H100 Tensor Core GPU", "H200 Tensor Core GPU",
-# "A100 Tensor Core GPU", "L4 Tensor Core GPU", "L40S GPU", "A10 Tensor Core GPU"). The sheets print the tensor-core
-# rows with sparsity: the dense figure is half of it. fp32 is the sheet's plain (non-tensor) FP32 row.
-DATA_SHEETS = {  # name rows print: (word sets, any of which torch's device name contains, TFLOP/s per dtype)
-    'H100 SXM': ([('h100', 'hbm3'), ('h100', 'sxm5'), ('h100', 'sxm')], _HOPPER_SXM),
-    'H100 PCIe': ([('h100', 'pcie')], (756.5, 756.5, 378.0, 51.2)),
-    'H100 NVL': ([('h100', 'nvl')], _HOPPER_NVL),
-    'H200 SXM': ([('h200',)], _HOPPER_SXM),
-    'H200 NVL': ([('h200', 'nvl')], _HOPPER_NVL),
-    'GH200': ([('gh200',)], _HOPPER_SXM),
-    'A100 SXM': ([('a100', 'sxm4'), ('a100', 'sxm')], _A100),
-    'A100 PCIe': ([('a100', 'pcie')], _A100),
-    'A100': ([('a100',)], _A100),
-    'L4': ([('l4',)], (121.0, 121.0, 60.0, 30.3)),
-    'L40S': ([('l40s',)], (362.05, 362.05, 183.0, 91.6)),
-    'A10': ([('a10',)], (125.0, 125.0, 62.5, 31.2)),
-}
-
-# %% ../../nbs/lab/57_bench.ipynb #c9c6be45
-def data_sheet_peak(device_name: str, # as torch.cuda.get_device_name gives it, e.g. 'NVIDIA A100-SXM4-80GB'
-                    dtype: str, # one of PEAK_DTYPES
-                   ) -> tuple[str, float] | None:
-    "(data-sheet entry, dense FLOP/s in `dtype`) of a GPU, matched by the words of its name (most words win), or None."
-    words = set(re.findall(r'[a-z0-9]+', device_name.lower()))
-    hits = [(len(ws), name) for name, (alts, _) in DATA_SHEETS.items() for ws in alts if set(ws) <= words]
-    if not hits: return None
-    name = max(hits)[1]
-    return name, float(round(DATA_SHEETS[name][1][PEAK_DTYPES.index(dtype)] * 1e12))
-
-# %% ../../nbs/lab/57_bench.ipynb #d02d1c18
-def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, # None: fp32
-                      n: int = 2048, reps: int = 5) -> float:
-    "FLOP/s of the best of `reps` n x n matmuls on `device` in `dtype`: the practical ceiling for this dtype."
-    dt = dtype or torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
-    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
-    a @ b; sync()
-    best = float('inf')
-    for _ in range(reps):
-        t0 = time.perf_counter(); a @ b; sync(); best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
-
-# %% ../../nbs/lab/57_bench.ipynb #ef0c9ad2
-def peak_dtype(device: torch.device, dtype: torch.dtype | None) -> str:
-    "The data-sheet column matmuls in `dtype` run at (None: fp32); on CUDA, fp32 runs as TF32 where torch allows it."
-    if dtype is None or dtype == torch.float32:
-        return 'tf32' if device.type == 'cuda' and torch.get_float32_matmul_precision() != 'highest' else 'float32'
-    return str(dtype).removeprefix('torch.')
-
-# %% ../../nbs/lab/57_bench.ipynb #801e347d
-def peak_flops(device: torch.device, dtype: torch.dtype | None,
-               measured: float | None = None, # the measured matmul peak, if already taken (else measured here)
-              ) -> tuple[float, str]:
-    "The MFU basis for `dtype` on `device`: (FLOP/s, the basis named), the data sheet's if there is one."
-    col = peak_dtype(device, dtype)
-    if device.type == 'cuda':
-        name = torch.cuda.get_device_name(device)
-        hit = data_sheet_peak(name, col)
-        if hit: return hit[1], f'{hit[0]} {SHORT_DTYPE[col]} dense data sheet {hit[1] / 1e12:.0f} TFLOP/s'
-        why = f'{name!r} is not in DATA_SHEETS'
-    else: why = f'a {device.type.upper()} has no data sheet here'
-    peak = measured if measured is not None else matmul_peak_flops(device, dtype)
-    return peak, f'measured 2048x2048 matmul {peak / 1e12:.3g} TFLOP/s, {SHORT_DTYPE[col]} ({why})'
-
-# %% ../../nbs/lab/57_bench.ipynb #fd01ce50
-def reset_peak_rss() -> bool:
-    "Start the peak-RSS count afresh (Linux: /proc/self/clear_refs), so start-up spikes such as imports do not count."
-    try: Path('/proc/self/clear_refs').write_text('5'); return True
-    except OSError: return False
-
-# %% ../../nbs/lab/57_bench.ipynb #a13794d6
-def peak_rss_bytes() -> int | None:
-    "Peak resident set size of this process so far (None where the OS does not report it)."
-    # Linux: VmHWM starts afresh at exec, unlike ru_maxrss, which a spawned child inherits
-    status = Path('/proc/self/status')
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith('VmHWM:'): return int(line.split()[1]) * 1024
-    try: import resource
-    except ImportError: return None
-    import sys
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB elsewhere
 
 # %% ../../nbs/lab/57_bench.ipynb #5333ad5b
 @dataclass
@@ -300,21 +158,119 @@ def dtype_label(device, pref: str) -> str:
     amp = autocast_dtype(device, pref)
     return 'float32' if amp is None else str(amp).removeprefix('torch.')
 
-# %% ../../nbs/lab/57_bench.ipynb #0131e7ea
-def compile_unavailable(device: torch.device) -> str | None:
-    "Why torch.compile cannot train on `device` here, in one line; None when it may (it can still fail: see the row)."
-    if device.type == 'cpu' and not any(shutil.which(c) for c in (os.environ.get('CXX', 'g++'), 'g++', 'clang++')):
-        return ('torch.compile not timed: on a CPU it builds C++ kernels and needs a compiler (g++ or clang++ on PATH,'
-                ' or $CXX); none was found')
-    if device.type == 'cuda' and importlib.util.find_spec('triton') is None:
-        return 'torch.compile not timed: on CUDA it needs the triton package, which is not installed'
-    return None
-
 # %% ../../nbs/lab/57_bench.ipynb #62430735
 def compile_failure(e: BaseException) -> str:
     "The one line a compiled row carries when its first step (the compile) raised `e`."
     first = (str(e).strip().splitlines() or [''])[0][:200]
     return f'torch.compile failed at its first step: {type(e).__name__}: {first}'
+
+# %% ../../nbs/lab/57_bench.ipynb #2ba7696e
+_BENCH_FIX = ('Lower --batch-size (at most {max_batch} fits) or --block-size, or time fewer models at once '
+              '(--variants, --dtypes, --no-reference); tokens/s and the ratios between variants stay comparable')
+
+# %% ../../nbs/lab/57_bench.ipynb #47cf5664
+def _check_block_size(study, preset, names, block_size, overrides):
+    "Refuse a sequence longer than the learned position table of the preset's model (see the message)."
+    table = min(bench_config(study, preset, v, None, overrides).block_size for v in names)
+    if block_size > table:
+        raise ConfigError(
+            f"block_size={block_size} is too long: the learned position table (wpe) of the {preset!r} model has "
+            f"block_size={table} rows, one per position, so a sequence can have at most {table} tokens. The bench "
+            f"builds the table at the length it times, so a longer one would time a model with {block_size - table} "
+            f"more positions than the one the study trains. Use --block-size in 1..{table}, or, to time a longer "
+            f"context on purpose, grow the table with it: --set block_size={block_size} (in Python: "
+            f"overrides={{'model.block_size': {block_size}}}); the memory check then says whether a step fits")
+
+# %% ../../nbs/lab/57_bench.ipynb #0f8d7583
+def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tuple[int, str, int]:
+    """Check each shape's step, then all the models the bench holds at once; (bytes available, where from, bytes
+    estimated)."""
+    avail, where = available_memory(dev)
+    need = {v: step_memory(c, batch_size, None, dev) for v, c in cfgs.items()}
+    for v, c in cfgs.items():
+        if need[v].total > avail:
+            raise ConfigError(
+                f'variant {v!r}: ' + memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX)
+            )
+    # every (entry, dtype, mode) keeps its weights and AdamW state; gradients and activations exist for one step
+    total = (sum(need[v].weights + need[v].adam for v, *_ in entries) +
+             max(n.grads + n.blocks + n.logits + n.other for n in need.values()))
+    if total > avail:
+        raise ConfigError(
+            f'the bench holds {len(entries)} models with their optimizers at once'
+            f' ({", ".join("/".join(e) for e in entries)}), which with one step at batch_size={batch_size} need about'
+            f' {gib_text(total)}, but only {gib_text(avail)} is available on {where}. Time fewer at once (--variants, --dtypes,'
+            ' --no-reference) or lower --batch-size'
+        )
+    return avail, where, total
+
+# %% ../../nbs/lab/57_bench.ipynb #abf42111
+def _row(e, first, times, counts, tokens, peak, measured, memory, reference, first_step, note) -> BenchRow:
+    fl, ob, tr = counts
+    fixed = dict(variant=e[0], dtype=e[1], mode=e[2], tokens_per_step=tokens, flops_per_step=fl,
+                 optimizer_state_bytes=ob, trainable_params=tr, peak_flops_per_s=peak[0], peak_source=peak[1],
+                 measured_peak_flops_per_s=measured, peak_memory_bytes=memory, first_step_s=first_step, note=note)
+    t = np.array(times[e])
+    if not len(t):  # the entry could not run: its note says why
+        nan = float('nan')
+        return BenchRow(**fixed, step_time_median_s=nan, step_time_iqr_s=nan, tokens_per_s=nan,
+                        ratio_to_first_median=nan, ratio_to_first_iqr=nan, ratio_to_reference_median=None,
+                        achieved_flops_per_s=nan, fraction_of_peak=nan, fraction_of_measured_peak=nan, rounds=0)
+    q1, med, q3 = quartiles(t)
+    rq1, rmed, rq3 = quartiles(t / np.array(times[first]))  # per round: drift cancels
+    ref = times.get((REFERENCE, e[1], e[2])) if reference else None
+    ach = fl / float(med)
+    return BenchRow(**fixed, step_time_median_s=float(med), step_time_iqr_s=float(q3 - q1),
+                    tokens_per_s=tokens / float(med),
+                    ratio_to_first_median=float(rmed), ratio_to_first_iqr=float(rq3 - rq1),
+                    ratio_to_reference_median=float(np.median(t / np.array(ref))) if ref else None,
+                    achieved_flops_per_s=ach, fraction_of_peak=ach / peak[0], fraction_of_measured_peak=ach / measured,
+                    ratio_to_first_q1=float(rq1), ratio_to_first_q3=float(rq3), rounds=len(t))
+
+# %% ../../nbs/lab/57_bench.ipynb #ba6a328b
+def bench_table(rows: list[BenchRow]):
+    """The benchmark rows as a DataFrame indexed by (variant, dtype, mode), with FLOP and optimizer-state differences
+    to the first row."""
+    import pandas as pd
+    df = pd.DataFrame([asdict(r) for r in rows]).set_index(['variant', 'dtype', 'mode'])
+    df['flops_ratio_to_first'] = df.flops_per_step / df.flops_per_step.iloc[0]
+    df['flops_saved_vs_first'] = df.flops_per_step.iloc[0] - df.flops_per_step
+    df['optimizer_bytes_saved_vs_first'] = df.optimizer_state_bytes.iloc[0] - df.optimizer_state_bytes
+    return df
+
+# %% ../../nbs/lab/57_bench.ipynb #e70346a0
+def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, memory, reference, log):
+    models, opts, counts, notes = {}, {}, {}, {}
+    amp = lambda d: None if d == 'float32' else getattr(torch, d)
+    for e in entries:
+        (v, d, mode), m = e, build_variant(e[0], cfgs[e[0]], dev)
+        if v not in counts:
+            counts[v] = (train_step_flops(m, batch_size), optimizer_state_bytes(m), param_report(m).trainable)
+        opts[e] = build_optimizer(m, TrainConfig(lr=1e-4))
+        if mode == COMPILED and (why := compile_missing(dev)): notes[e] = f'torch.compile not timed: {why[0]}'
+        models[e] = torch.compile(m) if mode == COMPILED else m
+    measured = {d: matmul_peak_flops(dev, amp(d)) for d in labels}
+    peaks = {d: peak_flops(dev, amp(d), measured[d]) for d in labels}
+    times, first, mem = {e: [] for e in entries}, {}, {e: 0 for e in entries}
+    for i in range(warmup + steps):
+        for e in entries:
+            if e in notes: continue
+            m = models[e]
+            if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats()
+            try: dt = timed_step(m, opts[e], *step_inputs(m, batch_size, dev, seed=i), dev, amp(e[1]))
+            except Exception as ex:  # only a compile fails politely: at its first step, not for lack of memory
+                if e[2] != COMPILED or i > 0 or is_oom(ex): raise
+                notes[e] = compile_failure(ex); opts[e].zero_grad(set_to_none=True); continue
+            if dev.type == 'cuda': mem[e] = max(mem[e], torch.cuda.max_memory_allocated())
+            if i == 0: first[e] = dt
+            if i >= warmup: times[e].append(dt)
+        if log: log(f'[bench] round {i + 1}/{warmup + steps}: ' + ', '.join(
+            f'{"/".join(e)} {times[e][-1] if times[e] else 0:.3f}s' for e in entries if e not in notes))
+    if dev.type == 'cpu' and memory:  # a fresh process trains the eager model: a compiled one's RSS is not measured
+        mem = {e: cpu_peak_memory(e[0], cfgs[e[0]], batch_size, e[1]) if e[2] == EAGER else None for e in entries}
+    return [_row(e, entries[0], times, counts[e[0]], batch_size * cfgs[e[0]].block_size, peaks[e[1]], measured[e[1]],
+                 mem[e] if (dev.type == 'cuda' or memory) else None, reference, first.get(e), notes.get(e))
+            for e in entries]
 
 # %% ../../nbs/lab/57_bench.ipynb #fcebb0f5
 def bench(study: str | None, # the registered study whose variants are timed (None: the preset's model variants)
@@ -356,118 +312,10 @@ def bench(study: str | None, # the registered study whose variants are timed (No
         T = next(iter(cfgs.values())).block_size
         raise ConfigError(
             f'out of memory at batch_size={batch_size} x block_size={T} on {dev} ({type(e).__name__}: {first}): '
-            f'the bench estimated {_gib(estimate)} for its {len(entries)} models and one step, of the '
-            f'{_gib(avail)} available on {where} when it started (other processes may have taken memory since, '
+            f'the bench estimated {gib_text(estimate)} for its {len(entries)} models and one step, of the '
+            f'{gib_text(avail)} available on {where} when it started (other processes may have taken memory since, '
             'and the estimate can be 15% off). Lower --batch-size or --block-size, or time fewer models at once '
             '(--variants, --dtypes, --no-reference)') from None
-
-# %% ../../nbs/lab/57_bench.ipynb #2ba7696e
-_BENCH_FIX = ('Lower --batch-size (at most {max_batch} fits) or --block-size, or time fewer models at once '
-              '(--variants, --dtypes, --no-reference); tokens/s and the ratios between variants stay comparable')
-
-# %% ../../nbs/lab/57_bench.ipynb #47cf5664
-def _check_block_size(study, preset, names, block_size, overrides):
-    "Refuse a sequence longer than the learned position table of the preset's model (see the message)."
-    table = min(bench_config(study, preset, v, None, overrides).block_size for v in names)
-    if block_size > table:
-        raise ConfigError(
-            f"block_size={block_size} is too long: the learned position table (wpe) of the {preset!r} model has "
-            f"block_size={table} rows, one per position, so a sequence can have at most {table} tokens. The bench "
-            f"builds the table at the length it times, so a longer one would time a model with {block_size - table} "
-            f"more positions than the one the study trains. Use --block-size in 1..{table}, or, to time a longer "
-            f"context on purpose, grow the table with it: --set block_size={block_size} (in Python: "
-            f"overrides={{'model.block_size': {block_size}}}); the memory check then says whether a step fits")
-
-# %% ../../nbs/lab/57_bench.ipynb #0f8d7583
-def _check_bench_memory(cfgs: dict, entries: list, batch_size: int, dev) -> tuple[int, str, int]:
-    """Check each shape's step, then all the models the bench holds at once; (bytes available, where from, bytes
-    estimated)."""
-    avail, where = available_memory(dev)
-    need = {v: step_memory(c, batch_size, None, dev) for v, c in cfgs.items()}
-    for v, c in cfgs.items():
-        if need[v].total > avail:
-            raise ConfigError(
-                f'variant {v!r}: ' + _memory_message(c, batch_size, None, dev, 1, avail, where, fix=_BENCH_FIX)
-            )
-    # every (entry, dtype, mode) keeps its weights and AdamW state; gradients and activations exist for one step
-    total = (sum(need[v].weights + need[v].adam for v, *_ in entries) +
-             max(n.grads + n.blocks + n.logits + n.other for n in need.values()))
-    if total > avail:
-        raise ConfigError(
-            f'the bench holds {len(entries)} models with their optimizers at once'
-            f' ({", ".join("/".join(e) for e in entries)}), which with one step at batch_size={batch_size} need about'
-            f' {_gib(total)}, but only {_gib(avail)} is available on {where}. Time fewer at once (--variants, --dtypes,'
-            ' --no-reference) or lower --batch-size'
-        )
-    return avail, where, total
-
-# %% ../../nbs/lab/57_bench.ipynb #e70346a0
-def _bench_run(entries, cfgs, labels, dev, steps, warmup, batch_size, memory, reference, log):
-    models, opts, counts, notes = {}, {}, {}, {}
-    amp = lambda d: None if d == 'float32' else getattr(torch, d)
-    for e in entries:
-        (v, d, mode), m = e, build_variant(e[0], cfgs[e[0]], dev)
-        if v not in counts:
-            counts[v] = (train_step_flops(m, batch_size), optimizer_state_bytes(m), param_report(m).trainable)
-        opts[e] = build_optimizer(m, TrainConfig(lr=1e-4))
-        if mode == COMPILED and (why := compile_unavailable(dev)): notes[e] = why
-        models[e] = torch.compile(m) if mode == COMPILED else m
-    measured = {d: matmul_peak_flops(dev, amp(d)) for d in labels}
-    peaks = {d: peak_flops(dev, amp(d), measured[d]) for d in labels}
-    times, first, mem = {e: [] for e in entries}, {}, {e: 0 for e in entries}
-    for i in range(warmup + steps):
-        for e in entries:
-            if e in notes: continue
-            m = models[e]
-            if dev.type == 'cuda': torch.cuda.reset_peak_memory_stats()
-            try: dt = timed_step(m, opts[e], *step_inputs(m, batch_size, dev, seed=i), dev, amp(e[1]))
-            except Exception as ex:  # only a compile fails politely: at its first step, not for lack of memory
-                if e[2] != COMPILED or i > 0 or is_oom(ex): raise
-                notes[e] = compile_failure(ex); opts[e].zero_grad(set_to_none=True); continue
-            if dev.type == 'cuda': mem[e] = max(mem[e], torch.cuda.max_memory_allocated())
-            if i == 0: first[e] = dt
-            if i >= warmup: times[e].append(dt)
-        if log: log(f'[bench] round {i + 1}/{warmup + steps}: ' + ', '.join(
-            f'{"/".join(e)} {times[e][-1] if times[e] else 0:.3f}s' for e in entries if e not in notes))
-    if dev.type == 'cpu' and memory:  # a fresh process trains the eager model: a compiled one's RSS is not measured
-        mem = {e: cpu_peak_memory(e[0], cfgs[e[0]], batch_size, e[1]) if e[2] == EAGER else None for e in entries}
-    return [_row(e, entries[0], times, counts[e[0]], batch_size * cfgs[e[0]].block_size, peaks[e[1]], measured[e[1]],
-                 mem[e] if (dev.type == 'cuda' or memory) else None, reference, first.get(e), notes.get(e))
-            for e in entries]
-
-# %% ../../nbs/lab/57_bench.ipynb #abf42111
-def _row(e, first, times, counts, tokens, peak, measured, memory, reference, first_step, note) -> BenchRow:
-    fl, ob, tr = counts
-    fixed = dict(variant=e[0], dtype=e[1], mode=e[2], tokens_per_step=tokens, flops_per_step=fl,
-                 optimizer_state_bytes=ob, trainable_params=tr, peak_flops_per_s=peak[0], peak_source=peak[1],
-                 measured_peak_flops_per_s=measured, peak_memory_bytes=memory, first_step_s=first_step, note=note)
-    t = np.array(times[e])
-    if not len(t):  # the entry could not run: its note says why
-        nan = float('nan')
-        return BenchRow(**fixed, step_time_median_s=nan, step_time_iqr_s=nan, tokens_per_s=nan,
-                        ratio_to_first_median=nan, ratio_to_first_iqr=nan, ratio_to_reference_median=None,
-                        achieved_flops_per_s=nan, fraction_of_peak=nan, fraction_of_measured_peak=nan, rounds=0)
-    q1, med, q3 = np.percentile(t, [25, 50, 75])
-    r = t / np.array(times[first]); rq1, rmed, rq3 = np.percentile(r, [25, 50, 75])
-    ref = times.get((REFERENCE, e[1], e[2])) if reference else None
-    ach = fl / float(med)
-    return BenchRow(**fixed, step_time_median_s=float(med), step_time_iqr_s=float(q3 - q1),
-                    tokens_per_s=tokens / float(med),
-                    ratio_to_first_median=float(rmed), ratio_to_first_iqr=float(rq3 - rq1),
-                    ratio_to_reference_median=float(np.median(t / np.array(ref))) if ref else None,
-                    achieved_flops_per_s=ach, fraction_of_peak=ach / peak[0], fraction_of_measured_peak=ach / measured,
-                    ratio_to_first_q1=float(rq1), ratio_to_first_q3=float(rq3), rounds=len(t))
-
-# %% ../../nbs/lab/57_bench.ipynb #ba6a328b
-def bench_table(rows: list[BenchRow]):
-    """The benchmark rows as a DataFrame indexed by (variant, dtype, mode), with FLOP and optimizer-state differences
-    to the first row."""
-    import pandas as pd
-    df = pd.DataFrame([asdict(r) for r in rows]).set_index(['variant', 'dtype', 'mode'])
-    df['flops_ratio_to_first'] = df.flops_per_step / df.flops_per_step.iloc[0]
-    df['flops_saved_vs_first'] = df.flops_per_step.iloc[0] - df.flops_per_step
-    df['optimizer_bytes_saved_vs_first'] = df.optimizer_state_bytes.iloc[0] - df.optimizer_state_bytes
-    return df
 
 # %% ../../nbs/lab/57_bench.ipynb #af0b2f7b
 import json

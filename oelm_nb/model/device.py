@@ -4,15 +4,17 @@
 
 # %% ../../nbs/model/20_device.ipynb #ef15cf20
 from __future__ import annotations
-import contextlib, functools, os, random, time
+import contextlib, functools, os, random, re, shutil, sys, time
+from importlib.util import find_spec
 
 import numpy as np
 import torch
 from ..base.core import ConfigError
 
 # %% auto #0
-__all__ = ['set_seed', 'pick_device', 'bf16_matmul_speedup', 'cpu_has_native_bf16', 'autocast_dtype', 'precision_note',
-           'autocast', 'is_oom']
+__all__ = ['PEAK_DTYPES', 'SHORT_DTYPE', 'DATA_SHEETS', 'set_seed', 'pick_device', 'bf16_matmul_speedup', 'cpu_has_native_bf16',
+           'autocast_dtype', 'precision_note', 'autocast', 'is_oom', 'data_sheet_peak', 'matmul_peak_flops',
+           'peak_dtype', 'peak_flops', 'compile_missing']
 
 # %% ../../nbs/model/20_device.ipynb #0ecd6383
 def set_seed(seed: int):
@@ -104,3 +106,82 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, _OOM_TYPES) or (
         isinstance(e, RuntimeError) and ('out of memory' in msg or "can't allocate memory" in msg)
     )
+
+# %% ../../nbs/model/20_device.ipynb #e8835694
+PEAK_DTYPES = ('bfloat16', 'float16', 'tf32', 'float32')
+SHORT_DTYPE = {'bfloat16': 'bf16', 'float16': 'fp16', 'tf32': 'tf32', 'float32': 'fp32'}
+_HOPPER_SXM, _HOPPER_NVL = (989.4, 989.4, 494.7, 66.9), (835.5, 835.5, 417.5, 60.0)
+_A100 = (312.0, 312.0, 156.0, 19.5)  # SXM and PCIe, 40 and 80 GB: one column of compute on the data sheet
+# Dense peaks in TFLOP/s per PEAK_DTYPES, from NVIDIA's data sheets ("H100 Tensor Core GPU", "H200 Tensor Core GPU",
+# "A100 Tensor Core GPU", "L4 Tensor Core GPU", "L40S GPU", "A10 Tensor Core GPU"). The sheets print the tensor-core
+# rows with sparsity: the dense figure is half of it. fp32 is the sheet's plain (non-tensor) FP32 row.
+DATA_SHEETS = {  # name rows print: (word sets, any of which torch's device name contains, TFLOP/s per dtype)
+    'H100 SXM': ([('h100', 'hbm3'), ('h100', 'sxm5'), ('h100', 'sxm')], _HOPPER_SXM),
+    'H100 PCIe': ([('h100', 'pcie')], (756.5, 756.5, 378.0, 51.2)),
+    'H100 NVL': ([('h100', 'nvl')], _HOPPER_NVL),
+    'H200 SXM': ([('h200',)], _HOPPER_SXM),
+    'H200 NVL': ([('h200', 'nvl')], _HOPPER_NVL),
+    'GH200': ([('gh200',)], _HOPPER_SXM),
+    'A100 SXM': ([('a100', 'sxm4'), ('a100', 'sxm')], _A100),
+    'A100 PCIe': ([('a100', 'pcie')], _A100),
+    'A100': ([('a100',)], _A100),
+    'L4': ([('l4',)], (121.0, 121.0, 60.0, 30.3)),
+    'L40S': ([('l40s',)], (362.05, 362.05, 183.0, 91.6)),
+    'A10': ([('a10',)], (125.0, 125.0, 62.5, 31.2)),
+}
+
+# %% ../../nbs/model/20_device.ipynb #c9c6be45
+def data_sheet_peak(device_name: str, # as torch.cuda.get_device_name gives it, e.g. 'NVIDIA A100-SXM4-80GB'
+                    dtype: str, # one of PEAK_DTYPES
+                   ) -> tuple[str, float] | None:
+    "(data-sheet entry, dense FLOP/s in `dtype`) of a GPU, matched by the words of its name (most words win), or None."
+    words = set(re.findall(r'[a-z0-9]+', device_name.lower()))
+    hits = [(len(ws), name) for name, (alts, _) in DATA_SHEETS.items() for ws in alts if set(ws) <= words]
+    if not hits: return None
+    name = max(hits)[1]
+    return name, float(round(DATA_SHEETS[name][1][PEAK_DTYPES.index(dtype)] * 1e12))
+
+# %% ../../nbs/model/20_device.ipynb #d02d1c18
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype | None = None, # None: fp32
+                      n: int = 2048, reps: int = 5) -> float:
+    "FLOP/s of the best of `reps` n x n matmuls on `device` in `dtype`: the practical ceiling for this dtype."
+    dt = dtype or torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+    a @ b; sync()
+    best = float('inf')
+    for _ in range(reps):
+        t0 = time.perf_counter(); a @ b; sync(); best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+# %% ../../nbs/model/20_device.ipynb #ef0c9ad2
+def peak_dtype(device: torch.device, dtype: torch.dtype | None) -> str:
+    "The data-sheet column matmuls in `dtype` run at (None: fp32); on CUDA, fp32 runs as TF32 where torch allows it."
+    if dtype is None or dtype == torch.float32:
+        return 'tf32' if device.type == 'cuda' and torch.get_float32_matmul_precision() != 'highest' else 'float32'
+    return str(dtype).removeprefix('torch.')
+
+# %% ../../nbs/model/20_device.ipynb #801e347d
+def peak_flops(device: torch.device, dtype: torch.dtype | None,
+               measured: float | None = None, # the measured matmul peak, if already taken (else measured here)
+              ) -> tuple[float, str]:
+    "The MFU basis for `dtype` on `device`: (FLOP/s, the basis named), the data sheet's if there is one."
+    col = peak_dtype(device, dtype)
+    if device.type == 'cuda':
+        name = torch.cuda.get_device_name(device)
+        hit = data_sheet_peak(name, col)
+        if hit: return hit[1], f'{hit[0]} {SHORT_DTYPE[col]} dense data sheet {hit[1] / 1e12:.0f} TFLOP/s'
+        why = f'{name!r} is not in DATA_SHEETS'
+    else: why = f'a {device.type.upper()} has no data sheet here'
+    peak = measured if measured is not None else matmul_peak_flops(device, dtype)
+    return peak, f'measured 2048x2048 matmul {peak / 1e12:.3g} TFLOP/s, {SHORT_DTYPE[col]} ({why})'
+
+# %% ../../nbs/model/20_device.ipynb #583f21f6
+def compile_missing(device: torch.device) -> tuple[str, str] | None:
+    "(reason, fix) when torch.compile's default backend lacks its compiler on `device`, else None."
+    if device.type == 'cuda':
+        return None if find_spec('triton') else ('Triton is not installed: inductor compiles GPU kernels with it',
+                                                 'pip install triton (the CUDA wheels of torch bring it)')
+    cxx = os.environ.get('CXX') or ('clang++' if sys.platform == 'darwin' else 'g++')
+    return None if shutil.which(cxx) else (f'no C++ compiler ({cxx}): inductor compiles CPU kernels with it',
+                                           'install one (apt install g++), or set CXX to its path')

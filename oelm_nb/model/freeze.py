@@ -122,12 +122,13 @@ def _frozen_buffers(model):
 def named_tensors(model: nn.Module):
     "(name, tensor, trainable) for every parameter and persistent float buffer, shared tensors once."
     seen = set()
+    key = lambda t: id(t) if t.is_meta else t.data_ptr()  # a meta tensor has no memory: all share address 0
     for name, p in model.named_parameters():
-        if p.data_ptr() in seen: continue
-        seen.add(p.data_ptr()); yield name, p, p.requires_grad
+        if key(p) in seen: continue
+        seen.add(key(p)); yield name, p, p.requires_grad
     for name, b in _frozen_buffers(model):
-        if b.data_ptr() in seen: continue
-        seen.add(b.data_ptr()); yield name, b, False
+        if key(b) in seen: continue
+        seen.add(key(b)); yield name, b, False
 
 # %% ../../nbs/model/22_freeze.ipynb #5c991a59
 @dataclass

@@ -15,7 +15,7 @@ from .freeze import freeze_qk_, param_report, attention_layers, frozen_qk_layers
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['PRESETS', 'model_config', 'CausalSelfAttention', 'MLP', 'Block', 'TokenEmbedding', 'GPT']
+__all__ = ['PRESETS', 'model_config', 'CausalSelfAttention', 'MLP', 'Block', 'TokenEmbedding', 'GPT', 'shape_model']
 
 # %% ../../nbs/model/23_gpt.ipynb #d7bc3dab
 PRESETS = {
@@ -123,7 +123,7 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(cfg.wte_dim, cfg.vocab_size, bias=False)
         self.to_empty(device=torch.get_default_device())  # memory, not yet values; to_empty unties: tie after it
         if cfg.tie_embeddings: self.lm_head.weight = self.transformer.tok.wte.weight  # tied: one tensor
-        self.reset_parameters(init_seed)
+        if not self.lm_head.weight.is_meta: self.reset_parameters(init_seed)  # meta: shapes only, no values to draw
         self.apply_variant()
 
     @torch.no_grad()
@@ -178,6 +178,14 @@ def apply_variant(self: GPT):
 @patch(cls_method=True)
 def from_preset(cls: GPT, preset: str = 'tiny', init_seed: int | None = None, **overrides) -> 'GPT':
     return cls(model_config(preset, **overrides), init_seed=init_seed)
+
+# %% ../../nbs/model/23_gpt.ipynb #78f8871a
+def shape_model(cfg: ModelConfig) -> GPT:
+    """A `GPT` of `cfg` to count, not to train: on the meta device (shapes, no memory, no values), on the CPU where a
+    part needs values to be built (torch's orthogonal parametrization checks its own)."""
+    try:
+        with torch.device('meta'): return GPT(cfg, init_seed=0)
+    except (RuntimeError, NotImplementedError): return GPT(cfg, init_seed=0)
 
 # %% ../../nbs/model/23_gpt.ipynb #53a7fa75
 @patch

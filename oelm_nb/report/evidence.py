@@ -13,13 +13,13 @@ import pandas as pd
 # %% auto #0
 __all__ = ['EXACT_UP_TO', 'POWER', 'MIN_PILOT', 'NUMBERS', 'NO_DATA', 'FAMILY_ALPHA', 'SIDE_WORDS', 'HYPOTHESES', 'T_TEST',
            'METHOD', 'CLAIM', 'NOT_DECIDED', 'TREND_TOLERANCE', 'CROSSING_HORIZON', 't_bounds', 't_interval',
-           'signflip_pvalues', 'signflip_p', 'smallest_signflip_p', 'Comparison', 'interval_text', 'paired',
-           'bimodal_gaps', 'bimodal_mean', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power',
-           'stein_size', 'simulate_stein', 'Answer', 'shared_caveats', 'answers_frame', 'answers_footer',
-           'answers_text', 'answers_json', 'threshold_verdict', 'difference_verdict', 'two_sided', 'decides',
-           'exact_caveat', 'method_text', 'claim_of', 'comparison_answer', 'holm', 'is_claim', 'family_answers',
-           'simulate_familywise', 'seed_slopes', 'slope_comparison', 'simulate_slopes', 'line_backtest',
-           'crossing_budget']
+           'signflip_pvalues', 'signflip_p', 'smallest_signflip_p', 'seeds_to_decide', 'bounded_median_interval',
+           'median_interval', 'sign_test_p', 'quartiles', 'Comparison', 'interval_text', 'paired', 'bimodal_gaps',
+           'bimodal_mean', 'simulate_coverage', 'power', 'seeds_for_power', 'simulate_power', 'stein_size',
+           'simulate_stein', 'Answer', 'shared_caveats', 'answers_frame', 'answers_footer', 'answers_text',
+           'answers_json', 'threshold_verdict', 'difference_verdict', 'two_sided', 'decides', 'exact_caveat',
+           'method_text', 'claim_of', 'comparison_answer', 'holm', 'is_claim', 'family_answers', 'simulate_familywise',
+           'seed_slopes', 'slope_comparison', 'simulate_slopes', 'line_backtest', 'crossing_budget']
 
 # %% ../../nbs/report/30_evidence.ipynb #7c618333
 def t_bounds(d, # (..., n) paired differences, one batch per row
@@ -76,6 +76,49 @@ def signflip_p(diffs, # paired per-seed differences on the test's scale
 def smallest_signflip_p(n: int, alternative: str = 'two-sided') -> float:
     "The smallest p-value the sign-flip test can give with `n` differences: 2/2^n two-sided, 1/2^n one-sided."
     return min(1.0, (2 if alternative == 'two-sided' else 1) / 2 ** n)
+
+# %% ../../nbs/report/30_evidence.ipynb #09aa863f
+def seeds_to_decide(alpha: float = 0.05) -> int:
+    "The fewest seeds whose within-seed exact test (one-sided floor 1 / 2^n, doubled) can reach `alpha` on its own."
+    n = 1
+    while 2 * 0.5 ** n > alpha: n += 1
+    return n
+
+# %% ../../nbs/report/30_evidence.ipynb #d04ab399
+def _binom_half_cdf(k: int, n: int) -> float:
+    "P(B <= k) for B ~ Binomial(n, 1/2)."
+    from math import comb
+    return sum(comb(n, i) for i in range(k + 1)) / 2 ** n if k >= 0 else 0.0
+
+def bounded_median_interval(lo, hi, level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of values known only within bounds, lo_i <= x_i <= hi_i (equal
+    where a value is exact, -inf or inf where censoring leaves a side open): the k-th smallest lower bound and the
+    k-th smallest of the upper bounds from the top, k the largest with coverage 1 - 2 P(B <= k-1) >= `level`, or 1
+    (the extremes) where n is too small for `level`; (low, high, coverage), coverage below `level` then."""
+    lo, hi = np.sort(np.asarray(lo, float)), np.sort(np.asarray(hi, float)); n = len(lo)
+    if not n: return float('nan'), float('nan'), float('nan')
+    k = max((k for k in range(1, n // 2 + 1) if 1 - 2 * _binom_half_cdf(k - 1, n) >= level), default=1)
+    return float(lo[k - 1]), float(hi[n - k]), max(0.0, 1 - 2 * _binom_half_cdf(k - 1, n))
+
+def median_interval(x, level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of `x` (the sign test inverted): the order statistics k and n+1-k,
+    k the largest with coverage 1 - 2 P(B <= k-1) >= `level`; (low, high, coverage), nan ends when n is too small."""
+    low, high, cover = bounded_median_interval(x, x, level)
+    return (low, high, cover) if cover >= level else (float('nan'), float('nan'), float('nan'))
+
+def sign_test_p(x, at: float = 1.0, alternative: str = 'two-sided') -> float:
+    "The exact sign test of median(x) = `at` (ties dropped): two-sided, or one-sided 'less' / 'greater' (median below / above)."
+    x = np.asarray(x, float); lo, hi = int((x < at).sum()), int((x > at).sum())
+    if not lo + hi: return 1.0
+    if alternative == 'less': return _binom_half_cdf(hi, lo + hi)  # as few above `at` as this, or fewer
+    if alternative == 'greater': return _binom_half_cdf(lo, lo + hi)
+    return min(1.0, 2 * _binom_half_cdf(min(lo, hi), lo + hi))
+
+# %% ../../nbs/report/30_evidence.ipynb #6336f0ce
+def quartiles(x) -> tuple[float, float, float]:
+    "(first quartile, median, third quartile) of `x`, numpy's linear interpolation."
+    q1, med, q3 = np.percentile(np.asarray(x, float), [25, 50, 75])
+    return float(q1), float(med), float(q3)
 
 # %% ../../nbs/report/30_evidence.ipynb #b25a8f2c
 @dataclass

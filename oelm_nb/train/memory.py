@@ -10,28 +10,38 @@ import torch
 
 from ..base.core import ConfigError, ModelConfig
 from ..model.device import pick_device
+from ..model.gpt import shape_model
+from ..model.freeze import param_report
 
 # %% auto #0
-__all__ = ['GiB', 'MICRO_BATCH_MARGIN', 'param_counts', 'StepMemory', 'step_memory', 'available_memory', 'check_step_memory',
-           'choose_micro_batch']
+__all__ = ['GiB', 'MICRO_BATCH_MARGIN', 'gib_text', 'model_counts', 'param_counts', 'StepMemory', 'step_memory',
+           'available_memory', 'memory_message', 'check_step_memory', 'choose_micro_batch', 'reset_peak_rss',
+           'peak_rss_bytes']
 
 # %% ../../nbs/train/41_memory.ipynb #0dece4b8
 GiB = 2 ** 30
 
 # %% ../../nbs/train/41_memory.ipynb #53b0d658
-def _gib(n: float) -> str: return f'{n / GiB:.2f} GiB'
+def gib_text(n: float) -> str:
+    "Bytes `n` in GiB, as the memory messages write them."
+    return f'{n / GiB:.2f} GiB'
 
 # %% ../../nbs/train/41_memory.ipynb #87e9d37d
+_COUNTS: dict[str, tuple[int, int, int]] = {}  # by repr(cfg): one memory check asks several times
+
+def model_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(total, trainable, held) numbers of a `GPT` built from `cfg`, counted on the model (`shape_model`): its weights
+    (frozen parts are buffers: in total only), the trainable ones, and every tensor it holds (a parametrization's cache
+    too)."""
+    if (key := repr(cfg)) not in _COUNTS:
+        m = shape_model(cfg); rep = param_report(m)
+        held = sum(t.numel() for t in {id(t): t for t in (*m.parameters(), *m.buffers())}.values())
+        _COUNTS[key] = rep.total, rep.trainable, held
+    return _COUNTS[key]
+
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, trainable) weights of a `GPT` built from `cfg`, counted from its shape (frozen Q/K are buffers: in total
-    only)."""
-    C, F, k, V = cfg.n_embd, cfg.ff_dim, cfg.wte_dim, cfg.vocab_size
-    lin = lambda i, o, bias: i * o + (o if bias else 0)  # a Linear's weight and bias
-    ln = C * (2 if cfg.bias else 1)  # a LayerNorm's weight and bias
-    layer = 2 * ln + 4 * lin(C, C, cfg.attn_bias) + lin(C, F, cfg.bias) + lin(F, C, cfg.bias)
-    total = V * k + cfg.block_size * C + cfg.n_layer * layer + ln  # wte (tied to lm_head), wpe, blocks, ln_f
-    if cfg.factorized: total += lin(k, C, cfg.bias) + lin(C, k, cfg.bias)  # scale_up, scale_down
-    return total, total - 2 * C * C * len(cfg.frozen_layers)
+    "(total, trainable) weights of a `GPT` built from `cfg` (`model_counts`)."
+    return model_counts(cfg)[:2]
 
 # %% ../../nbs/train/41_memory.ipynb #1222c619
 @dataclass
@@ -58,12 +68,10 @@ def step_memory(model_cfg: ModelConfig, # the model's shape
                ) -> StepMemory:
     "Estimate the bytes one training step of a `GPT` of `model_cfg` needs, from the shapes alone."
     c, B, T = model_cfg, batch_size, block_size or model_cfg.block_size
-    total, trainable = param_counts(c)
+    _, trainable, held = model_counts(c)
     layer = 4 * B * T * (9 * c.n_embd + 2 * c.ff_dim)
     if c.dropout > 0 and _device_type(device) != 'cuda': layer += 16 * B * c.n_head * T * T
-    # the orthogonal parametrization's base
-    base = 2 * c.n_embd ** 2 * c.n_layer if c.variant == 'oelm-learnable' else 0
-    return StepMemory(4 * (total + base), 4 * trainable, 8 * trainable, c.n_layer * layer, 16 * B * T * c.vocab_size,
+    return StepMemory(4 * held, 4 * trainable, 8 * trainable, c.n_layer * layer, 16 * B * T * c.vocab_size,
                       4 * B * T * (4 * c.n_embd + 2 * c.wte_dim))
 
 # %% ../../nbs/train/41_memory.ipynb #4dd171c4
@@ -111,19 +119,19 @@ def _positive_int(name: str, v, what: str):
         raise ConfigError(f'{name}={v!r} is invalid: {what} must be a positive integer')
 
 # %% ../../nbs/train/41_memory.ipynb #e08ae0a0
-def _memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, grad_accum: int, avail: int, where: str,
+def memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, grad_accum: int, avail: int, where: str,
                     fix: str | None = None, what: str = 'needs about') -> str:
     "Why a step does not fit (the numbers) and what to change (`fix`, or smaller micro-batches with more accumulation)."
     need, T = step_memory(cfg, batch_size, block_size, device), block_size or cfg.block_size
     acts = need.blocks + need.logits + need.other
     msg = (f'one training step at batch_size={batch_size} x block_size={T} ({cfg.n_layer} layers, n_embd={cfg.n_embd}, '
-           f'vocab_size={cfg.vocab_size}) {what} {_gib(need.total)} (weights, gradients and AdamW moments '
-           f'{_gib(need.weights + need.grads + need.adam)}; activations of one micro-batch {_gib(acts)}, '
-           f'{_gib(need.logits)} of it logits), but only {_gib(avail)} is available on {where}. ')
+           f'vocab_size={cfg.vocab_size}) {what} {gib_text(need.total)} (weights, gradients and AdamW moments '
+           f'{gib_text(need.weights + need.grads + need.adam)}; activations of one micro-batch {gib_text(acts)}, '
+           f'{gib_text(need.logits)} of it logits), but only {gib_text(avail)} is available on {where}. ')
     bmax = min(_max_batch(cfg, T, device, avail), batch_size - 1)
     if bmax < 1:
         return msg + (
-            f'Even batch_size=1 needs about {_gib(step_memory(cfg, 1, T, device).total)}: shorten block_size, '
+            f'Even batch_size=1 needs about {gib_text(step_memory(cfg, 1, T, device).total)}: shorten block_size, '
                       'choose a smaller model, free memory, or run on a device with more of it')
     if fix: return msg + fix.format(max_batch=bmax)
     seqs = batch_size * grad_accum
@@ -131,7 +139,7 @@ def _memory_message(cfg: ModelConfig, batch_size: int, block_size: int, device, 
     return msg + (
         f'Lower batch_size and raise train.grad_accum to keep the {seqs} sequences (x {T} tokens) per step: e.g. '
                   f'train.batch_size={b} with train.grad_accum={seqs // b} needs about '
-                  f'{_gib(step_memory(cfg, b, T, device).total)}')
+                  f'{gib_text(step_memory(cfg, b, T, device).total)}')
 
 # %% ../../nbs/train/41_memory.ipynb #e1d4ae7c
 def check_step_memory(model_cfg: ModelConfig, # the model's shape
@@ -148,7 +156,7 @@ def check_step_memory(model_cfg: ModelConfig, # the model's shape
     need = step_memory(model_cfg, batch_size, block_size, device).total
     avail, where = available_memory(device)
     if need > avail:
-        raise ConfigError(_memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
+        raise ConfigError(memory_message(model_cfg, batch_size, block_size, device, grad_accum, avail, where))
     return need
 
 # %% ../../nbs/train/41_memory.ipynb #7c934173
@@ -174,6 +182,26 @@ def choose_micro_batch(model_cfg: ModelConfig, # the model's shape
     fit = _max_batch(model_cfg, T, device, budget)
     if fit < 1:
         raise ConfigError(
-            _memory_message(model_cfg, 1, T, device, seqs, budget, f'{where}, less a {margin:.0%} margin'))
+            memory_message(model_cfg, 1, T, device, seqs, budget, f'{where}, less a {margin:.0%} margin'))
     b = max(d for d in _divisors(seqs) if d <= fit)
     return b, seqs // b
+
+# %% ../../nbs/train/41_memory.ipynb #fd01ce50
+def reset_peak_rss() -> bool:
+    "Start the peak-RSS count afresh (Linux: /proc/self/clear_refs), so start-up spikes such as imports do not count."
+    try: Path('/proc/self/clear_refs').write_text('5'); return True
+    except OSError: return False
+
+# %% ../../nbs/train/41_memory.ipynb #a13794d6
+def peak_rss_bytes() -> int | None:
+    "Peak resident set size of this process so far (None where the OS does not report it)."
+    # Linux: VmHWM starts afresh at exec, unlike ru_maxrss, which a spawned child inherits
+    status = Path('/proc/self/status')
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith('VmHWM:'): return int(line.split()[1]) * 1024
+    try: import resource
+    except ImportError: return None
+    import sys
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB elsewhere
