@@ -13,18 +13,29 @@ from .execute import notebook_path, papermill_args, notebook_error
 from .records import check_batch_record, batch_study
 
 # %% auto #0
-__all__ = ['NO_SCRIPTS', 'report_html', 'write_answers', 'stored_answers', 'batch_answers', 'execute_report', 'render_report']
+__all__ = ['NO_SCRIPTS', 'REPORT_TEMPLATE', 'report_html', 'write_answers', 'stored_answers', 'batch_answers', 'execute_report',
+           'render_report']
 
 # %% ../../nbs/lab/56c_render.ipynb #04375c48
 NO_SCRIPTS = (
     '<meta http-equiv="Content-Security-Policy" content="script-src \'none\'; object-src \'none\'; base-uri \'none\'">'
 )
 
+# nbconvert's lab template with no scripts: require.js, MathJax and Mermaid come from CDNs a report's page never reaches
+# (NO_SCRIPTS refuses every script) and that a batch folder opened offline cannot load
+REPORT_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js -%}{%- endblock html_head_js -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}"""
+
 def report_html(notebook: Path) -> str:
-    "An executed report notebook as an HTML page of its outputs (what `jupyter nbconvert --no-input` writes)."
+    """An executed report notebook as an HTML page of its outputs (what `jupyter nbconvert --no-input` writes), without
+    nbconvert's scripts."""
+    import jinja2
     from nbconvert import HTMLExporter  # imported here: only a report needs it
-    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
-                            exclude_raw=True)
+    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True, exclude_raw=True,
+                            extra_loaders=[jinja2.DictLoader({'oelm_report.html.j2': REPORT_TEMPLATE})],
+                            template_file='oelm_report.html.j2')
     return exporter.from_filename(str(notebook))[0]
 
 # %% ../../nbs/lab/56c_render.ipynb #82ff7420
