@@ -313,7 +313,7 @@ def control_table(runs: pd.DataFrame) -> pd.DataFrame:
         if c is None:
             verdict, gap = 'no data', f'needs completed {a} and {b} runs ({batch_command(batch, [a, b])})'
         else:
-            gap, verdict = str(c), difference_verdict(c)
+            gap, verdict = c.text(), difference_verdict(c)  # the comparison column names the variants
         rows.append({'question': question, 'comparison': f'{a} vs {b}', 'verdict': verdict, 'val PPL gap': gap})
     return pd.DataFrame(rows).set_index('question')
 
