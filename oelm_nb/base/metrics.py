@@ -13,7 +13,7 @@ from .core import ConfigError, DataError
 from .rundir import write_atomic, RecoveryWarning
 
 # %% auto #0
-__all__ = ['MetricsLog', 'MetricsError', 'read_metrics']
+__all__ = ['MetricsLog', 'MetricsError', 'read_metrics', 'earlier_wall_time']
 
 # %% ../../nbs/base/02_metrics.ipynb #6aa33897
 class MetricsLog:
@@ -104,3 +104,20 @@ def read_metrics(run_dir, file: str = 'metrics.jsonl') -> list[dict]:
     last line is dropped with a warning."""
     p = Path(run_dir) / file
     return [r for _, r in _read_jsonl(p, 'step' if file == 'metrics.jsonl' else None)] if p.exists() else []
+
+# %% ../../nbs/base/02_metrics.ipynb #129cdd94
+def earlier_wall_time(records: list[dict], # the run's metrics records, oldest first
+                      start: int | None, # the step the run resumed from (None: it started afresh)
+                      after: int | None = None, # a branch's first step is after this (its trunk's records: not its time)
+                     ) -> float:
+    """Seconds the run's earlier stretches trained up to step `start`, from the metrics records it keeps (each
+    stretch's clock, `elapsed_s`, starts at 0): what a resumed run adds to its last stretch's wall time."""
+    total, prev = 0.0, None
+    for r in records:
+        e = r.get('elapsed_s')
+        if after is not None and isinstance(r.get('step'), int) and r['step'] <= after: continue
+        if start is None or not isinstance(r.get('step'), int) or r['step'] > start: break
+        if not isinstance(e, (int, float)) or isinstance(e, bool): continue
+        if prev is not None and e < prev: total += prev  # a new stretch began
+        prev = e
+    return total + (prev or 0.0)

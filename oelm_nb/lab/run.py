@@ -22,12 +22,10 @@ from .study import Study, get_study
 from .spec import RunSpec, resolve_spec, branch_spec
 from .provenance import record_provenance, write_summary
 from .sample import sample_prompts, generate
-from ..train.checkpoint import list_checkpoints, checkpoint_step
-from ..base.metrics import read_metrics
 
 # %% auto #0
-__all__ = ['run_samples', 'earlier_wall_time', 'start_run', 'prepare_run', 'branch_start', 'train_run', 'launch_run',
-           'run_branches', 'run_spec', 'run_in_notebook', 'plot_run']
+__all__ = ['run_samples', 'start_run', 'prepare_run', 'branch_start', 'train_run', 'launch_run', 'run_branches', 'run_spec',
+           'run_in_notebook', 'plot_run']
 
 # %% ../../nbs/lab/54_run.ipynb #92592c78
 def run_samples(model: GPT, spec: RunSpec, val_d: TokenData) -> dict:
@@ -40,23 +38,6 @@ def run_samples(model: GPT, spec: RunSpec, val_d: TokenData) -> dict:
         return {'sample_prompts': prompts, 'samples': [s['text'] for s in texts]}
     except (DataError, ConfigError, UnicodeError, KeyError, IndexError, ValueError) as e:
         return {'sample_prompts': [], 'samples': [], 'samples_note': f'no samples: {type(e).__name__}: {e}'}
-
-# %% ../../nbs/lab/54_run.ipynb #0f89d5da
-def earlier_wall_time(records: list[dict], # the run's metrics records, oldest first
-                      start: int | None, # the step the run resumed from (None: it started afresh)
-                      after: int | None = None, # a branch's first step is after this (its trunk's records: not its time)
-                     ) -> float:
-    """Seconds the run's earlier stretches trained up to step `start`, from the metrics records it keeps (each
-    stretch's clock, `elapsed_s`, starts at 0): what a resumed run adds to its last stretch's wall time."""
-    total, prev = 0.0, None
-    for r in records:
-        e = r.get('elapsed_s')
-        if after is not None and isinstance(r.get('step'), int) and r['step'] <= after: continue
-        if start is None or not isinstance(r.get('step'), int) or r['step'] > start: break
-        if not isinstance(e, (int, float)) or isinstance(e, bool): continue
-        if prev is not None and e < prev: total += prev  # a new stretch began
-        prev = e
-    return total + (prev or 0.0)
 
 # %% ../../nbs/lab/54_run.ipynb #32a49585
 def start_run(spec: RunSpec, before_config: Callable | None = None) -> Path:
@@ -112,8 +93,6 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
     info = init_distributed(spec.train.device)
     run_dir, train_d, val_d = prepare_run(spec, info)
     tcfg = spec.train if progress is None else spec.train.replace(progress=progress)
-    cks = list_checkpoints(run_dir / 'checkpoints')  # where a resumed run starts: its earlier stretches' time counts too
-    start = checkpoint_step(cks[-1]) if cks else None
     model = GPT(spec.model, init_seed=spec.train.seed)
     # pretrained weights instead of the random init (a resumed run then loads its checkpoint over them)
     if spec.train.init_from:
@@ -130,8 +109,6 @@ def train_run(spec: RunSpec, progress: bool | None = None) -> dict:
     )
     summary = trainer.fit()
     if not info.is_main: return summary
-    after = checkpoint_step(branch.checkpoint) if branch else None
-    summary['wall_time_s'] += earlier_wall_time(read_metrics(run_dir), start, after)
     return write_summary(
         spec,
         {

@@ -27,7 +27,7 @@ from ..data.corpus import TokenData, batch as make_batch
 from ..base.rundir import config_diff, describe_diff, fingerprint, record_config, recorded_config, RunMismatch
 from .checkpoint import (CheckpointError, save_checkpoint, list_checkpoints, read_checkpoint, set_aside,
                                       prune_checkpoints, clean_leftovers, point_link, optimizer_from_flat, restore_rng_state)
-from ..base.metrics import MetricsLog
+from ..base.metrics import MetricsLog, earlier_wall_time
 from .checkpoint import load_weights  # re-exported: the PCA, CVFP and Mercator studies import it from here
 from ..base.metrics import read_metrics     # re-exported: studies and nbs/experiments import it from here
 from ..model.freeze import attention_layers, qk_group
@@ -646,6 +646,9 @@ def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoin
     a study's run holds its lock (`experiment.run_spec`)."""
     cfg = self.cfg
     log = self._start_fit(resume)
+    # a resumed run's earlier stretches count in its wall time (a branch's start is its trunk's, not its own)
+    after = checkpoint_step(self.branch.checkpoint) if self.branch is not None else None
+    earlier = earlier_wall_time(read_metrics(self.out_dir), self.step, after) if self.out_dir and self.step else 0.0
     bar = tqdm(
         total=cfg.max_steps,
         initial=self.step,
@@ -676,12 +679,12 @@ def fit(self: Trainer, resume: bool = True, # continue from the latest checkpoin
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and not last: self.save()
             if self.step in forks and self.out_dir: self.save(root=self.out_dir / BRANCH_POINTS)
         if self.step < cfg.max_steps:  # stopped early on request
-            self.save(); return self.summary(log.records, speeds, time.time() - t_start) | {'status': 'interrupted'}
+            self.save(); return self.summary(log.records, speeds, earlier + time.time() - t_start) | {'status': 'interrupted'}
         self.save('final')
     finally:
         bar.close(); log.close()
         self.records = log.records
-    return self.summary(log.records, speeds, time.time() - t_start)
+    return self.summary(log.records, speeds, earlier + time.time() - t_start)
 
 # %% ../../nbs/train/42_trainer.ipynb #4d89fbbe
 def runtime_info(device: torch.device, amp: torch.dtype | None, cfg: TrainConfig,
