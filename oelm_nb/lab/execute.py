@@ -13,6 +13,7 @@ from ..base.metrics import read_metrics
 from ..base.rundir import (run_name, run_lock, RunLocked, child_env, die_with_parent, describe_holder, record_config,
                                  recorded_config, write_json, read_json, is_alive, read_workers)
 from ..train.checkpoint import list_checkpoints, checkpoint_step
+from ..train.memory import gib_text
 from .study import get_study
 from .spec import run_identity
 from .provenance import COMMAND_ENV
@@ -155,8 +156,12 @@ def child_failure(returncode: int, # the papermill child's exit status (negative
         who = 'the papermill process' if returncode < 0 else "the notebook's kernel"
         how = f'was killed by {sig}' if sig else 'died (killed by a signal its parent did not see)'
         at = f'its last checkpoint, step {step:,}' if step is not None else 'step 0 (it had no checkpoint yet)'
+        peak = (read_json(cks[-1] / 'meta.json') or {}).get('peak_memory_bytes') if cks else None
+        peak = peak if isinstance(peak, int) and not isinstance(peak, bool) and peak > 0 else None
         oom = ({'note': 'SIGKILL is what the out-of-memory killer sends (`dmesg` names its victims): where memory ran '
-                        'out, a smaller train.batch_size (train.micro_batch) or fewer --jobs lowers what a run needs'}
+                        'out' + (f' (the run had used {gib_text(peak)} by step {step:,})' if peak else '') + ', a '
+                        'smaller train.batch_size (train.micro_batch) or fewer --jobs lowers what a run needs',
+                **({'peak_memory_bytes': peak} if peak else {})}
                if sig in (None, 'SIGKILL') else {})
         return {'error': f'interrupted: {who} {how}; the next `oelm run` resumes from {at}', 'resumable': True,
                 'signal': sig, 'checkpoint_step': step, **oom}

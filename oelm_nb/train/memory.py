@@ -16,7 +16,7 @@ from ..model.freeze import param_report
 # %% auto #0
 __all__ = ['GiB', 'MICRO_BATCH_MARGIN', 'gib_text', 'model_counts', 'param_counts', 'StepMemory', 'step_memory',
            'available_memory', 'memory_message', 'check_step_memory', 'choose_micro_batch', 'reset_peak_rss',
-           'peak_rss_bytes']
+           'peak_rss_bytes', 'peak_memory_bytes']
 
 # %% ../../nbs/train/41_memory.ipynb #0dece4b8
 GiB = 2 ** 30
@@ -205,3 +205,11 @@ def peak_rss_bytes() -> int | None:
     import sys
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb if sys.platform == 'darwin' else kb * 1024  # bytes on macOS, KiB elsewhere
+
+# %% ../../nbs/train/41_memory.ipynb #ee0af250
+def peak_memory_bytes(device='cpu') -> int | None:
+    """The peak memory of this process's training so far: on a GPU the peak CUDA allocation on `device`, else the peak
+    resident set (`peak_rss_bytes`); what a run records at each checkpoint, so an out-of-memory kill can name it."""
+    import torch
+    dev = torch.device(device)
+    return int(torch.cuda.max_memory_allocated(dev)) if dev.type == 'cuda' else peak_rss_bytes()

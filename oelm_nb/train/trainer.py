@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from ..base.core import ModelConfig, TrainConfig, ConfigError, lr_at, branch_points  # the schedule lives with its settings
-from .memory import choose_micro_batch
+from .memory import choose_micro_batch, peak_memory_bytes
 from ..model.device import set_seed, pick_device, autocast_dtype, autocast, precision_note
 from ..model.freeze import UnfreezeSchedule, param_report
 from ..model.gpt import GPT
@@ -481,10 +481,11 @@ def _check_same_config(self: Trainer, state: dict):
 # %% ../../nbs/train/42_trainer.ipynb #79a63b93
 @patch
 def _meta(self: Trainer) -> dict:
-    """What a checkpoint records besides tensors: counters, best step, divergence history and the configuration's
-    fingerprint."""
+    """What a checkpoint records besides tensors: counters, best step, divergence history, the configuration's
+    fingerprint and the peak memory so far."""
     return {'tokens': self.tokens, 'best': self.best, 'config_fingerprint': fingerprint(self.config),
-            'divergence': {'recent_losses': list(self._recent_losses), 'ref_rms': self._ref_rms}}
+            'divergence': {'recent_losses': list(self._recent_losses), 'ref_rms': self._ref_rms},
+            'peak_memory_bytes': peak_memory_bytes(self.device)}  # what an out-of-memory kill's note names
 
 # %% ../../nbs/train/42_trainer.ipynb #c538c430
 @patch
