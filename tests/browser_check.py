@@ -7,7 +7,7 @@ opened, and checked for what a reader trips on (`check_pages`):
 
 - the page wider than the viewport (a reader must scroll the whole page sideways);
 - a table cut: wider than the space it has, with no scroll box (an ancestor with `overflow-x: auto/scroll`) around it;
-- a figure shrunk below `SHRUNK` of its drawn width (its labels, drawn at 8-10 pt, then read at under 4 pt: a figure
+- a figure shrunk below `SHRUNK` of the width it was drawn for (its `width` attribute, else its pixels) (its labels, drawn at 8-10 pt, then read at under 4 pt: a figure
   of several panels 16 inches wide on a phone);
 - a broken link (an internal link to a missing file or anchor: `tools/check_links.check_page`) or image (not loaded),
   or a request of the page answered with an error;
@@ -120,9 +120,10 @@ MEASURE = r"""(shrunk) => {
   }
   for (const img of document.images) {
     if (img.getAttribute('src') && (!img.complete || img.naturalWidth === 0)) { out.images.push(img.getAttribute('src').slice(0, 80)); continue; }
-    const w = img.getBoundingClientRect().width;
-    if (w && w < shrunk * img.naturalWidth)
-      out.small.push((img.getAttribute('alt') || img.getAttribute('src').slice(0, 40)) + ': ' + Math.round(w) + 'px of ' + img.naturalWidth + 'px');
+    // drawn for this width: its width attribute where it has one (a retina figure: half its pixels), else its pixels
+    const w = img.getBoundingClientRect().width, drawn = parseFloat(img.getAttribute('width')) || img.naturalWidth;
+    if (w && w < shrunk * drawn)
+      out.small.push((img.getAttribute('alt') || img.getAttribute('src').slice(0, 40)) + ': ' + Math.round(w) + 'px of ' + Math.round(drawn) + 'px');
   }
   return out;
 }"""

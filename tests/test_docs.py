@@ -291,6 +291,7 @@ def test_site_is_polished(site):
     pages = {p: p.read_text(encoding='utf-8') for p in site.rglob('*.html')}
     assert not [p.name for p, t in pages.items() if bd.NO_ALT in t]
     assert any('alt="Figure: ' in t for t in pages.values())
+    assert not [m[0] for t in pages.values() for m in re.finditer(r'alt="[^"]*(?:¶|&#182;)[^"]*"', t)], 'a heading\'s permalink sign in alt text'
     assert not [p.name for p, t in pages.items() if re.search(r'<img(?![^>]*\salt=)', t)], 'an image without alt text'
     cells = re.compile(r'<div\b[^>]*class="[^"]*\b(?:jp-Cell-inputWrapper|jp-OutputArea-output)\b[^>]*>')
     tags = [m[0] for t in pages.values() for m in cells.finditer(t)]

@@ -437,7 +437,7 @@ def run_mkdocs(docs_dir: Path, site_dir: Path, nav: list) -> None:
                        capture_output=True, text=True, env={**os.environ, 'OELM_DOCS_DIR': str(docs_dir)})
     if r.returncode: raise DocsBuildError('mkdocs build failed:\n' + '\n'.join(l for l in r.stderr.splitlines() if 'INFO' not in l))
 
-def _text(fragment: str) -> str: return html.unescape(re.sub(r'\s+', ' ', re.sub(r'<[^>]+>|¶', '', fragment))).strip()
+def _text(fragment: str) -> str: return re.sub(r'\s+', ' ', html.unescape(re.sub(r'<[^>]+>', '', fragment)).replace('¶', '')).strip()
 
 def figure_alt_text(page: str, title: str) -> str:
     "`page` with nbconvert's placeholder alt text replaced by the figure's place: the section it sits in and the page."
