@@ -220,8 +220,13 @@ def process_notebook(src: str, dst: str, execute: bool) -> float:
     return time.time() - t0
 
 # ---------------------------------------------------------------------------------------------- all notebooks, cached
-def _worker(src: str, dst: str, execute: bool) -> tuple[bool, float | str]:
-    "process_notebook in a pool worker: (True, seconds) or (False, what failed)."
+# the example batch the explorer chapter opens on, once the docs build trained it: part of what such a page shows, so part
+# of its cache key, and passed to the notebook's process (a fork server keeps the environment it started with)
+EXAMPLE_ENV = 'OELM_EXAMPLE_BATCH'
+
+def _worker(src: str, dst: str, execute: bool, env: dict | None = None) -> tuple[bool, float | str]:
+    "process_notebook in a pool worker (`env`: set first): (True, seconds) or (False, what failed)."
+    os.environ.update(env or {})
     try: return True, process_notebook(src, dst, execute)
     except DocsBuildError as e: return False, str(e)
     except BaseException as e: return False, f'{src}: ' + ''.join(traceback.format_exception(e))
@@ -255,6 +260,7 @@ def _key(d: DocNb) -> str:
     for p in [d.src, ROOT / 'settings.ini', *sorted((ROOT / nbdev_config().lib_path).glob('**/*.py'))]:
         h.update(p.name.encode() + p.read_bytes())
     for f in (process_notebook, run_test_nb, docs_procs, exec_show_docs_check): h.update(inspect.getsource(f).encode())
+    if EXAMPLE_ENV in d.src.read_text(encoding='utf-8'): h.update(os.environ.get(EXAMPLE_ENV, '').encode())
     return h.hexdigest()
 
 def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cache: bool = True, quiet: bool = False) -> dict[Path, Path]:
@@ -271,7 +277,8 @@ def process_notebooks(docs: list[DocNb], proc_dir: Path, jobs: int = 2, use_cach
         os.environ.setdefault(v, str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
     ctx = _mp_context(sum(d.library for d, *_ in todo))  # the notebooks it executes
     with cf.ThreadPoolExecutor(max(1, jobs)) as ex:  # `jobs` notebooks at a time, each in a process of its own
-        futs = {ex.submit(_in_fresh_process, ctx, str(d.src), str(dst), d.library): (d, keyf, key) for d, dst, keyf, key in todo}
+        env = {EXAMPLE_ENV: os.environ[EXAMPLE_ENV]} if EXAMPLE_ENV in os.environ else {}
+        futs = {ex.submit(_in_fresh_process, ctx, str(d.src), str(dst), d.library, env): (d, keyf, key) for d, dst, keyf, key in todo}
         for f in cf.as_completed(futs):
             d, keyf, key = futs[f]
             try: ok, res = f.result()
@@ -502,7 +509,7 @@ def build(site_dir: Path | None = None, build_dir: Path | None = None, jobs: int
     site_nav = nav(docs)
     if examples: docs = add_examples(docs, build_dir / 'examples', use_cache, None if examples is True else tuple(examples))
     if (build_dir / 'examples' / 'runs' / 'qk-freeze' / 'batch.json').exists():  # the explorer chapter opens on it
-        os.environ['OELM_EXAMPLE_BATCH'] = str(build_dir / 'examples' / 'runs' / 'qk-freeze')
+        os.environ[EXAMPLE_ENV] = str(build_dir / 'examples' / 'runs' / 'qk-freeze')
     write_pages(docs, process_notebooks(docs, build_dir / 'proc', jobs, use_cache), build_dir / 'docs')
     log(f'rendering {len(docs)} page(s) with mkdocs-material + mkdocs-jupyter (mkdocs.yml, the nav from the notebooks) into {site_dir}')
     run_mkdocs(build_dir / 'docs', site_dir, site_nav)
