@@ -215,12 +215,14 @@ def shape_counts(cfg):
 
 
 def test_counts_from_the_model_equal_the_configurations_for_every_studys_tiny_variants():
-    """`param_counts` builds the model (meta device) and counts it: for every variant of every study at `tiny`, the
-    same numbers as the configuration formula it replaced, which knew only Q/K freezing."""
+    """`param_counts` builds the model (meta device) and counts it: for every variant of the package's own studies at
+    `tiny`, the same numbers as the configuration formula it replaced, which knew only Q/K freezing (a lab's study that
+    freezes another part is counted right by the model and wrong by that formula: it is not held to it)."""
     from oelm_nb.lab.study import studies
     from oelm_nb.lab.spec import resolve_spec
     seen = 0
     for name, st in studies().items():
+        if name not in ('qk-freeze', 'pca', 'cvfp', 'mercator'): continue
         for v in st.variants('tiny', 1000, {}):
             cfg = resolve_spec(st, v, 'tiny').model
             assert param_counts(cfg) == shape_counts(cfg), (name, v)
