@@ -215,16 +215,21 @@ def shape_counts(cfg):
 
 
 def test_counts_from_the_model_equal_the_configurations_for_every_studys_tiny_variants():
-    """`param_counts` builds the model (meta device) and counts it: for every variant of the package's own studies at
-    `tiny`, the same numbers as the configuration formula it replaced, which knew only Q/K freezing (a lab's study that
-    freezes another part is counted right by the model and wrong by that formula: it is not held to it)."""
+    """`param_counts` builds the model (meta device) and counts it: for every variant of every study at `tiny`, the
+    same total as the configuration formula it replaced, and the same trainable count wherever that formula applies
+    (Q/K frozen alone); a model that freezes another part has exactly its frozen tensors fewer trainable."""
     from oelm_nb.lab.study import studies
     from oelm_nb.lab.spec import resolve_spec
+    from oelm_nb.model.gpt import shape_model
+    from oelm_nb.model.freeze import named_tensors
     seen = 0
     for name, st in studies().items():
-        if name not in ('qk-freeze', 'pca', 'cvfp', 'mercator'): continue
         for v in st.variants('tiny', 1000, {}):
             cfg = resolve_spec(st, v, 'tiny').model
-            assert param_counts(cfg) == shape_counts(cfg), (name, v)
+            (total, trainable), got = shape_counts(cfg), param_counts(cfg)
+            frozen = [(n, t.numel()) for n, t, tr in named_tensors(shape_model(cfg)) if not tr]
+            assert got[0] == total, (name, v)
+            if all('q_proj' in n or 'k_proj' in n for n, _ in frozen): assert got[1] == trainable, (name, v)
+            else: assert got[1] == total - sum(k for _, k in frozen), (name, v, frozen)
             seen += 1
     assert seen >= 8
