@@ -6,8 +6,9 @@
 - the data is part of a batch's identity by content: an edited corpus is refused, a `touch` is no change;
 - a failure names the notebook's own exception and cell, not papermill's wrapper.
 
-Only the process boundaries (a kernel killed under papermill; a moved and a copied batch, whose notebooks read their
-config.json) start `oelm` as a process; the rest runs in-process.
+Only a kernel killed under papermill starts `oelm` as a process (the test finds the kernel among its children). A moved
+and a copied batch rerun through `oelm_nb.app.cli.main` in this process, their notebooks executed by papermill as ever
+(each notebook reads its run's config.json: the boundary these tests are about); the rest runs in-process.
 """
 from __future__ import annotations
 import hashlib, json, os, shutil, signal, subprocess, time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from oelm_nb.train.checkpoint import list_checkpoints
-from cli_helpers import TIMEOUT, oelm_cmd as oelm, oelm_inline, read_json, read_jsonl, tiny_args
+from cli_helpers import TIMEOUT, oelm_cmd as oelm, oelm_inline, oelm_main, read_json, read_jsonl, tiny_args
 from shared_runs import SMALL_CORPUS, inline_batch
 
 
@@ -64,7 +65,7 @@ def test_a_killed_kernel_is_an_interruption_and_the_moved_batch_resumes_where_it
     assert 'Executing notebook with kernel' not in stdout + s['error']
 
     shutil.move(out, moved)  # the rerun must train here, not into `out` (which its config.json names)
-    res = subprocess.run(oelm(*args, '--out', str(moved), '--jobs', '2'), capture_output=True, text=True, timeout=TIMEOUT)
+    res = oelm_main(*args, '--out', str(moved), '--jobs', '2')  # its notebook under papermill, as a batch trains
     assert res.returncode == 0, res.stdout + res.stderr
     assert f'gpt-s0: resumed from step {step}' in res.stdout and 'failed before' not in res.stdout, res.stdout
     assert 'the batch was moved or copied' in res.stdout, res.stdout
@@ -85,8 +86,7 @@ def test_a_copied_batch_reruns_in_the_copy_and_leaves_every_file_of_the_original
     copy = shutil.copytree(orig, tmp_path / 'copy', symlinks=True)
     (copy / 'gpt-s0' / 'summary.json').unlink()  # cut off after training: its notebook is executed again
     before = tree_sums(orig)
-    res = subprocess.run(oelm('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(copy),
-                              *tiny_args(4)), capture_output=True, text=True, timeout=TIMEOUT)
+    res = oelm_main('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(copy), *tiny_args(4))
     assert res.returncode == 0, res.stdout + res.stderr
     assert f'gpt-s0: config.json named out_dir {orig.resolve() / "gpt-s0"}' in res.stdout, res.stdout
     assert 'the batch was moved or copied' in res.stdout, res.stdout
@@ -245,7 +245,6 @@ def test_sample_and_export_read_a_copied_batch_where_it_is(tmp_path_factory, tmp
 def test_a_refusal_for_another_study_suggests_the_batch_own_runs(tmp_path_factory, tmp_path):
     "`oelm run pca` on a Q/K batch: the command it suggests is the Q/K batch's own, with the Q/K variants it has."
     import shlex
-    from cli_helpers import oelm_main
     from shared_runs import qk_freeze_batch
     from oelm_nb.lab.study import get_study
     copy = shutil.copytree(qk_freeze_batch(tmp_path_factory), tmp_path / 'qk', symlinks=True,

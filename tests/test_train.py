@@ -24,7 +24,7 @@ from oelm_nb.data.corpus import TokenData, load_split, prepare_data
 from oelm_nb.lab.spec import resolve_spec
 from oelm_nb.lab.run import train_run
 from oelm_nb.base.rundir import read_json
-from oelm_nb.model.gpt import GPT
+from oelm_nb.model.gpt import GPT, model_config
 from oelm_nb.base.metrics import read_metrics
 from oelm_nb.train.trainer import Trainer, lm_loss, lr_at
 from oelm_nb.train.trainer import TrainingDiverged
@@ -510,6 +510,21 @@ def test_the_metrics_module_imports_no_torch():
     assert res.returncode == 0, res.stderr[-3000:]
     where, torch_modules = res.stdout.strip().splitlines()
     assert Path(where).resolve().parent == PKG / 'base' and torch_modules == '[]', res.stdout
+
+def test_counting_a_model_imports_no_dynamo():
+    """`oelm run` builds each variant's model on the meta device to count it (the memory check): torch fills a meta
+    tensor through Python reference ops whose first call imports torch._dynamo, 2 s of every `oelm run`'s start. The
+    model skips those fills (a meta tensor has no values); a fresh process, as `oelm run` starts."""
+    probe = ("import sys; from oelm_nb.model.gpt import shape_model, model_config; from oelm_nb.model.freeze import param_report\n"
+             "for v in ('gpt', 'oelm', 'oelm-freeze', 'gauss-freeze'): print(v, param_report(shape_model(model_config('tiny', variant=v))).to_dict())\n"
+             "print('torch._dynamo' in sys.modules)")
+    res = subprocess.run([sys.executable, '-c', probe], env=SUB_ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    *counts, dynamo = res.stdout.strip().splitlines()
+    from oelm_nb.model.freeze import param_report
+    for line, v in zip(counts, ('gpt', 'oelm', 'oelm-freeze', 'gauss-freeze')):  # the counts of the model built to train
+        assert line == f"{v} {param_report(GPT(model_config('tiny', variant=v), init_seed=0)).to_dict()}", line
+    assert dynamo == 'False', res.stdout
 
 class _Crash(Exception):
     "A crash in the middle of training (after steps were logged past the last checkpoint)."

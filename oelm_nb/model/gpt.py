@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from ..base.core import ModelConfig, ConfigError
 from .device import set_seed
 from .orthogonal import OrthogonalLinear, init_orthogonal_, make_learnable_orthogonal_
@@ -104,6 +105,16 @@ def _randn_(w: torch.Tensor, g: torch.Generator, std: float):
         torch.randn(w.shape, generator=g, out=w.detach()).mul_(std)  # no temporary: 2.7x faster for gpt2-124m's table
     else: w.copy_(torch.randn(w.shape, generator=g) * std)
 
+class _ShapesOnly(TorchFunctionMode):
+    """Inside: `torch.nn.init`'s fills of a meta tensor return it as is. A meta tensor has no values to fill, and torch
+    fills one through its Python reference ops, whose first call imports torch._dynamo (2 s of each `oelm run`, which
+    builds models only to count them)."""
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else kwargs.get('tensor')
+        if getattr(func, '__module__', None) == 'torch.nn.init' and isinstance(t, torch.Tensor) and t.is_meta: return t
+        return func(*args, **kwargs)
+
 class GPT(nn.Module):
     "GPT with pre-LN blocks, learned positions, tied (or untied) embeddings and a configurable Q/K treatment."
     def __init__(self, cfg: ModelConfig,
@@ -113,7 +124,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         if init_seed is None: init_seed = int(torch.randint(0, 2**62, ()).item())
         if not 0 <= init_seed < 2**62: raise ConfigError(f'init_seed={init_seed} must be in [0, 2**62)')
-        with torch.device('meta'):  # shapes only: reset_parameters draws every weight (a default init: discarded)
+        with torch.device('meta'), _ShapesOnly():  # shapes only: reset_parameters draws every weight
             self.transformer = nn.ModuleDict(dict(
                 tok=TokenEmbedding(cfg),
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),

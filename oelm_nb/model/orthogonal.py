@@ -22,6 +22,7 @@ def init_orthogonal_(tensor: torch.Tensor, # 2-D weight to fill in place, shape 
                     ) -> torch.Tensor:
     "Fill `tensor` with a (semi-)orthogonal matrix: QR of a Gaussian with the sign fix q *= sign(diag(r))."
     if tensor.ndim != 2: raise ValueError(f"init_orthogonal_ needs a 2-D tensor, got shape {tuple(tensor.shape)}")
+    if tensor.is_meta: return tensor  # shapes only (a model built to be counted): no values to draw
     rows, cols = tensor.shape
     work = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32  # QR needs fp32/fp64
     flat = torch.randn(rows, cols, generator=generator, dtype=work)
