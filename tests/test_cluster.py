@@ -163,10 +163,15 @@ def test_a_rerun_after_the_driver_died_waits_for_the_job_instead_of_submitting_a
 
 
 # ====================================================================== --detach
-def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path):
+def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path, monkeypatch):
+    """The detached batch is a process in its own session (the subject); the attaching `oelm run` is the same command in
+    this process. The detached batch is paused (SIGSTOP) from the moment it holds the batch's lock until the attaching
+    run has found it and said so: the attaching run then finds it training however fast the machine is."""
+    import psutil
+    from oelm_nb.lab import cluster
     out = tmp_path / 'det'
-    # still training when attached; no report (rendering one is not what detaching is about: test_runner renders it)
-    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(40))
+    # no report (rendering one is not what detaching is about: test_runner renders it)
+    args = ('run', 'qk-freeze', '--variants', 'gpt', '--seeds', '0', '--no-report', '--out', str(out), *tiny_args(8))
     term = subprocess.Popen(oelm_cmd(*args, '--detach'), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stdout, stderr = term.communicate(timeout=120)
     assert term.returncode == 0, stdout + stderr
@@ -176,7 +181,20 @@ def test_detached_batch_survives_its_terminal_and_a_second_run_attaches(tmp_path
     wait_for(lambda: (h := read_holder(out)) is not None and h.get('detached'), 60, 'the detached batch to take its lock')
     holder = read_holder(out)
     assert is_alive(holder) and holder['pid'] != term.pid
-    attached = run_oelm(*args)  # the same command, attached: follows the batch, then reports as usual
+    batch = psutil.Process(holder['pid'])
+    paused = [batch, *batch.children(recursive=True)]
+    for p in paused: p.suspend()
+    def resume():
+        for p in paused:
+            try: p.resume()
+            except psutil.NoSuchProcess: pass
+    seen = cluster.follow
+    def follow_then_resume(batch_dir, interval=5.0, out=print):  # the attaching run found the batch: let it go on
+        def said(line): out(line); resume()
+        return seen(batch_dir, 0.5, said)
+    monkeypatch.setattr(cluster, 'follow', follow_then_resume)
+    try: attached = oelm_main(*args)  # the same command, attached: follows the batch, then reports as usual
+    finally: resume()
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert 'is being run in the background by' in attached.stdout
     assert 'gpt-s0: already completed, skipped' in attached.stdout
