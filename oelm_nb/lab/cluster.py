@@ -224,6 +224,8 @@ def follow(batch_dir, interval: float = 5.0, out=print) -> None:
         'following it (Ctrl-C stops following, not the batch)')
     tty, shown = sys.stdout.isatty(), None
     while detached_holder(batch_dir):
+        if not (Path(batch_dir) / 'batch.json').exists():  # the detached process has its lock, not yet its batch.json
+            time.sleep(min(interval, 0.5)); continue
         rows = batch_status(batch_dir)
         states = [(r['run'], r['state']) for r in rows]
         if tty: out('\033[H\033[2J' + format_status(rows, batch_dir))  # redrawn in place
